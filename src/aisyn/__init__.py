@@ -1,3 +1,3 @@
-"""AIsyn: split (pipeline) and federated training of PanGu-alpha across organisations."""
+"""AIsyn: split and federated training of PanGu-alpha across organisations."""
 
 __version__ = "0.1.0"

@@ -1,0 +1,421 @@
+"""The ``aisyn`` command: parses arguments, then calls one function per subcommand.
+
+Errors the user can fix (bad input, missing files, mismatched data) print one
+line ``aisyn: error: ...`` and exit with status 2; anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("aisyn")
+
+# Modules that add their own subcommands: each has register(subparsers).
+EXTENSIONS = ("aisyn.split.cli", "aisyn.fl.cli", "aisyn.experiments.cli")
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+# --- data ---------------------------------------------------------------------
+
+
+def cmd_tokenizer_train(args) -> None:
+    from aisyn.data.corpora import load_corpora
+    from aisyn.data.tokenizer import train_tokenizer
+
+    corpus = load_corpora(args.corpus)
+    texts = [d.text for d in corpus.split("train")]
+    tok = train_tokenizer(texts, args.vocab_size, args.out)
+    print(
+        f"wrote {args.out}: vocab {tok.vocab_size}, eod id {tok.eod_id}, "
+        f"sha256 {tok.sha256[:16]}, trained on {len(texts)} train documents"
+    )
+
+
+def _corpus_specs(specs: list[str]) -> list[str]:
+    from aisyn.data.corpora import BUILTIN_CORPORA
+
+    return [s if s in BUILTIN_CORPORA else str(Path(s).resolve()) for s in specs]
+
+
+def cmd_prepare(args) -> None:
+    from aisyn.data.corpora import load_corpora
+    from aisyn.data.shards import prepare
+    from aisyn.data.tokenizer import PanguTokenizer
+
+    tok = PanguTokenizer.load(args.tokenizer)
+    corpus = load_corpora(args.corpus)
+    m = prepare(
+        corpus,
+        tok,
+        args.seq_len,
+        args.out,
+        max_documents=args.max_docs,
+        overwrite=args.overwrite,
+        corpus_specs=_corpus_specs(args.corpus),
+    )
+    for split, s in m["splits"].items():
+        print(
+            f"{split:5s}: {s['documents']:6d} documents  {s['tokens']:9d} tokens  "
+            f"{s['samples']:6d} samples of {m['sample_len']}"
+        )
+    print(f"wrote {args.out}/manifest.json (tokenizer {tok.sha256[:12]})")
+
+
+def cmd_cloze_build(args) -> None:
+    from aisyn.data.cloze import build_items, write_items
+    from aisyn.data.corpora import load_corpora
+
+    items = build_items(
+        load_corpora(args.corpus),
+        args.split,
+        per_document=args.per_doc,
+        seed=args.seed,
+        max_documents=args.max_docs,
+    )
+    n = write_items(items, args.out)
+    print(f"wrote {n} cloze items to {args.out}")
+
+
+# --- training and evaluation --------------------------------------------------
+
+
+def train_config_from_args(args):
+    from aisyn.train.loop import TrainConfig
+
+    return TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        warmup_steps=args.warmup,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        seed=args.seed,
+        log_every=args.log_every,
+        ckpt_every=args.ckpt_every,
+        eval_every=args.eval_every,
+        eod_reset=args.eod_reset,
+        device=args.device,
+    )
+
+
+def add_train_args(p: argparse.ArgumentParser, steps: int = 200) -> None:
+    """Training flags shared by ``train``, ``split train`` and fine-tuning."""
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    g.add_argument(
+        "--batch-size", type=int, default=8, help="samples per optimizer step"
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="samples per forward/backward (gradient accumulation)",
+    )
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument(
+        "--min-lr",
+        type=float,
+        default=None,
+        help="final learning rate of the cosine decay (default lr/10)",
+    )
+    g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="clip the global gradient L2 norm (0: off)",
+    )
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=0,
+        help="checkpoint every N steps (0: only at the end)",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="validation loss every N steps (0: never)",
+    )
+    g.add_argument(
+        "--eod-reset",
+        action="store_true",
+        help="reset attention and positions at each end of document",
+    )
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its latest checkpoint",
+    )
+
+
+def cmd_train(args) -> None:
+    from aisyn.train.loop import train
+
+    summary = train(
+        args.model,
+        args.data,
+        args.out,
+        train_config_from_args(args),
+        resume=args.resume,
+        init_from=args.init_from,
+        progress=not args.quiet,
+    )
+    print(
+        f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
+        f"({summary['tokens']} tokens, {summary['elapsed_s']:.1f} s)"
+    )
+    print(f"run folder: {summary['run']}  loss plot: {summary['plot']}")
+
+
+def cmd_eval(args) -> None:
+    from aisyn.eval.report import evaluate_run
+
+    if args.data is None and args.cloze_file is None:
+        raise ValueError("give --data DIR (test loss + cloze) and/or --cloze-file F")
+    res = evaluate_run(
+        args.run,
+        data_dir=args.data,
+        cloze_file=args.cloze_file,
+        per_document=args.per_doc,
+        max_items=args.max_items,
+        cloze_format=args.format,
+        device=args.device,
+    )
+    _print_summary(res)
+    print(f"wrote {Path(args.run) / 'eval.json'}")
+
+
+def _print_summary(res: dict) -> None:
+    if "test" in res:
+        t = res["test"]
+        print(
+            f"test loss {t['loss']:.4f}  perplexity {t['perplexity']:.2f}  "
+            f"({t['samples']} samples)"
+        )
+    if "cloze" in res:
+        c = res["cloze"]
+        print(
+            f"cloze accuracy {100 * c['accuracy']:.2f}% on {c['items']} items "
+            f"(95% CI {100 * c['ci95'][0]:.2f}-{100 * c['ci95'][1]:.2f}%, "
+            f"chance {100 * c['chance']:.1f}%)"
+        )
+
+
+def cmd_demo(args) -> None:
+    from aisyn.demo import run_demo
+
+    res = run_demo(
+        args.out,
+        steps=args.steps,
+        max_docs=args.max_docs,
+        model=args.model,
+        overwrite=args.overwrite,
+    )
+    _print_summary(res["eval"])
+    print(f"loss plot: {res['plot']}")
+
+
+# --- parser ---------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="aisyn",
+        description="Split (pipeline) and federated training of PanGu-α across "
+        "organisations that cannot pool their data.",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser(
+        "demo",
+        help="prepare news data, train the tiny model, evaluate",
+        description="The embedded default job: prepares a slice of "
+        "the news corpus, trains the tiny PanGu-α on CPU, evaluates "
+        "test loss and cloze accuracy, and plots the loss.",
+    )
+    d.add_argument("--out", default="runs/demo", help="folder for data and run")
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument(
+        "--max-docs", type=int, default=8000, help="documents of the news corpus to use"
+    )
+    d.add_argument("--model", default="tiny")
+    d.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier demo in --out"
+    )
+    d.set_defaults(func=cmd_demo)
+
+    t = sub.add_parser("tokenizer", help="train a PanGu-recipe tokenizer")
+    tsub = t.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    tt = tsub.add_parser(
+        "train",
+        help="jieba + SentencePiece on corpora",
+        description="Train a SentencePiece unigram model on the "
+        "jieba-segmented train split of the given corpora.",
+    )
+    tt.add_argument(
+        "--corpus",
+        nargs="+",
+        default=["news", "reviews"],
+        help="news, reviews, or .txt/.jsonl files",
+    )
+    tt.add_argument("--vocab-size", type=int, default=8000)
+    tt.add_argument("--out", required=True, help="output .model file")
+    tt.set_defaults(func=cmd_tokenizer_train)
+
+    pr = sub.add_parser(
+        "prepare",
+        help="tokenise corpora into token shards",
+        description="Tokenise documents into memory-mapped shards "
+        "of seq_len+1 tokens per split (train/valid/test by a hash "
+        "of each document).",
+    )
+    pr.add_argument(
+        "--corpus", nargs="+", required=True, help="news, reviews, or .txt/.jsonl files"
+    )
+    pr.add_argument("--out", required=True, help="output folder")
+    pr.add_argument(
+        "--tokenizer",
+        default=None,
+        help="shipped tokenizer name (default zh8k) or a .model file, "
+        "e.g. PanGu's vocab.model",
+    )
+    pr.add_argument("--seq-len", type=int, default=128)
+    pr.add_argument(
+        "--max-docs", type=int, default=None, help="use only the first N documents"
+    )
+    pr.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing folder (built beside it, then swapped)",
+    )
+    pr.set_defaults(func=cmd_prepare)
+
+    tr = sub.add_parser(
+        "train",
+        help="standalone (unsplit) training",
+        description="Train PanGu-α on prepared data; writes "
+        "config.json, metrics.jsonl, loss.png and checkpoints to --out.",
+    )
+    tr.add_argument(
+        "--model",
+        default="tiny",
+        help="preset (tiny, small, 350M, 2.6B, 13B, 200B) or JSON file",
+    )
+    tr.add_argument(
+        "--data",
+        action="append",
+        required=True,
+        help="prepared data folder (repeat to pool several)",
+    )
+    tr.add_argument("--out", required=True, help="run folder")
+    tr.add_argument(
+        "--init-from",
+        default=None,
+        help="start from a run folder or checkpoint instead of random init",
+    )
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_train_args(tr)
+    tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser(
+        "eval",
+        help="test loss, perplexity and cloze accuracy",
+        description="Evaluate a run's latest checkpoint; writes RUN/eval.json.",
+    )
+    ev.add_argument("--run", required=True)
+    ev.add_argument(
+        "--data",
+        default=None,
+        help="prepared data folder: test-split loss, and cloze items "
+        "built from its corpus's test documents",
+    )
+    ev.add_argument("--cloze-file", default=None, help="score this .jsonl instead")
+    ev.add_argument(
+        "--per-doc", type=int, default=3, help="cloze items per test document"
+    )
+    ev.add_argument("--max-items", type=int, default=None)
+    ev.add_argument(
+        "--format",
+        choices=["lm", "prompt"],
+        default=None,
+        help="scoring format (default: as the run was trained)",
+    )
+    ev.add_argument("--device", default="auto")
+    ev.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("cloze", help="build cloze items")
+    csub = c.add_subparsers(dest="cloze_command", required=True, metavar="ACTION")
+    cb = csub.add_parser(
+        "build",
+        help="cloze items from a corpus split",
+        description="Blank a repeated noun in each document; "
+        "candidates are 10 nouns of the document/domain.",
+    )
+    cb.add_argument("--corpus", nargs="+", required=True)
+    cb.add_argument("--split", choices=["train", "valid", "test"], default="test")
+    cb.add_argument("--out", required=True, help="output .jsonl")
+    cb.add_argument(
+        "--per-doc",
+        type=int,
+        default=1,
+        help="items per document (each blanks a different noun)",
+    )
+    cb.add_argument("--max-docs", type=int, default=None)
+    cb.add_argument("--seed", type=int, default=0)
+    cb.set_defaults(func=cmd_cloze_build)
+
+    for name in EXTENSIONS:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        mod.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s:%(name)s:%(message)s",
+    )
+    for noisy in ("matplotlib", "jieba", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from aisyn.errors import USER_ERRORS
+
+    try:
+        args.func(args)
+    except USER_ERRORS as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"aisyn: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("aisyn: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

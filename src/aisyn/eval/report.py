@@ -1,0 +1,91 @@
+"""``aisyn eval``: LM loss / perplexity on a test split and cloze accuracy."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from aisyn.data.cloze import build_items, read_items
+from aisyn.data.corpora import BUILTIN_CORPORA, load_corpora
+from aisyn.data.shards import TokenShards, read_manifest
+from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.eval.cloze import cloze_accuracy
+from aisyn.train.loop import evaluate_loss, load_run_model, resolve_device
+from aisyn.train.run import TOKENIZER, RunDir, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+def corpus_specs(manifest: dict) -> list[str]:
+    """The corpora a data folder was prepared from (built-in names or paths)."""
+    specs = manifest.get("corpus_specs")
+    if specs:
+        return specs
+    name = manifest.get("corpus", "")
+    return [n for n in name.split("+") if n in BUILTIN_CORPORA]
+
+
+def evaluate_run(
+    run: str | Path,
+    *,
+    data_dir: str | Path | None = None,
+    cloze_file: str | Path | None = None,
+    per_document: int = 3,
+    max_items: int | None = None,
+    cloze_format: str | None = None,
+    device: str = "auto",
+    batch_size: int = 16,
+) -> dict:
+    dev = resolve_device(device)
+    run_dir = RunDir(run)
+    model, config = load_run_model(run_dir.path, dev)
+    tok_path = run_dir.path / TOKENIZER
+    tok = PanguTokenizer(tok_path)
+    if tok.sha256 != config["tokenizer"]["sha256"]:
+        raise ValueError(f"{tok_path}: is not the tokenizer this run was trained with")
+    fmt = cloze_format or ("prompt" if config.get("kind") == "finetune" else "lm")
+    result: dict = {"run": str(run_dir.path)}
+    if data_dir is not None:
+        test = TokenShards.open(data_dir, "test", tokenizer_sha256=tok.sha256)
+        eod = tok.eod_id if config.get("train", {}).get("eod_reset") else None
+        loss = evaluate_loss(model, test, batch_size=batch_size, eod_id=eod, device=dev)
+        result["test"] = {
+            "data": str(data_dir),
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 50.0)),
+            "samples": len(test),
+        }
+        log.info(
+            "test loss %.4f  perplexity %.2f  (%d samples)",
+            loss,
+            result["test"]["perplexity"],
+            len(test),
+        )
+    items, source = None, None
+    if cloze_file is not None:
+        items, source = read_items(cloze_file), str(cloze_file)
+    elif data_dir is not None:
+        specs = corpus_specs(read_manifest(data_dir))
+        if specs:
+            items = build_items(load_corpora(specs), "test", per_document=per_document)
+            source = f"{'+'.join(specs)} test split, {per_document} per document"
+    if items:
+        items = items[:max_items] if max_items else items
+        acc = cloze_accuracy(
+            model, items, tok, fmt=fmt, batch_size=batch_size, device=dev
+        )
+        result["cloze"] = {"source": source, **acc}
+        log.info(
+            "cloze accuracy %.2f%% (95%% CI %.2f-%.2f%%, %d items, chance %.1f%%)",
+            100 * acc["accuracy"],
+            100 * acc["ci95"][0],
+            100 * acc["ci95"][1],
+            acc["items"],
+            100 * acc["chance"],
+        )
+    write_json_atomic(run_dir.path / "eval.json", result)
+    return result
+
+
+__all__ = ["evaluate_run"]

@@ -1,0 +1,347 @@
+"""PanGu-α in one file.
+
+A decoder-only transformer (Zeng et al., 2021, arXiv:2104.12369) with three
+twists over GPT-2:
+
+* pre-LN blocks, then a final LayerNorm *before* the last layer;
+* the last layer is the *top query layer*: its attention queries come from a
+  learned per-position query embedding (``wqe``) instead of the hidden states,
+  while keys and values come from the (normalised) hidden states;
+* the output projection is tied to the word embedding.
+
+Parameter names follow the public PyTorch port of PanGu-α
+(``GPTPanguForCausalLM``: ``transformer.wte/wpe/wqe``, ``transformer.h.{i}``
+with ``ln_1``, ``attn.{q,k,v,c}_proj``, ``ln_2``, ``mlp.{c_fc,c_proj}``,
+``transformer.ln_f``, ``lm_head``) so its checkpoints load as they are. As in
+that port, ``num_layers`` counts the top query layer: ``h[-1]`` is it.
+
+The model knows nothing about parties, LoRA or Flower; other modules slice
+``model.transformer.h`` to cut it into segments.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PanguConfig:
+    """Model dimensions. ``num_layers`` includes the top query layer."""
+
+    vocab_size: int = 40000
+    hidden_size: int = 2560
+    num_layers: int = 32
+    num_heads: int = 32
+    ffn_size: int = 10240
+    seq_len: int = 1024  # max positions of wpe / wqe
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_heads {self.num_heads}; pick heads that divide it"
+            )
+        if self.num_layers < 1:
+            raise ValueError(
+                f"num_layers must be >= 1 (the top query layer), got {self.num_layers}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_heads", "ffn_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PanguConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+# The reference's table (seed 000) plus CPU-sized presets for tests and demos.
+CONFIGS: dict[str, dict] = {
+    "tiny": dict(
+        vocab_size=8000,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        ffn_size=512,
+        seq_len=128,
+    ),
+    "small": dict(
+        vocab_size=8000,
+        hidden_size=256,
+        num_layers=6,
+        num_heads=8,
+        ffn_size=1024,
+        seq_len=256,
+    ),
+    "350M": dict(hidden_size=1280, num_layers=16, num_heads=32, ffn_size=5120),
+    "2.6B": dict(hidden_size=2560, num_layers=32, num_heads=32, ffn_size=10240),
+    "13B": dict(hidden_size=5120, num_layers=40, num_heads=40, ffn_size=20480),
+    "200B": dict(hidden_size=16384, num_layers=64, num_heads=128, ffn_size=65536),
+}
+
+
+def load_config(name_or_path: str | Path, **overrides) -> PanguConfig:
+    """A preset name from ``CONFIGS`` or a JSON file of ``PanguConfig`` fields."""
+    name = str(name_or_path)
+    if name in CONFIGS:
+        return PanguConfig(**{**CONFIGS[name], **overrides})
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(
+            f"model config {name!r} is neither a preset ({', '.join(CONFIGS)}) "
+            "nor an existing JSON file"
+        )
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a valid JSON model config ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: a model config must be a JSON object")
+    # A run folder's config.json nests the model config under "model".
+    d = d.get("model", d)
+    try:
+        return PanguConfig.from_dict({**d, **overrides})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+class Attention(nn.Module):
+    """Multi-head causal attention; queries optionally from a separate input."""
+
+    def __init__(self, cfg: PanguConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.dropout = cfg.dropout
+        # Separate q/k/v (not a fused qkv) to keep the public port's names.
+        self.q_proj = nn.Linear(h, h)
+        self.k_proj = nn.Linear(h, h)
+        self.v_proj = nn.Linear(h, h)
+        self.c_proj = nn.Linear(h, h)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        query: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        B, T, C = x.shape
+        nh = self.num_heads
+        q_in = x if query is None else query
+        q = self.q_proj(q_in).view(B, T, nh, C // nh).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, nh, C // nh).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, nh, C // nh).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None,
+        )  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: PanguConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.hidden_size, cfg.ffn_size)
+        self.c_proj = nn.Linear(cfg.ffn_size, cfg.hidden_size)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block. With ``query`` given it is the top query layer."""
+
+    def __init__(self, cfg: PanguConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        query: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask, query)
+        return x + self.mlp(self.ln_2(x))
+
+
+def eod_reset_masks(
+    tokens: torch.Tensor, eod_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention mask and position ids that restart after every EOD token.
+
+    The reference resets both at each end-of-document inside a packed sample, so
+    no token attends across a document boundary. Returns a boolean mask of shape
+    (B, 1, T, T) (True = may attend) and position ids of shape (B, T).
+    Vectorised: a token's document index is the number of EODs strictly before it.
+    """
+    B, T = tokens.shape
+    is_eod = (tokens == eod_id).to(torch.int64)
+    doc = torch.cumsum(is_eod, dim=1) - is_eod  # (B, T): EOD belongs to its document
+    same_doc = doc.unsqueeze(2) == doc.unsqueeze(1)  # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+    mask = (same_doc & causal).unsqueeze(1)
+    # Position = index minus the index of the first token of its document.
+    idx = torch.arange(T, device=tokens.device).expand(B, T)
+    start = torch.zeros(B, T, dtype=torch.int64, device=tokens.device)
+    start[:, 1:] = torch.where(is_eod[:, :-1].bool(), idx[:, 1:], 0)
+    start = torch.cummax(start, dim=1).values
+    return mask, idx - start
+
+
+class PanguTransformer(nn.Module):
+    """Embeddings, blocks and final LN; ``h[-1]`` is the top query layer."""
+
+    def __init__(self, cfg: PanguConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden_size)
+        self.wqe = nn.Embedding(cfg.seq_len, cfg.hidden_size)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+
+class PanguAlpha(nn.Module):
+    """PanGu-α language model (``GPTPanguForCausalLM`` layout)."""
+
+    def __init__(self, cfg: PanguConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.transformer = PanguTransformer(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 style init; residual projections scaled by 1/sqrt(2 * layers)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln_" in name or name.startswith("transformer.ln_f"):
+                p.fill_(1.0)
+            elif name.endswith("c_proj.weight"):
+                p.normal_(0.0, std / math.sqrt(2 * self.config.num_layers))
+            else:
+                p.normal_(0.0, std)
+
+    # The three pieces below are the model's natural cut points; segments.py
+    # composes them, forward() is the plain unsplit path.
+    def embed(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Word + position embeddings. (B, T) -> (B, T, C)."""
+        T = tokens.shape[1]
+        if T > self.config.seq_len:
+            raise ValueError(
+                f"sequence of {T} tokens exceeds the model's seq_len "
+                f"{self.config.seq_len}"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(T, device=tokens.device).unsqueeze(0)
+        x = self.transformer.wte(tokens) + self.transformer.wpe(position_ids)
+        return self.transformer.drop(x)
+
+    def top_query(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final LN then the top query layer. (B, T, C) -> (B, T, C)."""
+        T = x.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(T, device=x.device).unsqueeze(0)
+        query = self.transformer.wqe(position_ids).expand(x.shape[0], -1, -1)
+        x = self.transformer.ln_f(x)
+        return self.transformer.h[-1](x, attn_mask, query)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x)
+
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (B, T, C), before the tied output projection."""
+        x = self.embed(tokens, position_ids)
+        for block in self.transformer.h[:-1]:
+            x = block(x, attn_mask)
+        return self.top_query(x, attn_mask, position_ids)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, V) for tokens (B, T); causal unless a mask is given."""
+        return self.logits(self.hidden(tokens, attn_mask, position_ids))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weight counted once
+
+
+def build_model(
+    config: PanguConfig | str,
+    *,
+    device: str | torch.device | None = None,
+    seed: int | None = None,
+) -> PanguAlpha:
+    """Build a model; ``device="meta"`` sizes any preset without allocating it."""
+    cfg = load_config(config) if isinstance(config, str) else config
+    if seed is not None:
+        torch.manual_seed(seed)
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return PanguAlpha(cfg)
+    model = PanguAlpha(cfg)
+    return model.to(device) if device is not None else model
+
+
+def lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over non-ignored targets (fp32 math)."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=ignore_index,
+    )

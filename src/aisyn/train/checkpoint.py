@@ -1,0 +1,193 @@
+"""Atomic checkpoints: safetensors for tensors, JSON for everything else.
+
+A checkpoint is a folder ``checkpoints/step_00000100/`` holding
+``model.safetensors`` (weights; the tied ``lm_head.weight`` is stored once, as
+``transformer.wte.weight``), ``optimizer.safetensors`` (AdamW moments keyed by
+parameter *name*, so a checkpoint can be split or merged by party, plus RNG
+states) and ``state.json`` (step, data position, configs). It is written into
+a temporary folder and renamed into place, then ``checkpoints/latest`` is
+replaced atomically: a crash mid-write never leaves a half checkpoint that
+``--resume`` would pick up, and never touches the previous one.
+Nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+MODEL_FILE = "model.safetensors"
+OPTIM_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or belongs to another model."""
+
+
+def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``state_dict`` with each shared tensor once (first name wins)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in model.state_dict().items():
+        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().contiguous()
+    return out
+
+
+def load_weights(
+    model: nn.Module, tensors: dict[str, torch.Tensor], source: str
+) -> None:
+    """Copy ``tensors`` into ``model``, strictly; tied duplicates may be absent.
+
+    Also accepts checkpoints of the public PanGu-α port, which store the tied
+    ``lm_head.weight`` separately.
+    """
+    expected = unique_state_dict(model)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(model.state_dict()))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: does not match this model (missing {missing[:3]}"
+            f"{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
+            f"{'...' if len(unexpected) > 3 else ''}); a checkpoint of another config?"
+        )
+    for name, t in expected.items():
+        if tensors[name].shape != t.shape:
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(tensors[name].shape)}, this model "
+                f"expects {tuple(t.shape)}; a checkpoint of another config?"
+            )
+    with torch.no_grad():
+        for name, t in expected.items():
+            t.copy_(tensors[name])
+
+
+def optimizer_tensors(
+    optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str]
+) -> dict[str, torch.Tensor]:
+    out = {}
+    for p, st in optimizer.state.items():
+        for key, value in st.items():
+            out[f"{names[p]}::{key}"] = torch.as_tensor(value).detach().contiguous()
+    return out
+
+
+def load_optimizer_tensors(
+    optimizer: torch.optim.Optimizer,
+    named_params: dict[str, nn.Parameter],
+    tensors: dict[str, torch.Tensor],
+    source: str,
+) -> None:
+    state: dict[nn.Parameter, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("rng."):
+            continue
+        name, _, field = key.rpartition("::")
+        if name not in named_params:
+            raise CheckpointError(
+                f"{source}: optimizer state for unknown parameter {name}"
+            )
+        p = named_params[name]
+        state.setdefault(p, {})[field] = value.to(p.device)
+    optimizer.state.clear()
+    optimizer.state.update(state)
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"rng.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng.cuda.{i}"] = s
+    return out
+
+
+def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    if "rng.cpu" in tensors:
+        torch.set_rng_state(tensors["rng.cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def save(
+    root: Path,
+    step: int,
+    files: dict[str, dict[str, torch.Tensor]],
+    state: dict,
+    keep: int = 2,
+) -> Path:
+    """Write ``files`` (name -> tensors) and ``state`` as step ``step``; atomic."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".step_{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name, tensors in files.items():
+        save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp / name))
+    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (e.g. after resume): swap safely
+        old = root / f".step_{step:08d}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _write_atomic(root / LATEST, final.name)
+    if keep > 0:
+        for old in sorted(root.glob("step_*"))[:-keep]:
+            shutil.rmtree(old)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir():
+        with f.open("rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def latest(root: Path) -> Path | None:
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(f"{pointer}: points at {path.name}, which is incomplete")
+    return path
+
+
+def read_state(ckpt: Path) -> dict:
+    try:
+        return json.loads((ckpt / STATE_FILE).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt}: not a checkpoint (no {STATE_FILE})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{ckpt / STATE_FILE}: corrupt ({e})") from None
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None

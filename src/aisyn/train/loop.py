@@ -1,0 +1,429 @@
+"""Standalone (unsplit) training: ``train() -> train_step() -> forward_backward()``.
+
+This is the plain baseline that split training must match to 1e-5, so it stays
+an independent code path: one model, one optimizer, ``clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from aisyn.data.shards import TokenShards, open_many
+from aisyn.model.pangu import (
+    PanguAlpha,
+    PanguConfig,
+    build_model,
+    eod_reset_masks,
+    lm_loss,
+    load_config,
+)
+from aisyn.train import checkpoint as ckpt
+from aisyn.train.run import RunDir
+from aisyn.train.sampler import BatchSampler
+from aisyn.train.schedule import lr_at
+
+log = logging.getLogger("aisyn.train")
+
+
+@dataclass
+class TrainConfig:
+    """Run-level training settings (the model's shape lives in ``PanguConfig``)."""
+
+    steps: int = 200
+    batch_size: int = 8  # samples per optimizer step
+    micro_batch_size: int | None = None  # None: no gradient accumulation
+    lr: float = 1e-3
+    min_lr: float | None = None  # None: lr / 10
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global L2 norm; 0 disables
+    seed: int = 1234
+    log_every: int = 10
+    ckpt_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # 0: no validation during training
+    eval_batches: int = 8
+    eod_reset: bool = False  # reset attention/positions at each EOD
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        mb = self.micro_batch_size or self.batch_size
+        if mb < 1 or self.batch_size % mb:
+            raise ValueError(
+                f"micro_batch_size {mb} must divide batch_size {self.batch_size}"
+            )
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+    @property
+    def micro(self) -> int:
+        return self.micro_batch_size or self.batch_size
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch_size // self.micro
+
+    @property
+    def final_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    def lr_at(self, step: int) -> float:
+        return lr_at(
+            step,
+            lr=self.lr,
+            min_lr=self.final_lr,
+            warmup=self.warmup_steps,
+            total=self.steps,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def autocast_for(device: torch.device):
+    """bf16 autocast on CUDA; plain fp32 on CPU (exact and reproducible)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def make_optimizer(
+    named_params: Sequence[tuple[str, nn.Parameter]], cfg: TrainConfig
+) -> torch.optim.AdamW:
+    """AdamW, β=(0.9, 0.95); no weight decay on biases and LayerNorm gains.
+
+    Per-parameter, so each party of a split run can own the optimizer of just its
+    own parameters and the update is the same as the unsplit one.
+    """
+    decay = [p for _, p in named_params if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for _, p in named_params if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=False,
+    )
+
+
+def micro_batches(batch: torch.Tensor, micro: int, eod_id: int | None):
+    """Yield (inputs, targets, attn_mask, position_ids) per micro-batch."""
+    for mb in batch.split(micro):
+        inputs, targets = mb[:, :-1], mb[:, 1:]
+        if eod_id is not None:
+            mask, pos = eod_reset_masks(inputs, eod_id)
+        else:
+            mask, pos = None, None
+        yield inputs, targets, mask, pos
+
+
+def forward_backward(
+    model: PanguAlpha, batch: torch.Tensor, cfg: TrainConfig, eod_id: int | None
+) -> float:
+    """Accumulate gradients over micro-batches; returns the step's mean loss."""
+    total = 0.0
+    with autocast_for(batch.device):
+        for inputs, targets, mask, pos in micro_batches(batch, cfg.micro, eod_id):
+            loss = lm_loss(model(inputs, mask, pos), targets) / cfg.grad_accum
+            loss.backward()
+            total += loss.item()
+    return total
+
+
+def train_step(
+    model: PanguAlpha,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    step: int,
+    cfg: TrainConfig,
+    eod_id: int | None,
+) -> dict:
+    lr = cfg.lr_at(step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = forward_backward(model, batch, cfg, eod_id)
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"non-finite loss ({loss}) at step {step + 1}; the optimizer step was "
+            "skipped and the last checkpoint is kept (lower --lr?)"
+        )
+    if cfg.grad_clip > 0:
+        norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+    else:
+        norm = math.sqrt(
+            sum(
+                float(p.grad.pow(2).sum())
+                for p in model.parameters()
+                if p.grad is not None
+            )
+        )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "lr": lr, "grad_norm": norm}
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: PanguAlpha,
+    shards: TokenShards,
+    *,
+    batch_size: int,
+    max_batches: int | None = None,
+    eod_id: int | None = None,
+    device: torch.device | None = None,
+) -> float:
+    """Mean next-token loss over (the first ``max_batches`` batches of) a split."""
+    was_training = model.training
+    model.eval()
+    device = device or next(model.parameters()).device
+    n = len(shards)
+    stop = n if max_batches is None else min(n, max_batches * batch_size)
+    total, count = 0.0, 0
+    with autocast_for(device):
+        for start in range(0, stop, batch_size):
+            batch = shards.batch(range(start, min(stop, start + batch_size))).to(device)
+            for inputs, targets, mask, pos in micro_batches(batch, len(batch), eod_id):
+                loss = lm_loss(model(inputs, mask, pos), targets)
+                total += loss.item() * targets.numel()
+                count += targets.numel()
+    model.train(was_training)
+    if count == 0:
+        raise ValueError(f"{shards.data_dir}: the {shards.split!r} split is empty")
+    return total / count
+
+
+def _fingerprint(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def train(
+    model_config: PanguConfig | str,
+    data_dirs: Sequence[str | Path],
+    out: str | Path,
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    init_from: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train from scratch (or ``init_from`` a checkpoint) and write a run folder.
+
+    Returns a summary: final loss, steps, tokens, elapsed seconds, run path.
+    """
+    sources = open_many(data_dirs, "train")
+    tok = sources[0].tokenizer_info
+    mcfg = (
+        load_config(model_config)
+        if isinstance(model_config, str | Path)
+        else model_config
+    )
+    if mcfg.vocab_size != tok["vocab_size"]:
+        log.info(
+            "model vocab_size %d -> %d (the tokenizer's)",
+            mcfg.vocab_size,
+            tok["vocab_size"],
+        )
+        mcfg = PanguConfig(**{**mcfg.to_dict(), "vocab_size": tok["vocab_size"]})
+    if sources[0].seq_len > mcfg.seq_len:
+        raise ValueError(
+            f"data seq_len {sources[0].seq_len} exceeds the model's {mcfg.seq_len}"
+        )
+    device = resolve_device(cfg.device)
+    run = RunDir(out)
+    config = {
+        "kind": "train",
+        "model": mcfg.to_dict(),
+        "train": cfg.to_dict(),
+        "data": [str(Path(d).resolve()) for d in data_dirs],
+        "tokenizer": tok,
+        "seq_len": sources[0].seq_len,
+        "init_from": str(init_from) if init_from else None,
+    }
+    run.create(config, resume=resume)
+    run.copy_tokenizer(sources[0].data_dir / sources[0].tokenizer_info["file"])
+
+    model = build_model(mcfg, seed=cfg.seed).to(device)
+    if init_from:
+        load_model_checkpoint(model, init_from)
+    named = list(model.named_parameters())
+    optimizer = make_optimizer(named, cfg)
+    sampler = BatchSampler(sources, seed=cfg.seed)
+    eod_id = tok["eod_id"] if cfg.eod_reset else None
+    valid = None
+    if cfg.eval_every:
+        valid = open_many(data_dirs[:1], "valid")[0]
+
+    start_step, elapsed0, tokens = 0, 0.0, 0
+    if resume and (last := ckpt.latest(run.checkpoints)) is not None:
+        state = ckpt.read_state(last)
+        ckpt.load_weights(model, ckpt.read_tensors(last / ckpt.MODEL_FILE), str(last))
+        opt_t = ckpt.read_tensors(last / ckpt.OPTIM_FILE)
+        ckpt.load_optimizer_tensors(optimizer, dict(named), opt_t, str(last))
+        ckpt.restore_rng(opt_t)
+        sampler.load_state_dict(state["sampler"])
+        start_step, elapsed0, tokens = (
+            state["step"],
+            state["elapsed_s"],
+            state["tokens"],
+        )
+        run.truncate_metrics(start_step)
+        log.info("resumed from %s (step %d)", last, start_step)
+    elif resume:
+        log.info("%s: no checkpoint yet; starting from step 0", run.path)
+
+    def save(step: int, elapsed: float) -> Path:
+        names = {p: n for n, p in named}
+        return ckpt.save(
+            run.checkpoints,
+            step,
+            {
+                ckpt.MODEL_FILE: ckpt.unique_state_dict(model),
+                ckpt.OPTIM_FILE: {
+                    **ckpt.optimizer_tensors(optimizer, names),
+                    **ckpt.rng_tensors(),
+                },
+            },
+            {
+                "sampler": sampler.state_dict(),
+                "elapsed_s": elapsed,
+                "tokens": tokens,
+                "model": mcfg.to_dict(),
+                "train": cfg.to_dict(),
+            },
+            keep=cfg.keep_checkpoints,
+        )
+
+    model.train()
+    t0 = time.perf_counter() - elapsed0
+    tokens_per_step = cfg.batch_size * sources[0].seq_len
+    steps_per_epoch = max(1, sampler.total // cfg.batch_size)
+    result: dict = {}
+    bar = tqdm(
+        total=cfg.steps,
+        initial=start_step,
+        disable=not progress or None,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+    )
+    try:
+        with logging_redirect_tqdm():
+            for step in range(start_step, cfg.steps):
+                batch = sampler.next_batch(cfg.batch_size).to(device)
+                result = train_step(model, optimizer, batch, step, cfg, eod_id)
+                tokens += tokens_per_step
+                done = step + 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{result['loss']:.4f}")
+                record = None
+                if done % cfg.log_every == 0 or done == cfg.steps or done == 1:
+                    record = {
+                        "step": done,
+                        "epoch": sampler.epoch,
+                        **result,
+                        "tokens": tokens,
+                        "elapsed_s": round(time.perf_counter() - t0, 4),
+                    }
+                    log.info(
+                        "epoch %d step %d/%d loss: %.6f",
+                        step // steps_per_epoch,
+                        done,
+                        cfg.steps,
+                        result["loss"],
+                    )
+                if valid is not None and (
+                    done % cfg.eval_every == 0 or done == cfg.steps
+                ):
+                    record = record or {
+                        "step": done,
+                        "tokens": tokens,
+                        "elapsed_s": round(time.perf_counter() - t0, 4),
+                    }
+                    record["val_loss"] = evaluate_loss(
+                        model,
+                        valid,
+                        batch_size=cfg.batch_size,
+                        max_batches=cfg.eval_batches,
+                        eod_id=eod_id,
+                    )
+                    log.info("step %d valid loss: %.6f", done, record["val_loss"])
+                if record:
+                    run.log_metrics(record)
+                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
+                    save(done, time.perf_counter() - t0)
+                    run.plot()
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - t0
+    plot = run.plot()
+    return {
+        "run": str(run.path),
+        "steps": cfg.steps,
+        "tokens": tokens,
+        "final_loss": result.get("loss"),
+        "elapsed_s": elapsed,
+        "plot": str(plot) if plot else None,
+    }
+
+
+def load_model_checkpoint(model: nn.Module, path: str | Path) -> Path:
+    """Load weights from a run folder (its latest checkpoint), a checkpoint folder,
+    or a ``.safetensors`` file; returns the file read."""
+    path = Path(path)
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        last = ckpt.latest(path / "checkpoints")
+        if last is None:
+            raise ckpt.CheckpointError(f"{path}: run has no checkpoint yet")
+        path = last
+    if path.is_dir():
+        path = path / ckpt.MODEL_FILE
+    ckpt.load_weights(model, ckpt.read_tensors(path), str(path))
+    return path
+
+
+def load_run_model(
+    run: str | Path, device: str | torch.device = "cpu"
+) -> tuple[PanguAlpha, dict]:
+    """The model of a run folder at its latest checkpoint, and the run's config."""
+    run_dir = RunDir(run)
+    config = run_dir.read_config()
+    try:
+        mcfg = PanguConfig.from_dict(config["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{run_dir.path}/config.json: bad model config ({e})"
+        ) from None
+    model = build_model(mcfg)
+    load_model_checkpoint(model, run_dir.path)
+    return model.to(device).eval(), config

@@ -1,0 +1,142 @@
+"""The run folder every command writes: config, metrics, checkpoints, plots.
+
+``RUN/config.json``      what was run (model, training, data, tokenizer)
+``RUN/metrics.jsonl``    one JSON object per logged step
+``RUN/loss.png``         the loss curve
+``RUN/checkpoints/``     see ``checkpoint.py``
+``RUN/tokenizer.model``  the tokenizer the data was made with (for evaluation)
+
+Standalone, split, federated and experiment runs share this shape, so plotting
+and evaluation work on all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+PLOT = "loss.png"
+TOKENIZER = "tokenizer.model"
+
+
+class RunDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / METRICS
+
+    def create(self, config: dict, *, resume: bool) -> None:
+        """Make the folder; refuse to reuse one that holds a run unless resuming."""
+        has_run = (self.path / CONFIG).is_file()
+        if has_run and not resume:
+            raise FileExistsError(
+                f"{self.path}: already holds a run; pass --resume to continue it "
+                "or choose another --out"
+            )
+        if resume and has_run:
+            old = self.read_config()
+            for key in ("model", "train_fingerprint"):
+                if key in config and old.get(key) != config.get(key):
+                    raise ValueError(
+                        f"{self.path}: --resume with a different {key} than the run "
+                        f"was started with ({old.get(key)} vs {config.get(key)})"
+                    )
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path / CONFIG, config)
+
+    def read_config(self) -> dict:
+        path = self.path / CONFIG
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.path}: not a run folder (no {CONFIG})")
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: corrupt ({e})") from None
+
+    def copy_tokenizer(self, src: Path) -> None:
+        dst = self.path / TOKENIZER
+        if not dst.exists():
+            shutil.copyfile(src, dst)
+
+    def log_metrics(self, record: dict) -> None:
+        with self.metrics_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read_metrics(self) -> list[dict]:
+        return read_metrics(self.metrics_path)
+
+    def truncate_metrics(self, last_step: int) -> None:
+        """On resume, drop records of steps after the checkpoint (they are redone)."""
+        if not self.metrics_path.is_file():
+            return
+        keep = [r for r in self.read_metrics() if r.get("step", 0) <= last_step]
+        tmp = self.metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, self.metrics_path)
+
+    def plot(self, title: str | None = None) -> Path | None:
+        return plot_loss(self.metrics_path, self.path / PLOT, title or self.path.name)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill; the rest is still valid
+    return out
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+def plot_loss(
+    metrics_path: Path,
+    out_png: Path,
+    title: str,
+    key: str = "loss",
+    x: str = "step",
+) -> Path | None:
+    """Loss (and validation loss, if logged) against step, as a PNG."""
+    records = [r for r in read_metrics(metrics_path) if key in r and x in r]
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot([r[x] for r in records], [r[key] for r in records], label=f"train {key}")
+    val = [r for r in read_metrics(metrics_path) if "val_loss" in r]
+    if val:
+        ax.plot(
+            [r[x] for r in val], [r["val_loss"] for r in val], "o-", label="valid loss"
+        )
+    ax.set_xlabel(x)
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out_png.with_name(out_png.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out_png)
+    return out_png
