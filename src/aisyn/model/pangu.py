@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -237,28 +239,51 @@ class PanguTransformer(nn.Module):
 class PanguAlpha(nn.Module):
     """PanGu-α language model (``GPTPanguForCausalLM`` layout)."""
 
-    def __init__(self, cfg: PanguConfig) -> None:
+    def __init__(self, cfg: PanguConfig, seed: int = 0) -> None:
         super().__init__()
         self.config = cfg
         self.transformer = PanguTransformer(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied
+        self.tie_weights()
         if not any(p.is_meta for p in self.parameters()):
-            self.reset_parameters()
+            self.reset_parameters(seed)
+
+    def tie_weights(self) -> None:
+        """Share the output projection with the word embedding.
+
+        Call again after ``to_empty()`` (materialising a meta model), which
+        replaces parameters one module at a time and so unties them.
+        """
+        self.lm_head.weight = self.transformer.wte.weight
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """GPT-2 style init; residual projections scaled by 1/sqrt(2 * layers)."""
+    def reset_parameters(
+        self, seed: int = 0, names: Iterable[str] | None = None
+    ) -> None:
+        """GPT-2 style init; residual projections scaled by 1/sqrt(2 * layers).
+
+        Each parameter draws from its own generator seeded by (seed, name), so a
+        party that holds only some segments initialises them exactly as the whole
+        model would, without building the rest.
+        """
         std = self.config.init_std
+        wanted = set(names) if names is not None else None
         for name, p in self.named_parameters():
+            if wanted is not None and name not in wanted:
+                continue
             if name.endswith("bias"):
                 p.zero_()
             elif ".ln_" in name or name.startswith("transformer.ln_f"):
                 p.fill_(1.0)
-            elif name.endswith("c_proj.weight"):
-                p.normal_(0.0, std / math.sqrt(2 * self.config.num_layers))
             else:
-                p.normal_(0.0, std)
+                scale = (
+                    1 / math.sqrt(2 * self.config.num_layers)
+                    if name.endswith("c_proj.weight")
+                    else 1.0
+                )
+                g = torch.Generator(device=p.device)
+                g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                p.normal_(0.0, std * scale, generator=g)
 
     # The three pieces below are the model's natural cut points; segments.py
     # composes them, forward() is the plain unsplit path.
@@ -327,12 +352,10 @@ def build_model(
 ) -> PanguAlpha:
     """Build a model; ``device="meta"`` sizes any preset without allocating it."""
     cfg = load_config(config) if isinstance(config, str) else config
-    if seed is not None:
-        torch.manual_seed(seed)
     if device is not None and torch.device(device).type == "meta":
         with torch.device("meta"):
             return PanguAlpha(cfg)
-    model = PanguAlpha(cfg)
+    model = PanguAlpha(cfg, seed=seed or 0)
     return model.to(device) if device is not None else model
 
 
