@@ -1,0 +1,49 @@
+"""Shared fixtures: small slices of the real corpora, prepared once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from aisyn.data.tokenizer import PanguTokenizer
+
+    return PanguTokenizer.load()
+
+
+@pytest.fixture(scope="session")
+def news_corpus():
+    from aisyn.data.corpora import load_corpus
+
+    return load_corpus("news")
+
+
+@pytest.fixture(scope="session")
+def news_data(tmp_path_factory, news_corpus, tokenizer):
+    """The first 1500 news documents as shards of 32+1 tokens."""
+    from aisyn.data.shards import prepare
+
+    out = tmp_path_factory.mktemp("data") / "news"
+    prepare(news_corpus, tokenizer, 32, out, max_documents=1500, corpus_specs=["news"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """A model small enough that a training step takes milliseconds."""
+    from aisyn.model.pangu import PanguConfig
+
+    return PanguConfig(
+        vocab_size=8000,
+        hidden_size=32,
+        num_layers=3,
+        num_heads=4,
+        ffn_size=64,
+        seq_len=32,
+    )

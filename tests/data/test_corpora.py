@@ -1,0 +1,71 @@
+import collections
+
+import pytest
+
+from aisyn.data.corpora import CorpusError, load_corpus, parse_tagged_line, split_of
+
+
+def test_news_is_real_tagged_text(news_corpus):
+    doc = news_corpus.documents[0]
+
+    assert len(news_corpus.documents) > 18000
+    assert doc.text.startswith("迈向充满希望的新世纪")
+    assert doc.tagged[:2] == (("迈向", "v"), ("充满", "v"))
+    assert "".join(w for w, _ in doc.tagged) == doc.text
+
+
+def test_reviews_are_deduplicated():
+    corpus = load_corpus("reviews")
+    texts = [d.text for d in corpus.documents]
+
+    assert len(texts) > 15000
+    assert len(set(texts)) == len(texts)
+    assert all(d.tagged is None for d in corpus.documents[:10])
+
+
+def test_bracketed_compounds_are_flattened():
+    assert parse_tagged_line("[中央/n  电台/n]nt  讲话/n") == (
+        ("中央", "n"),
+        ("电台", "n"),
+        ("讲话", "n"),
+    )
+
+
+def test_split_rule_is_stable_and_roughly_5_5_90(news_corpus):
+    counts = collections.Counter(d.split for d in news_corpus.documents)
+    n = len(news_corpus.documents)
+
+    assert split_of("同一段文字") == split_of("同一段文字")
+    assert 0.04 < counts["test"] / n < 0.06
+    assert 0.04 < counts["valid"] / n < 0.06
+    # The rule is a function of the text alone, so order does not matter.
+    assert [d.split for d in news_corpus.documents[:50]] == [
+        split_of(d.text) for d in news_corpus.documents[:50]
+    ]
+
+
+def test_user_files(tmp_path):
+    txt = tmp_path / "mine.txt"
+    txt.write_text("第一篇文档。\n\n第二篇文档。\n第一篇文档。\n", encoding="utf-8")
+    jl = tmp_path / "mine.jsonl"
+    jl.write_text('{"text": "甲"}\n{"text": "乙"}\n', encoding="utf-8")
+
+    texts = [d.text for d in load_corpus(txt).documents]
+    assert texts == ["第一篇文档。", "第二篇文档。"]
+    assert [d.text for d in load_corpus(jl).documents] == ["甲", "乙"]
+
+
+def test_bad_corpus_files_get_clear_errors(tmp_path):
+    with pytest.raises(CorpusError, match="nope.txt: corpus file not found"):
+        load_corpus(tmp_path / "nope.txt")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": 1}\n')
+    with pytest.raises(CorpusError, match=r"bad.jsonl:2: expected a JSON object"):
+        load_corpus(bad)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(CorpusError, match="not UTF-8"):
+        load_corpus(latin)
+    with pytest.raises(CorpusError, match="unsupported corpus file type"):
+        (tmp_path / "x.csv").write_text("a")
+        load_corpus(tmp_path / "x.csv")

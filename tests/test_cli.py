@@ -1,0 +1,131 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from aisyn.cli import build_parser, main
+
+
+def _subcommands(parser, prefix=()):
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            for name, sub in action.choices.items():
+                yield (*prefix, name)
+                yield from _subcommands(sub, (*prefix, name))
+
+
+@pytest.mark.parametrize(
+    "argv", [(), *_subcommands(build_parser())], ids=lambda a: " ".join(a) or "aisyn"
+)
+def test_every_subcommand_has_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+
+    assert e.value.code == 0
+    assert "usage: aisyn" in capsys.readouterr().out
+
+
+def test_prepare_train_eval_end_to_end(tmp_path, capsys):
+    model = tmp_path / "m.json"
+    model.write_text(
+        json.dumps(
+            {
+                "vocab_size": 8000,
+                "hidden_size": 32,
+                "num_layers": 2,
+                "num_heads": 2,
+                "ffn_size": 64,
+                "seq_len": 32,
+            }
+        )
+    )
+    data, run = tmp_path / "data", tmp_path / "run"
+
+    assert (
+        main(
+            [
+                "prepare",
+                "--corpus",
+                "news",
+                "--out",
+                str(data),
+                "--seq-len",
+                "32",
+                "--max-docs",
+                "800",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                str(model),
+                "--data",
+                str(data),
+                "--out",
+                str(run),
+                "--steps",
+                "4",
+                "--batch-size",
+                "2",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "eval",
+                "--run",
+                str(run),
+                "--data",
+                str(data),
+                "--per-doc",
+                "1",
+                "--max-items",
+                "20",
+            ]
+        )
+        == 0
+    )
+
+    out = capsys.readouterr().out
+    assert "final loss" in out and "cloze accuracy" in out
+    result = json.loads((run / "eval.json").read_text())
+    assert result["cloze"]["items"] == 20
+    assert result["test"]["loss"] > 0
+
+
+def test_user_errors_are_one_line(tmp_path, capsys):
+    code = main(
+        [
+            "train",
+            "--data",
+            str(tmp_path / "missing"),
+            "--out",
+            str(tmp_path / "r"),
+            "--steps",
+            "1",
+        ]
+    )
+
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.count("\n") == 0
+    assert err.startswith("aisyn: error:") and "missing" in err
+
+
+def test_console_script_runs():
+    proc = subprocess.run(
+        [sys.executable, "-m", "aisyn.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert proc.returncode == 0 and "demo" in proc.stdout
