@@ -36,10 +36,30 @@ def evaluate_run(
     cloze_format: str | None = None,
     device: str = "auto",
     batch_size: int = 16,
+    model=None,
 ) -> dict:
+    """``model``: evaluate this model (e.g. a split run's ``SplitModel``) instead
+    of loading the run's checkpoint."""
     dev = resolve_device(device)
     run_dir = RunDir(run)
-    model, config = load_run_model(run_dir.path, dev)
+    if model is None and run_dir.read_config().get("kind") == "split":
+        # A split run holds only the data party's half: evaluate through the link.
+        from aisyn.split.evaluate import evaluate_split_run
+
+        return evaluate_split_run(
+            run,
+            data_dir=data_dir,
+            cloze_file=cloze_file,
+            per_document=per_document,
+            max_items=max_items,
+            cloze_format=cloze_format,
+            device=device,
+            batch_size=batch_size,
+        )
+    if model is None:
+        model, config = load_run_model(run_dir.path, dev)
+    else:
+        config = run_dir.read_config()
     tok_path = run_dir.path / TOKENIZER
     tok = PanguTokenizer(tok_path)
     if tok.sha256 != config["tokenizer"]["sha256"]:

@@ -1,0 +1,315 @@
+"""Cut PanGu-α into contiguous segments that different parties hold.
+
+A *partition* says which party holds which piece; a *segment* is an
+``nn.Module`` that runs one contiguous piece (hidden states in, hidden states
+out) on a model that may hold only some of its weights. Two shapes:
+
+* **U-shape** (``u:F,K``): party A holds the embedding and the first ``F``
+  ordinary blocks, party B the middle blocks, and A again the last ``K``
+  ordinary blocks, the final LayerNorm, the top query layer and the tied head.
+  Tokens, labels and the loss never leave A, and the tied word embedding lives
+  on A only. This is the shape split training uses.
+* **two-way** (``two-way:F``): A holds the embedding and the first ``F``
+  blocks, B everything after. B then needs the labels and also holds the tied
+  word embedding (as its output projection), so the two copies must be kept
+  equal. The planner sizes it; split training refuses it (see docs/split.md).
+
+Ordinary blocks are ``transformer.h[0 .. L-2]``; ``h[L-1]`` is the top query
+layer, which always travels with the head. Parameter names stay those of the
+whole model, so per-party checkpoints merge by plain union.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from aisyn.model.pangu import PanguAlpha, PanguConfig, build_model
+
+DATA_PARTY = "A"
+COMPUTE_PARTY = "B"
+PARTIES = (DATA_PARTY, COMPUTE_PARTY)
+
+
+class PartitionError(ValueError):
+    """A partition that does not fit the model (or cannot be parsed)."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One contiguous piece run by one party, in forward order."""
+
+    party: str
+    blocks: range  # ordinary blocks h[i] it runs
+    embed: bool = False  # starts with the word + position embedding
+    head: bool = False  # ends with final LN + top query layer (+ tied head)
+
+    def describe(self, num_layers: int) -> str:
+        parts = []
+        if self.embed:
+            parts.append("embedding")
+        if len(self.blocks):
+            parts.append(f"h[{self.blocks.start}:{self.blocks.stop}]")
+        if self.head:
+            parts.append(f"ln_f + top query h[{num_layers - 1}] + head")
+        return f"{self.party}: " + " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Where a model of ``num_layers`` layers is cut.
+
+    ``back`` is the number of ordinary blocks A runs before the head (U-shape);
+    ``back=None`` is the plain two-way cut (B keeps everything after ``front``).
+    """
+
+    num_layers: int
+    front: int
+    back: int | None = 0
+
+    def __post_init__(self) -> None:
+        n = self.num_blocks
+        if self.front < 0 or (self.back is not None and self.back < 0):
+            raise PartitionError(f"{self.spec}: block counts must be >= 0")
+        taken = self.front + (self.back or 0)
+        if taken >= n:
+            raise PartitionError(
+                f"{self.spec}: party B would hold no block (the model has {n} "
+                f"ordinary blocks besides the top query layer; A takes {taken})"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        """Ordinary blocks (all layers except the top query layer)."""
+        return self.num_layers - 1
+
+    @property
+    def is_u_shape(self) -> bool:
+        return self.back is not None
+
+    @property
+    def spec(self) -> str:
+        return (
+            f"u:{self.front},{self.back}"
+            if self.is_u_shape
+            else (f"two-way:{self.front}")
+        )
+
+    @property
+    def middle(self) -> range:
+        """Ordinary blocks on party B."""
+        return range(self.front, self.num_blocks - (self.back or 0))
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        n = self.num_blocks
+        first = Stage(DATA_PARTY, range(0, self.front), embed=True)
+        if not self.is_u_shape:
+            return first, Stage(COMPUTE_PARTY, self.middle, head=True)
+        return (
+            first,
+            Stage(COMPUTE_PARTY, self.middle),
+            Stage(DATA_PARTY, range(n - self.back, n), head=True),
+        )
+
+    def stages_of(self, party: str) -> tuple[Stage, ...]:
+        check_party(party)
+        return tuple(s for s in self.stages if s.party == party)
+
+    def module_paths(self, party: str) -> list[str]:
+        """Submodules of ``PanguAlpha`` that ``party`` materialises."""
+        paths: list[str] = []
+        for stage in self.stages_of(party):
+            if stage.embed:
+                paths += ["transformer.wte", "transformer.wpe"]
+            paths += [f"transformer.h.{i}" for i in stage.blocks]
+            if stage.head:
+                # The head is tied to wte: a head holder also holds wte.
+                if "transformer.wte" not in paths:
+                    paths.append("transformer.wte")
+                paths += [
+                    "transformer.ln_f",
+                    "transformer.wqe",
+                    f"transformer.h.{self.num_layers - 1}",
+                ]
+        return paths
+
+    def parameter_names(self, model: nn.Module, party: str) -> list[str]:
+        """Names (as in ``model.named_parameters()``) of ``party``'s parameters."""
+        prefixes = tuple(p + "." for p in self.module_paths(party))
+        return [n for n, _ in model.named_parameters() if n.startswith(prefixes)]
+
+    def shared_parameter_names(self) -> list[str]:
+        """Parameters both parties hold (the tied word embedding of a two-way cut)."""
+        return [] if self.is_u_shape else ["transformer.wte.weight"]
+
+    def describe(self) -> str:
+        return " | ".join(s.describe(self.num_layers) for s in self.stages)
+
+    def to_dict(self) -> dict:
+        return {"num_layers": self.num_layers, "front": self.front, "back": self.back}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Partition:
+        try:
+            return cls(int(d["num_layers"]), int(d["front"]), d.get("back"))
+        except (KeyError, TypeError) as e:
+            raise PartitionError(f"bad partition record {d!r} ({e})") from None
+
+
+_SPEC = re.compile(r"^(?:u:(\d+),(\d+)|two-way:(\d+))$")
+
+
+def parse_partition(spec: str, cfg: PanguConfig) -> Partition:
+    """``u:F,K`` (U-shape) or ``two-way:F`` for a model of ``cfg``'s depth."""
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise PartitionError(
+            f"cut {spec!r}: expected 'u:FRONT,BACK' (e.g. u:1,1) or 'two-way:FRONT'"
+        )
+    if m.group(3) is not None:
+        return Partition(cfg.num_layers, int(m.group(3)), None)
+    return Partition(cfg.num_layers, int(m.group(1)), int(m.group(2)))
+
+
+def check_party(party: str) -> None:
+    if party not in PARTIES:
+        raise PartitionError(f"unknown party {party!r} (known: {', '.join(PARTIES)})")
+
+
+def build_party_model(
+    cfg: PanguConfig,
+    partition: Partition,
+    party: str,
+    *,
+    seed: int,
+    device: str | torch.device = "cpu",
+) -> PanguAlpha:
+    """The model with only ``party``'s modules materialised, the rest on meta.
+
+    Each parameter is initialised exactly as ``build_model(cfg, seed=seed)``
+    would (per-parameter seeded init), so a split run starts from the same
+    weights as the unsplit one without ever allocating the other party's part.
+    """
+    if partition.num_layers != cfg.num_layers:
+        raise PartitionError(
+            f"partition {partition.spec} is for {partition.num_layers} layers, the "
+            f"model has {cfg.num_layers}"
+        )
+    model = build_model(cfg, device="meta")
+    for path in partition.module_paths(party):
+        model.get_submodule(path).to_empty(device=device)
+    if "transformer.wte" in partition.module_paths(party):
+        # to_empty replaced wte.weight; lm_head still points at the meta one.
+        model.tie_weights()
+    model.reset_parameters(seed, names=partition.parameter_names(model, party))
+    return model
+
+
+def own_named_parameters(
+    model: nn.Module, partition: Partition, party: str
+) -> list[tuple[str, nn.Parameter]]:
+    names = set(partition.parameter_names(model, party))
+    return [(n, p) for n, p in model.named_parameters() if n in names]
+
+
+def own_state_dict(
+    model: nn.Module, partition: Partition, party: str
+) -> dict[str, torch.Tensor]:
+    """``party``'s tensors (parameters and buffers) keyed by full-model names."""
+    prefixes = tuple(p + "." for p in partition.module_paths(party))
+    seen: set[int] = set()
+    out = {}
+    for name, t in model.state_dict().items():
+        if not name.startswith(prefixes) or t.is_meta:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen:  # the tied head: stored once, as transformer.wte.weight
+            continue
+        seen.add(key)
+        out[name] = t.detach().contiguous()
+    return out
+
+
+class Segment(nn.Module):
+    """Runs one stage of a (partly materialised) model.
+
+    ``forward(x, attn_mask, position_ids)``: token ids (B, T) if the stage
+    starts with the embedding, else hidden states (B, T, C); returns hidden
+    states (B, T, C) -- after the top query layer for a head stage (apply
+    ``logits`` for the vocabulary). The ops are exactly those of
+    ``PanguAlpha.hidden``, so chaining the stages reproduces the unsplit model.
+    The model is held by reference, not registered, so parameter names stay
+    the model's own.
+    """
+
+    def __init__(self, model: PanguAlpha, stage: Stage) -> None:
+        super().__init__()
+        self._model = (model,)
+        self.stage = stage
+
+    @property
+    def model(self) -> PanguAlpha:
+        return self._model[0]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        m = self.model
+        if self.stage.embed:
+            x = m.embed(x, position_ids)
+        for i in self.stage.blocks:
+            x = m.transformer.h[i](x, attn_mask)
+        if self.stage.head:
+            x = m.top_query(x, attn_mask, position_ids)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.stage.head:
+            raise RuntimeError("logits() needs the head stage")
+        return self.model.logits(hidden)
+
+    def extra_repr(self) -> str:
+        return self.stage.describe(self.model.config.num_layers)
+
+
+def segments_of(
+    model: PanguAlpha, partition: Partition, party: str
+) -> tuple[Segment, ...]:
+    return tuple(Segment(model, s) for s in partition.stages_of(party))
+
+
+def masks_from_documents(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """EOD-reset attention mask and position ids from per-position document index.
+
+    ``doc`` (B, T) counts the EODs strictly before each position (what
+    ``eod_reset_masks`` derives from the tokens). A party that must apply the
+    EOD reset but may not see tokens gets ``doc`` instead; the result equals
+    ``eod_reset_masks(tokens, eod_id)`` exactly.
+    """
+    B, T = doc.shape
+    same_doc = doc.unsqueeze(2) == doc.unsqueeze(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    mask = (same_doc & causal).unsqueeze(1)
+    idx = torch.arange(T, device=doc.device).expand(B, T)
+    start = torch.zeros(B, T, dtype=torch.int64, device=doc.device)
+    start[:, 1:] = torch.where(doc[:, 1:] != doc[:, :-1], idx[:, 1:], 0)
+    start = torch.cummax(start, dim=1).values
+    return mask, idx - start
+
+
+def document_index(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """Per-position document index: the number of EODs strictly before it."""
+    is_eod = (tokens == eod_id).to(torch.int64)
+    return torch.cumsum(is_eod, dim=1) - is_eod
+
+
+def parameter_count(named: Iterable[tuple[str, nn.Parameter]]) -> int:
+    return sum(p.numel() for _, p in named)

@@ -1,0 +1,353 @@
+"""``aisyn split plan|train|serve|eval|merge``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from aisyn.link.codec import CODECS
+
+
+def _add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
+    g = p.add_argument_group("link security")
+    g.add_argument("--tls-cert", help="this party's certificate (PEM) for mutual TLS")
+    g.add_argument("--tls-key", help="this party's private key (PEM)")
+    g.add_argument("--tls-ca", help="CA certificate (PEM) that signed the peer's")
+    if not server:
+        g.add_argument(
+            "--server-name",
+            default=None,
+            help="name to verify in the server certificate when it differs from "
+            "the --peer host",
+        )
+    g.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the shared token (default: $AISYN_SPLIT_TOKEN)",
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext, no TLS (refused on non-loopback addresses unless "
+        "--allow-insecure-remote)",
+    )
+    g.add_argument(
+        "--allow-insecure-remote",
+        action="store_true",
+        help="permit --insecure on a non-loopback address (activations leak data!)",
+    )
+
+
+def _settings(args, address: str):
+    from aisyn.split.transport import LinkSettings
+
+    return LinkSettings(
+        address,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        server_name=getattr(args, "server_name", None),
+        token_file=args.token_file,
+        insecure=args.insecure,
+        allow_insecure_remote=args.allow_insecure_remote,
+    )
+
+
+# --- plan ---------------------------------------------------------------------
+
+
+def cmd_plan(args) -> None:
+    from aisyn.model.pangu import load_config
+    from aisyn.model.plan import PartySpec, Workload, evaluate, plan
+    from aisyn.model.segments import parse_partition
+
+    cfg = load_config(args.model)
+    parties = [PartySpec.parse(p) for p in args.party]
+    workload = Workload(
+        batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        codec=args.compress,
+        in_flight=max(1, args.pipeline + 1),
+        eod_reset=args.eod_reset,
+    )
+    if args.cut:
+        by_name = {p.name: p for p in parties}
+        if sorted(by_name) != ["A", "B"] or len(parties) != 2:
+            raise ValueError("give exactly one --party A:... and one --party B:...")
+        result = evaluate(
+            args.model, cfg, parse_partition(args.cut, cfg), by_name, workload
+        )
+    else:
+        result = plan(
+            args.model,
+            cfg,
+            parties,
+            workload,
+            shape=args.shape,
+            min_front=args.min_front,
+        )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.render())
+
+
+# --- train / serve ----------------------------------------------------------------
+
+
+def cmd_train(args) -> None:
+    from aisyn.cli import train_config_from_args
+    from aisyn.split.train import SplitOptions, split_train
+
+    peer = _settings(args, args.peer) if args.peer else None
+    opts = SplitOptions(
+        cut=args.cut,
+        mode=args.mode,
+        window=args.pipeline,
+        codec=args.compress,
+        peer=peer,
+        spawn_backbone=args.spawn_backbone,
+        spawn_insecure=args.insecure and args.spawn_backbone,
+        connect_timeout_s=args.connect_timeout,
+        recv_timeout_s=args.recv_timeout,
+    )
+    summary = split_train(
+        args.model,
+        args.data,
+        args.out,
+        train_config_from_args(args),
+        opts,
+        resume=args.resume,
+        progress=not args.quiet,
+    )
+    print(
+        f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
+        f"({summary['tokens']} tokens, {summary['elapsed_s']:.1f} s); link "
+        f"{summary['bytes_sent_per_step'] / 1e6:.2f} MB sent and "
+        f"{summary['bytes_received_per_step'] / 1e6:.2f} MB received per step"
+    )
+    print(f"run folder: {summary['run']}  loss plot: {summary['plot']}")
+
+
+def cmd_serve(args) -> None:
+    from aisyn.model.pangu import load_config
+    from aisyn.model.segments import parse_partition
+    from aisyn.split.compute_party import ComputeParty
+    from aisyn.split.server import SplitServer
+
+    cfg = load_config(args.model)
+    party = ComputeParty(
+        cfg,
+        parse_partition(args.cut, cfg),
+        args.out,
+        device=args.device,
+        keep_checkpoints=args.keep_checkpoints,
+    )
+    server = SplitServer(party, _settings(args, args.listen)).start(args.address_file)
+    print(f"compute party listening on {server.address}", flush=True)
+    try:
+        server.serve_forever(args.max_sessions)
+    finally:
+        server.stop()
+
+
+# --- eval / merge -----------------------------------------------------------------
+
+
+def cmd_eval(args) -> None:
+    from aisyn.cli import _print_summary
+    from aisyn.split.evaluate import evaluate_split_run
+
+    if args.data is None and args.cloze_file is None:
+        raise ValueError("give --data DIR (test loss + cloze) and/or --cloze-file F")
+    peer = _settings(args, args.peer) if args.peer else None
+    res = evaluate_split_run(
+        args.run,
+        peer=peer,
+        data_dir=args.data,
+        cloze_file=args.cloze_file,
+        per_document=args.per_doc,
+        max_items=args.max_items,
+        cloze_format=args.format,
+        device=args.device,
+    )
+    _print_summary(res)
+    print(f"wrote {os.path.join(args.run, 'eval.json')}")
+
+
+def cmd_merge(args) -> None:
+    from aisyn.split.merge import merge
+
+    folder = merge(args.data_party, args.compute_party, args.out, step=args.step)
+    print(f"merged checkpoint: {folder}  (run folder {args.out})")
+
+
+# --- parser -----------------------------------------------------------------------
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from aisyn.cli import add_train_args
+
+    s = sub.add_parser(
+        "split",
+        help="split (pipeline) training across two parties",
+        description="Cross-domain split training: the data party A keeps the "
+        "embedding and the head (tokens, labels and the loss never leave it), the "
+        "compute party B runs the middle blocks. See docs/split.md.",
+    )
+    ssub = s.add_subparsers(dest="split_command", required=True, metavar="ACTION")
+
+    p = ssub.add_parser(
+        "plan",
+        help="choose cut points from each party's throughput and memory",
+        description="Per party: parameter share, FLOPs share, memory for weights + "
+        "optimizer + activations, and bytes crossing per step. Works for any "
+        "preset (350M ... 200B) without allocating it.",
+    )
+    p.add_argument("--model", required=True, help="preset or JSON model config")
+    p.add_argument(
+        "--party",
+        action="append",
+        required=True,
+        help="NAME:THROUGHPUT:MEMORY, e.g. A:1:32GB and B:4:80GB (throughput in "
+        "any unit, the same for both; memory like 80GB, 24GiB or inf)",
+    )
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--compress", choices=list(CODECS), default="none")
+    p.add_argument(
+        "--pipeline",
+        type=int,
+        default=0,
+        help="micro-batches in flight beyond the first (0: lockstep)",
+    )
+    p.add_argument("--eod-reset", action="store_true")
+    p.add_argument(
+        "--shape",
+        choices=["u", "two-way"],
+        default="u",
+        help="U-shape (A keeps embedding and head) or plain two-way cut",
+    )
+    p.add_argument(
+        "--min-front",
+        type=int,
+        default=0,
+        help="blocks A must run after the embedding before anything is sent",
+    )
+    p.add_argument("--cut", default=None, help="report this cut instead of choosing")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plan)
+
+    t = ssub.add_parser(
+        "train",
+        help="train as the data party (in-process or against a compute party)",
+        description="Writes a run folder like `aisyn train` (A's half of the model; "
+        "metrics add link bytes per step). --mode local runs the compute party in "
+        "this process; --mode grpc dials --peer or, with --spawn-backbone, starts "
+        "one on this machine.",
+    )
+    t.add_argument("--model", default="tiny", help="preset or JSON model config")
+    t.add_argument("--data", action="append", required=True, help="prepared data")
+    t.add_argument("--out", required=True, help="run folder")
+    t.add_argument(
+        "--cut", default="u:1,1", help="u:FRONT,BACK blocks kept by A (see plan)"
+    )
+    t.add_argument("--mode", choices=["local", "grpc"], default="local")
+    t.add_argument("--peer", default=None, help="compute party HOST:PORT (grpc)")
+    t.add_argument(
+        "--spawn-backbone",
+        action="store_true",
+        help="start the compute party on this machine (grpc mode; ended at exit)",
+    )
+    t.add_argument(
+        "--pipeline",
+        type=int,
+        default=0,
+        help="micro-batches in flight (1F1B); 0: lockstep",
+    )
+    t.add_argument(
+        "--compress",
+        choices=list(CODECS),
+        default="none",
+        help="cut-layer codec for activations and gradients",
+    )
+    t.add_argument("--connect-timeout", type=float, default=60.0)
+    t.add_argument(
+        "--recv-timeout",
+        type=float,
+        default=None,
+        help="fail if the peer sends nothing for this long (default: only a lost "
+        "connection fails)",
+    )
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_link_args(t, server=False)
+    add_train_args(t)
+    t.set_defaults(func=cmd_train)
+
+    v = ssub.add_parser(
+        "serve",
+        help="serve as the compute party over gRPC",
+        description="Holds only the middle blocks of --model cut by --cut; takes "
+        "the optimisation settings from each data party's hello; keeps one run "
+        "folder per data-party run under --out. Serves one session at a time and "
+        "stays up when a session fails.",
+    )
+    v.add_argument("--listen", required=True, help="HOST:PORT (port 0: any free)")
+    v.add_argument("--model", required=True, help="preset or JSON model config")
+    v.add_argument("--cut", required=True, help="u:FRONT,BACK (as the data party's)")
+    v.add_argument(
+        "--out", default=None, help="checkpoint root (none: cannot checkpoint)"
+    )
+    v.add_argument("--device", default="auto")
+    v.add_argument("--keep-checkpoints", type=int, default=2)
+    v.add_argument(
+        "--address-file",
+        default=None,
+        help="write the bound HOST:PORT here once listening",
+    )
+    v.add_argument(
+        "--max-sessions",
+        type=int,
+        default=None,
+        help="exit after this many sessions (default: serve forever)",
+    )
+    _add_link_args(v, server=True)
+    v.set_defaults(func=cmd_serve)
+
+    e = ssub.add_parser(
+        "eval",
+        help="evaluate a split run through the link",
+        description="Like `aisyn eval --run` on a split run, optionally against "
+        "another compute party address than the one recorded.",
+    )
+    e.add_argument("--run", required=True, help="the data party's run folder")
+    e.add_argument("--peer", default=None, help="override the compute party")
+    e.add_argument("--data", default=None)
+    e.add_argument("--cloze-file", default=None)
+    e.add_argument("--per-doc", type=int, default=3)
+    e.add_argument("--max-items", type=int, default=None)
+    e.add_argument("--format", choices=["lm", "prompt"], default=None)
+    e.add_argument("--device", default="auto")
+    _add_link_args(e, server=False)
+    e.set_defaults(func=cmd_eval)
+
+    m = ssub.add_parser(
+        "merge",
+        help="merge both parties' checkpoints into one ordinary run",
+        description="Combines the data party's and compute party's checkpoints of "
+        "the same step into a run folder `aisyn eval` and `load_run_model` read.",
+    )
+    m.add_argument("--data-party", required=True, help="A's run folder")
+    m.add_argument(
+        "--compute-party",
+        required=True,
+        help="B's run folder, or the --out root it served from",
+    )
+    m.add_argument("--out", required=True, help="new run folder")
+    m.add_argument("--step", type=int, default=None, help="default: newest common step")
+    m.set_defaults(func=cmd_merge)

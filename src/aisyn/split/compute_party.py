@@ -1,0 +1,312 @@
+"""Party B, the compute party: runs the middle blocks for a data party.
+
+B holds its own model config and cut (it must materialise its weights), takes
+the optimisation settings from A's hello, and keeps one run folder per data
+party run under its ``root`` (``root/<run id>/``). Every session starts from
+B's own checkpoint on disk (or the seeded init at step 0) and nothing a session
+does reaches disk except through a ``SAVE`` round, so a session that breaks the
+protocol, or a peer that vanishes, leaves B's saved state untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from aisyn.link.base import Link
+from aisyn.link.codec import CODECS
+from aisyn.link.errors import HandshakeError
+from aisyn.model.pangu import PanguConfig
+from aisyn.model.segments import (
+    COMPUTE_PARTY,
+    Partition,
+    PartitionError,
+    masks_from_documents,
+)
+from aisyn.split import protocol as proto
+from aisyn.split import schedule
+from aisyn.split.party import PartyState, checkpoint_folder, checkpoint_steps
+from aisyn.train import checkpoint as ckpt
+from aisyn.train.loop import TrainConfig, resolve_device
+from aisyn.train.run import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """What B agreed to in one handshake."""
+
+    def __init__(
+        self,
+        purpose: str,
+        run_id: str,
+        train: TrainConfig,
+        start_step: int,
+        codec: str = "none",
+    ) -> None:
+        self.codec = codec
+        self.purpose = purpose
+        self.run_id = run_id
+        self.train = train
+        self.start_step = start_step
+
+
+class ComputeParty:
+    def __init__(
+        self,
+        cfg: PanguConfig,
+        partition: Partition,
+        root: str | Path | None,
+        *,
+        device: str = "cpu",
+        keep_checkpoints: int = 2,
+    ) -> None:
+        if not partition.is_u_shape:
+            raise PartitionError(
+                f"cut {partition.spec}: split training needs a U-shape cut "
+                "(u:FRONT,BACK); a two-way cut would send the labels to party B"
+            )
+        if partition.num_layers != cfg.num_layers:
+            raise PartitionError(
+                f"cut {partition.spec} is for {partition.num_layers} layers, the "
+                f"model has {cfg.num_layers}"
+            )
+        self.cfg = cfg
+        self.partition = partition
+        self.root = Path(root) if root is not None else None
+        self.device = resolve_device(device)
+        self.keep = keep_checkpoints
+
+    # --- handshake -------------------------------------------------------------
+
+    def run_dir(self, run_id: str) -> RunDir | None:
+        return None if self.root is None else RunDir(self.root / run_id)
+
+    def negotiate(self, hello_text: str) -> tuple[str, Session]:
+        """Check A's hello; returns (reply JSON, session). Raises HandshakeError
+        with a one-line reason to refuse (B stays up either way)."""
+        try:
+            return self._negotiate(hello_text)
+        except (ValueError, OSError) as e:  # ProtocolError is a ValueError
+            raise HandshakeError(f"compute party refused the session: {e}") from None
+
+    def _negotiate(self, hello_text: str) -> tuple[str, Session]:
+        h = proto.decode_json(hello_text, "hello")
+        run_id = proto.check_run_id(h.get("run_id"))
+        purpose = h.get("purpose")
+        if purpose not in ("train", "eval"):
+            raise proto.ProtocolError(f"hello: unknown purpose {purpose!r}")
+        mine = self.cfg.to_dict()
+        theirs = h.get("model")
+        if theirs != mine:
+            diff = (
+                sorted(k for k in mine if mine.get(k) != theirs.get(k))
+                if isinstance(theirs, dict)
+                else ["<not an object>"]
+            )
+            raise proto.ProtocolError(
+                f"model config differs from this compute party's in {diff}"
+            )
+        if h.get("partition") != self.partition.to_dict():
+            raise proto.ProtocolError(
+                f"cut {h.get('partition')} differs from this compute party's "
+                f"{self.partition.to_dict()} ({self.partition.spec})"
+            )
+        if not isinstance(h.get("train"), dict):
+            raise proto.ProtocolError("hello: no training settings")
+        train = TrainConfig.from_dict(h["train"])  # validates the values
+        codec = h.get("codec", "none")
+        if codec not in CODECS:
+            raise proto.ProtocolError(f"hello: unknown codec {codec!r}")
+        a_steps = h.get("a_steps")
+        if not isinstance(a_steps, list) or not all(
+            isinstance(s, int) and s >= 0 for s in a_steps
+        ):
+            raise proto.ProtocolError("hello: a_steps must be a list of steps")
+        run = self.run_dir(run_id)
+        b_steps = checkpoint_steps(run.checkpoints) if run is not None else []
+        if purpose == "eval":
+            step = h.get("eval_step")
+            if not isinstance(step, int) or step not in b_steps:
+                raise proto.ProtocolError(
+                    f"run {run_id}: no checkpoint at step {step} to evaluate "
+                    f"(this party has {b_steps or 'none'})"
+                )
+            start = step
+        elif not h.get("resume"):
+            if b_steps:
+                raise proto.ProtocolError(
+                    f"run {run_id} already has checkpoints here (steps {b_steps}); "
+                    "resume it"
+                )
+            start = 0
+        else:
+            common = sorted(set(a_steps) & set(b_steps))
+            if common:
+                start = common[-1]
+            elif not a_steps and not b_steps:
+                start = 0
+            else:
+                raise proto.ProtocolError(
+                    f"run {run_id}: no checkpoint step both parties have (data "
+                    f"party {a_steps or 'none'}, compute party {b_steps or 'none'})"
+                )
+        if run is not None and purpose == "train":
+            config = {
+                "kind": "split-compute",
+                "run_id": run_id,
+                "model": mine,
+                "partition": self.partition.to_dict(),
+                "train": train.to_dict(),
+            }
+            run.create(config, resume=bool(h.get("resume")))
+        return proto.encode_json(proto.reply(start, b_steps)), Session(
+            purpose, run_id, train, start, codec
+        )
+
+    # --- one session -------------------------------------------------------------
+
+    def serve_session(self, link: Link, session: Session) -> None:
+        """Run rounds until A closes the link (or it fails: raises LinkError)."""
+        state = PartyState(
+            self.cfg, self.partition, COMPUTE_PARTY, session.train, self.device
+        )
+        if session.start_step:
+            run = self.run_dir(session.run_id)
+            assert run is not None  # negotiate() only resumes with a folder
+            folder = checkpoint_folder(run.checkpoints, session.start_step)
+            state.load(folder)
+            log.info("loaded %s", folder)
+        server = _Rounds(self, state, link, session)
+        server.run()
+
+
+class _Rounds:
+    """B's side of the rounds of one session."""
+
+    def __init__(
+        self, party: ComputeParty, state: PartyState, link: Link, session: Session
+    ) -> None:
+        self.party = party
+        self.state = state
+        self.link = link
+        self.session = session
+        (self.middle,) = state.segments
+        self.next_step = session.start_step
+        self.hidden = party.cfg.hidden_size
+
+    def run(self) -> None:
+        from aisyn.link.errors import PeerLostError
+
+        r = 0
+        while True:
+            try:
+                t = self.link.recv("ctl", step=r, shape=(7,), dtype=torch.int64)
+            except PeerLostError as e:
+                # Between rounds this is the normal end of a session (or A went
+                # away between steps): nothing is half done.
+                log.info("session %s ended: %s", self.session.run_id, e)
+                return
+            c = proto.Control.parse(t, self.party.cfg.seq_len)
+            if c.op == proto.TRAIN:
+                self._train(r, c)
+            elif c.op == proto.EVAL:
+                self._eval(r, c)
+            else:
+                self._save(r, c)
+            r += 1
+
+    def _recv_act(self, r: int, i: int, c: proto.Control) -> tuple[torch.Tensor, ...]:
+        shape = (c.micro_size, c.seq_len, self.hidden)
+        x = self.link.recv("act", step=r, micro=i, shape=shape, dtype=torch.float32)
+        mask = None
+        if c.eod:
+            doc = self.link.recv(
+                "doc",
+                step=r,
+                micro=i,
+                shape=(c.micro_size, c.seq_len),
+                dtype=torch.int32,
+            )
+            mask, _ = masks_from_documents(doc.to(self.state.device, torch.int64))
+        return x.to(self.state.device), mask
+
+    def _train(self, r: int, c: proto.Control) -> None:
+        if self.session.purpose != "train":
+            raise proto.ProtocolError("TRAIN round in an evaluation session")
+        if c.step != self.next_step:
+            raise proto.ProtocolError(
+                f"TRAIN round for step {c.step}, this party is at step {self.next_step}"
+            )
+        self.state.train(True)
+        inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        shape = (c.micro_size, c.seq_len, self.hidden)
+        for kind, i in schedule.make(c.micro_batches, c.window).b:
+            if kind == "F":
+                x, mask = self._recv_act(r, i, c)
+                x.requires_grad_()
+                y = self.middle(x, mask)
+                self.link.send("out", y, step=r, micro=i, codec=self.session.codec)
+                inflight[i] = (x, y)
+            else:
+                g = self.link.recv(
+                    "gout", step=r, micro=i, shape=shape, dtype=torch.float32
+                )
+                x, y = inflight.pop(i)
+                torch.autograd.backward(y, g.to(self.state.device))
+                self.link.send(
+                    "gact", x.grad, step=r, micro=i, codec=self.session.codec
+                )
+        mine = self.state.local_sq_norm()
+        self.link.send_scalar("sqnorm", mine, step=r)
+        theirs = self.link.recv_scalar("sqnorm", step=r)
+        if not torch.isfinite(torch.tensor(theirs)):
+            # A's loss was not finite: it skips the step and ends the session.
+            log.warning("step %d: data party reports a non-finite loss", c.step + 1)
+            self.state.zero_grad()
+            return
+        self.state.apply_step(c.step, theirs, mine)
+        self.next_step = c.step + 1
+
+    @torch.no_grad()
+    def _eval(self, r: int, c: proto.Control) -> None:
+        self.state.train(False)
+        x, mask = self._recv_act(r, 0, c)
+        self.link.send("out", self.middle(x, mask), step=r, codec=self.session.codec)
+
+    def _save(self, r: int, c: proto.Control) -> None:
+        if self.session.purpose != "train":
+            raise proto.ProtocolError("SAVE round in an evaluation session")
+        if c.step != self.next_step:
+            raise proto.ProtocolError(
+                f"SAVE for step {c.step}, this party is at step {self.next_step}"
+            )
+        run = self.party.run_dir(self.session.run_id)
+        if run is None:
+            log.warning("asked to checkpoint step %d but serving without --out", c.step)
+            self.link.send_scalar("saved", -1.0, step=r)
+            return
+        t0 = time.perf_counter()
+        try:
+            folder = ckpt.save(
+                run.checkpoints,
+                c.step,
+                self.state.tensors(),
+                {
+                    "party": COMPUTE_PARTY,
+                    "run_id": self.session.run_id,
+                    "model": self.party.cfg.to_dict(),
+                    "partition": self.party.partition.to_dict(),
+                    "train": self.session.train.to_dict(),
+                },
+                keep=self.party.keep,
+            )
+        except OSError as e:
+            log.error("checkpoint of step %d failed: %s", c.step, e)
+            self.link.send_scalar("saved", -1.0, step=r)
+            return
+        log.info("saved %s (%.2f s)", folder, time.perf_counter() - t0)
+        self.link.send_scalar("saved", float(c.step), step=r)

@@ -1,0 +1,185 @@
+"""Party A, the data party: embedding + front blocks, back blocks + head + loss.
+
+A drives every session: it sends a control tensor per round and runs its side
+of the schedule (``schedule.py``). Tokens, labels and the loss stay here.
+
+Exactness: each cut is a detached leaf on the receiving side; a segment's
+backward runs once with the gradient received for its output
+(``torch.autograd.backward(output, grad)``), so no forward is ever recomputed
+and every parameter gets the gradient of the unsplit model. The loss is
+accumulated exactly as ``train.loop.forward_backward`` does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from aisyn.link.base import Link
+from aisyn.model.pangu import lm_loss
+from aisyn.model.segments import document_index
+from aisyn.split import protocol as proto
+from aisyn.split import schedule
+from aisyn.split.party import PartyState
+from aisyn.train.loop import micro_batches
+
+
+class SplitError(RuntimeError):
+    """The compute party could not do what the data party asked."""
+
+
+class DataSession:
+    """A's end of one session: rounds of training, evaluation and saving."""
+
+    def __init__(
+        self,
+        state: PartyState,
+        link: Link,
+        *,
+        eod_id: int | None,
+        window: int = 0,
+    ) -> None:
+        self.state = state
+        self.link = link
+        self.eod_id = eod_id
+        self.window = window
+        self.front, self.back = state.segments
+        self.hidden_size = state.cfg.hidden_size
+        self.round = 0
+
+    def _open_round(self, control: proto.Control) -> int:
+        r = self.round
+        self.round += 1
+        self.link.send("ctl", control.tensor(), step=r)
+        return r
+
+    def _send_act(self, r: int, i: int, h: torch.Tensor, inputs: torch.Tensor) -> None:
+        self.link.send("act", h, step=r, micro=i)
+        if self.eod_id is not None:
+            # B applies the EOD reset from document indices, never tokens.
+            doc = document_index(inputs, self.eod_id).to(torch.int32)
+            self.link.send("doc", doc, step=r, micro=i)
+
+    def train_step(self, batch: torch.Tensor, step: int) -> dict:
+        """One optimizer step on ``batch`` (n, T+1); returns loss, lr, grad_norm."""
+        cfg = self.state.train_cfg
+        device = self.state.device
+        micro = list(micro_batches(batch, cfg.micro, self.eod_id))
+        mb, T = micro[0][0].shape
+        flags = proto.FLAG_EOD if self.eod_id is not None else 0
+        r = self._open_round(
+            proto.Control(proto.TRAIN, step, len(micro), mb, T, self.window, flags)
+        )
+        self.state.train(True)
+        shape = (mb, T, self.hidden_size)
+        fronts: dict[int, torch.Tensor] = {}
+        losses: dict[int, float] = {}
+        for kind, i in schedule.make(len(micro), self.window).a:
+            inputs, targets, mask, pos = micro[i]
+            if kind == "F":
+                h = self.front(inputs, mask, pos)
+                self._send_act(r, i, h, inputs)
+                fronts[i] = h
+            elif kind == "L":
+                y = self.link.recv(
+                    "out", step=r, micro=i, shape=shape, dtype=torch.float32
+                )
+                y = y.to(device).requires_grad_()
+                logits = self.back.logits(self.back(y, mask, pos))
+                loss = lm_loss(logits, targets) / cfg.grad_accum
+                loss.backward()
+                self.link.send("gout", y.grad, step=r, micro=i)
+                losses[i] = loss.item()
+            else:
+                g = self.link.recv(
+                    "gact", step=r, micro=i, shape=shape, dtype=torch.float32
+                )
+                torch.autograd.backward(fronts.pop(i), g.to(device))
+        total = 0.0
+        for i in range(len(micro)):  # the baseline's summation order
+            total += losses[i]
+        finite = math.isfinite(total)
+        mine = self.state.local_sq_norm() if finite else math.nan
+        self.link.send_scalar("sqnorm", mine, step=r)
+        theirs = self.link.recv_scalar("sqnorm", step=r)
+        if not finite:
+            self.state.zero_grad()
+            raise FloatingPointError(
+                f"non-finite loss ({total}) at step {step + 1}; both parties skipped "
+                "the optimizer step and the last checkpoint is kept (lower --lr?)"
+            )
+        norm = self.state.apply_step(step, mine, theirs)
+        return {"loss": total, "lr": cfg.lr_at(step), "grad_norm": norm}
+
+    @torch.no_grad()
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states through the link (one EVAL round)."""
+        if attn_mask is not None and self.eod_id is None:
+            raise ValueError(
+                "a split model applies only the EOD-reset mask of its run; this run "
+                "was trained without --eod-reset"
+            )
+        eod = attn_mask is not None
+        B, T = tokens.shape
+        flags = proto.FLAG_EOD if eod else 0
+        r = self._open_round(proto.Control(proto.EVAL, 0, 1, B, T, 0, flags))
+        h = self.front(tokens, attn_mask, position_ids)
+        self.link.send("act", h, step=r)
+        if eod:
+            doc = document_index(tokens, self.eod_id).to(torch.int32)
+            self.link.send("doc", doc, step=r)
+        y = self.link.recv(
+            "out", step=r, shape=(B, T, self.hidden_size), dtype=torch.float32
+        )
+        return self.back(y.to(self.state.device), attn_mask, position_ids)
+
+    def save_remote(self, step: int) -> None:
+        """Ask B to checkpoint ``step``; returns once it is on B's disk."""
+        r = self._open_round(proto.Control(proto.SAVE, step))
+        saved = self.link.recv_scalar("saved", step=r)
+        if saved != float(step):
+            raise SplitError(
+                f"the compute party could not checkpoint step {step} (see its log); "
+                "the data party's checkpoint was not written either"
+            )
+
+
+class SplitModel(nn.Module):
+    """A's view of the whole model, for evaluation: ``forward`` / ``hidden`` /
+    ``logits`` like ``PanguAlpha``, with the middle computed by B.
+
+    ``evaluate_loss`` and ``cloze_accuracy`` run on it unchanged; tokens never
+    leave A.
+    """
+
+    def __init__(self, session: DataSession) -> None:
+        super().__init__()
+        self.session = session
+        self.inner = session.state.model  # A's partly materialised model
+        self.config = self.inner.config
+
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.session.hidden(tokens, attn_mask, position_ids)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.logits(x)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.logits(self.hidden(tokens, attn_mask, position_ids))

@@ -1,0 +1,165 @@
+"""One party's half of a split model: weights, optimizer, clipping, checkpoints.
+
+Both parties use this; only what they run per round differs (see
+``data_party.py`` and ``compute_party.py``). A party materialises only its own
+modules, owns an AdamW over only its own parameters (``make_optimizer``, so
+the update of every parameter is the unsplit one), and clips by the *global*
+gradient norm: it contributes its local squared norm and receives the peer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from aisyn.model.pangu import PanguConfig
+from aisyn.model.segments import (
+    Partition,
+    Segment,
+    build_party_model,
+    own_named_parameters,
+    own_state_dict,
+    segments_of,
+)
+from aisyn.train import checkpoint as ckpt
+from aisyn.train.loop import TrainConfig, make_optimizer
+
+log = logging.getLogger(__name__)
+
+
+class PartyState:
+    def __init__(
+        self,
+        cfg: PanguConfig,
+        partition: Partition,
+        party: str,
+        train: TrainConfig,
+        device: torch.device,
+    ) -> None:
+        self.cfg = cfg
+        self.partition = partition
+        self.party = party
+        self.train_cfg = train
+        self.device = device
+        self.model = build_party_model(
+            cfg, partition, party, seed=train.seed, device=device
+        )
+        self.named = own_named_parameters(self.model, partition, party)
+        self.params = [p for _, p in self.named]
+        self.optimizer = make_optimizer(self.named, train)
+        self.segments: tuple[Segment, ...] = segments_of(self.model, partition, party)
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    # --- the optimizer step ---------------------------------------------------
+
+    def local_sq_norm(self) -> float:
+        """Sum over own parameters of the squared L2 norm of their gradients.
+
+        Per-tensor norms as ``clip_grad_norm_`` takes them, summed in float64 so
+        the global norm does not depend on how parameters are split.
+        """
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        norms = torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads])
+        return float(norms.double().pow(2).sum())
+
+    def apply_step(self, step: int, sq_norm_a: float, sq_norm_b: float) -> float:
+        """Clip by the global norm and step; returns the global norm.
+
+        Both parties call this with the same two numbers in the same order, so
+        they compute the same coefficient to the bit.
+        """
+        total = math.sqrt(sq_norm_a + sq_norm_b)
+        lr = self.train_cfg.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        clip = self.train_cfg.grad_clip
+        if clip > 0:
+            coef = min(clip / (total + 1e-6), 1.0)  # as clip_grad_norm_
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        self.zero_grad()
+        return total
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # --- checkpoints ----------------------------------------------------------
+
+    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        names = {p: n for n, p in self.named}
+        return {
+            ckpt.MODEL_FILE: own_state_dict(self.model, self.partition, self.party),
+            ckpt.OPTIM_FILE: {
+                **ckpt.optimizer_tensors(self.optimizer, names),
+                **ckpt.rng_tensors(),
+            },
+        }
+
+    def load(self, folder: Path) -> dict:
+        """Load this party's weights, optimizer and RNG from a checkpoint folder;
+        returns its state.json."""
+        state = ckpt.read_state(folder)
+        if state.get("party") not in (None, self.party):
+            raise ckpt.CheckpointError(
+                f"{folder}: a checkpoint of party {state.get('party')}, not "
+                f"{self.party}"
+            )
+        weights = ckpt.read_tensors(folder / ckpt.MODEL_FILE)
+        load_own_weights(self, weights, str(folder / ckpt.MODEL_FILE))
+        opt = ckpt.read_tensors(folder / ckpt.OPTIM_FILE)
+        ckpt.load_optimizer_tensors(
+            self.optimizer, dict(self.named), opt, str(folder / ckpt.OPTIM_FILE)
+        )
+        ckpt.restore_rng(opt)
+        return state
+
+
+def load_own_weights(
+    party: PartyState, tensors: dict[str, torch.Tensor], source: str
+) -> None:
+    """Strict load of exactly this party's tensors (no more, no fewer)."""
+    expected = own_state_dict(party.model, party.partition, party.party)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ckpt.CheckpointError(
+            f"{source}: not party {party.party}'s half of this cut (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    for name, t in expected.items():
+        if tensors[name].shape != t.shape:
+            raise ckpt.CheckpointError(
+                f"{source}: {name} has shape {tuple(tensors[name].shape)}, expected "
+                f"{tuple(t.shape)}"
+            )
+    with torch.no_grad():
+        for name, t in expected.items():
+            t.copy_(tensors[name])
+
+
+def checkpoint_steps(root: Path) -> list[int]:
+    """Steps of the complete checkpoints under ``root`` (oldest first)."""
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.glob("step_*"):
+        try:
+            step = int(d.name.removeprefix("step_"))
+        except ValueError:
+            continue
+        if (d / ckpt.STATE_FILE).is_file():
+            out.append(step)
+    return sorted(out)
+
+
+def checkpoint_folder(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"

@@ -1,0 +1,161 @@
+"""What the two parties of a split run say to each other, on top of the link.
+
+A session opens with a JSON *hello* from the data party A (carried in the
+link's HELLO session string over gRPC, or handed over directly in-process)
+and a JSON *reply* from the compute party B. The hello names the run, the
+model and cut A expects B to hold, the optimisation settings, and which
+checkpoints A has; the reply names the step both resume from.
+
+After that the session is a sequence of *rounds*, numbered 0, 1, 2, ... (the
+link's step id). Each round starts with a control tensor from A (tag
+``ctl``), int64 ``[op, step, micro_batches, micro_size, seq_len, window,
+flags]``:
+
+* ``TRAIN``: one optimizer step over ``micro_batches`` micro-batches; per
+  micro-batch ``act`` (A->B, the front's output), ``out`` (B->A, the middle's
+  output), ``gout`` (A->B, gradient of ``out``), ``gact`` (B->A, gradient of
+  ``act``), and ``doc`` (A->B, int32 document index per position) only with
+  the EOD reset; then one scalar ``sqnorm`` each way (local squared gradient
+  norm) for the global clip.
+* ``EVAL``: forward only, one micro-batch: ``act`` then ``out``.
+* ``SAVE``: B checkpoints its segments at ``step`` and answers the scalar
+  ``saved`` (= step, or -1 on failure); only then A writes its own half.
+
+Nothing else crosses: B never sees token ids, labels or the loss; frame
+metadata carries only tags, sizes and ids.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+PROTOCOL = "aisyn-split/1"
+
+TRAIN, EVAL, SAVE = 1, 2, 3
+OPS = {TRAIN: "TRAIN", EVAL: "EVAL", SAVE: "SAVE"}
+FLAG_EOD = 1
+
+#: generous bounds a compute party accepts from a data party
+MAX_MICRO_BATCHES = 4096
+MAX_MICRO_SIZE = 65536
+MAX_WINDOW = 64
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ProtocolError(ValueError):
+    """The peer broke the split protocol (bad hello, control or values)."""
+
+
+@dataclass(frozen=True)
+class Control:
+    op: int
+    step: int
+    micro_batches: int = 0
+    micro_size: int = 0
+    seq_len: int = 0
+    window: int = 0
+    flags: int = 0
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor(
+            [
+                self.op,
+                self.step,
+                self.micro_batches,
+                self.micro_size,
+                self.seq_len,
+                self.window,
+                self.flags,
+            ],
+            dtype=torch.int64,
+        )
+
+    @property
+    def eod(self) -> bool:
+        return bool(self.flags & FLAG_EOD)
+
+    @classmethod
+    def parse(cls, t: torch.Tensor, max_seq_len: int) -> Control:
+        """Validate a received control tensor (shape/dtype already checked)."""
+        op, step, m, mb, T, window, flags = (int(v) for v in t.tolist())
+        c = cls(op, step, m, mb, T, window, flags)
+        if op not in OPS:
+            raise ProtocolError(f"control: unknown op {op}")
+        if step < 0:
+            raise ProtocolError(f"control: negative step {step}")
+        if flags & ~FLAG_EOD:
+            raise ProtocolError(f"control: unknown flags {flags:#x}")
+        if op in (TRAIN, EVAL):
+            if not 1 <= m <= MAX_MICRO_BATCHES or (op == EVAL and m != 1):
+                raise ProtocolError(f"control: {m} micro-batches for {OPS[op]}")
+            if not 1 <= mb <= MAX_MICRO_SIZE:
+                raise ProtocolError(f"control: micro-batch size {mb}")
+            if not 1 <= T <= max_seq_len:
+                raise ProtocolError(
+                    f"control: sequence length {T} outside 1..{max_seq_len}"
+                )
+            if not 0 <= window <= MAX_WINDOW:
+                raise ProtocolError(f"control: pipeline window {window}")
+        return c
+
+
+def check_run_id(run_id: object) -> str:
+    """A run id names a folder on the compute party: keep it a plain name."""
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise ProtocolError(
+            f"run id {run_id!r} must be 1-64 characters of letters, digits, . _ -"
+        )
+    return run_id
+
+
+def encode_json(obj: dict) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def decode_json(text: str, what: str) -> dict:
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"{what}: not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what}: must be a JSON object")
+    if obj.get("protocol") != PROTOCOL:
+        raise ProtocolError(
+            f"{what}: protocol {obj.get('protocol')!r}, this side speaks {PROTOCOL!r}"
+        )
+    return obj
+
+
+def hello(
+    *,
+    purpose: str,
+    run_id: str,
+    model: dict,
+    partition: dict,
+    train: dict,
+    resume: bool = False,
+    a_steps: list[int] | None = None,
+    eval_step: int | None = None,
+    codec: str = "none",
+) -> dict:
+    return {
+        "protocol": PROTOCOL,
+        "purpose": purpose,
+        "run_id": run_id,
+        "model": model,
+        "partition": partition,
+        "train": train,
+        "resume": resume,
+        "a_steps": sorted(a_steps or []),
+        "eval_step": eval_step,
+        "codec": codec,
+    }
+
+
+def reply(start_step: int, b_steps: list[int]) -> dict:
+    return {"protocol": PROTOCOL, "start_step": start_step, "b_steps": b_steps}

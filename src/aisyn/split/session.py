@@ -1,0 +1,235 @@
+"""Opening a session between the data party and a compute party.
+
+* ``local``: both parties in this process, joined by an in-memory link; B
+  runs its rounds on a thread (the same code a server runs per session).
+* ``grpc``: dial a compute party served by ``aisyn split serve``; optionally
+  start one on this machine first (``spawn_compute_party``), with fresh dev
+  certificates and a random token, and end it by PID afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from aisyn.link.base import Link
+from aisyn.link.errors import LinkError
+from aisyn.link.memory import memory_pair
+from aisyn.model.pangu import PanguConfig
+from aisyn.model.segments import Partition
+from aisyn.split import protocol as proto
+from aisyn.split.compute_party import ComputeParty
+from aisyn.split.transport import LinkSettings, link_options
+from aisyn.train.run import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Opened:
+    link: Link
+    reply: dict
+    #: in local mode, the compute party's thread and the error it died of
+    thread: threading.Thread | None = None
+    errors: list[BaseException] | None = None
+
+    def peer_error(self) -> BaseException | None:
+        return self.errors[0] if self.errors else None
+
+
+@contextlib.contextmanager
+def open_local(
+    cfg: PanguConfig,
+    partition: Partition,
+    compute_root: Path,
+    hello: dict,
+    *,
+    codec: str,
+    device: str,
+    recv_timeout_s: float | None = None,
+) -> Iterator[Opened]:
+    """Both parties in this process; B's rounds on a thread."""
+    party = ComputeParty(cfg, partition, compute_root, device=device)
+    reply_text, session = party.negotiate(proto.encode_json(hello))
+    link_a, link_b = memory_pair(codec, options=link_options(codec, recv_timeout_s))
+    errors: list[BaseException] = []
+
+    def run_b() -> None:
+        try:
+            party.serve_session(link_b, session)
+        except BaseException as e:  # reported to A through the link and here
+            errors.append(e)
+            log.debug("compute party thread failed", exc_info=True)
+        finally:
+            link_b.close()
+
+    thread = threading.Thread(target=run_b, name="compute-party", daemon=True)
+    thread.start()
+    opened = Opened(link_a, proto.decode_json(reply_text, "reply"), thread, errors)
+    try:
+        yield opened
+    except LinkError as e:
+        # B's own exception says more than "peer closed the link".
+        link_a.close()
+        thread.join(30)
+        if errors and not isinstance(errors[0], LinkError):
+            raise errors[0] from e
+        raise
+    finally:
+        link_a.close()
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def open_grpc(
+    settings: LinkSettings,
+    hello: dict,
+    *,
+    codec: str,
+    connect_timeout_s: float = 60.0,
+    recv_timeout_s: float | None = None,
+) -> Iterator[Opened]:
+    from aisyn.link.grpc_link import connect
+
+    link = connect(
+        settings.address,
+        token=settings.token(),
+        tls=settings.tls(),
+        insecure=settings.insecure,
+        allow_insecure_remote=settings.allow_insecure_remote,
+        role="A",
+        session=proto.encode_json(hello),
+        options=link_options(codec, recv_timeout_s),
+        timeout=connect_timeout_s,
+    )
+    try:
+        reply = proto.decode_json(link.peer.session, "compute party's reply")
+        yield Opened(link, reply)
+    finally:
+        link.close()
+
+
+class SpawnedServer:
+    """``aisyn split serve`` started on this machine for one run."""
+
+    def __init__(self, proc: subprocess.Popen, settings: LinkSettings, log_path: Path):
+        self.proc = proc
+        self.settings = settings
+        self.log_path = log_path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def spawn_compute_party(
+    workdir: Path,
+    cfg: PanguConfig,
+    partition: Partition,
+    compute_root: Path,
+    *,
+    device: str = "cpu",
+    insecure: bool = False,
+    start_timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> SpawnedServer:
+    """Start a compute party on 127.0.0.1 (free port) and wait until it listens.
+
+    Unless ``insecure``, it gets a fresh dev CA with server and client
+    certificates under ``workdir/certs`` and a random token (file mode 0600).
+    """
+    from aisyn.link.certs import make_dev_certs
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_json = workdir / "model.json"
+    write_json_atomic(model_json, cfg.to_dict())
+    token_file = workdir / "token"
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    port_file = workdir / "address"
+    port_file.unlink(missing_ok=True)
+    args = [
+        sys.executable,
+        "-m",
+        "aisyn.cli",
+        "split",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--address-file",
+        str(port_file),
+        "--model",
+        str(model_json),
+        "--cut",
+        partition.spec,
+        "--out",
+        str(compute_root),
+        "--token-file",
+        str(token_file),
+        "--device",
+        device,
+    ]
+    if insecure:
+        args.append("--insecure")
+        tls: dict = {}
+    else:
+        certs = make_dev_certs(workdir / "certs")
+        args += [
+            "--tls-cert",
+            str(certs.server_cert),
+            "--tls-key",
+            str(certs.server_key),
+            "--tls-ca",
+            str(certs.ca_cert),
+        ]
+        tls = {
+            "tls_cert": str(certs.client_cert),
+            "tls_key": str(certs.client_key),
+            "tls_ca": str(certs.ca_cert),
+        }
+    log_path = workdir / "server.log"
+    with log_path.open("ab") as log_file:
+        proc = subprocess.Popen(
+            args,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+    deadline = time.monotonic() + start_timeout_s
+    while not port_file.is_file():
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:]
+            raise RuntimeError(
+                f"the spawned compute party exited with status {proc.returncode}: "
+                f"{tail[0] if tail else '(no output)'} (log: {log_path})"
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(5)
+            raise TimeoutError(
+                f"the spawned compute party did not start within {start_timeout_s:g} "
+                f"s (log: {log_path})"
+            )
+        time.sleep(0.05)
+    address = port_file.read_text().strip()
+    settings = LinkSettings(
+        address, token_file=str(token_file), insecure=insecure, **tls
+    )
+    log.info("spawned compute party pid %d on %s", proc.pid, address)
+    return SpawnedServer(proc, settings, log_path)

@@ -1,0 +1,338 @@
+"""``aisyn split train``: the data party's training loop.
+
+The same run folder as ``aisyn train`` (config.json with ``"kind": "split"``,
+metrics.jsonl, loss.png, checkpoints/, tokenizer.model), holding only A's
+half of the model; each metrics record adds the link bytes sent and received
+in that step. Checkpoints come in step-consistent pairs: A asks B to save
+step N, waits until B's copy is on disk, then writes its own; both keep the
+last few, so after a crash of either side (even mid-save) the newest step
+both have exists, and ``--resume`` continues from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from aisyn.data.shards import open_many
+from aisyn.model.pangu import PanguConfig, load_config
+from aisyn.model.segments import DATA_PARTY, PartitionError, parse_partition
+from aisyn.split import protocol as proto
+from aisyn.split.data_party import DataSession, SplitModel
+from aisyn.split.party import PartyState, checkpoint_folder, checkpoint_steps
+from aisyn.split.session import open_grpc, open_local, spawn_compute_party
+from aisyn.split.transport import LinkSettings
+from aisyn.train import checkpoint as ckpt
+from aisyn.train.loop import TrainConfig, evaluate_loss, resolve_device
+from aisyn.train.run import RunDir
+from aisyn.train.sampler import BatchSampler
+
+log = logging.getLogger("aisyn.split")
+
+MODES = ("local", "grpc")
+COMPUTE_DIR = "compute"  # in-process compute party's folder inside A's run
+SPAWN_DIR = "spawned"  # certificates, token and log of a spawned compute party
+
+
+@dataclass
+class SplitOptions:
+    cut: str = "u:1,1"
+    mode: str = "local"
+    window: int = 0  # micro-batches in flight; 0 = lockstep
+    codec: str = "none"
+    peer: LinkSettings | None = None  # grpc mode, unless spawning
+    spawn_backbone: bool = False
+    spawn_insecure: bool = False
+    connect_timeout_s: float = 60.0
+    recv_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--mode {self.mode!r}: use local or grpc")
+        if self.window < 0:
+            raise ValueError(f"--pipeline {self.window}: must be >= 0")
+        if self.mode == "grpc" and self.peer is None and not self.spawn_backbone:
+            raise ValueError("--mode grpc needs --peer HOST:PORT or --spawn-backbone")
+        if self.mode == "local" and (self.peer is not None or self.spawn_backbone):
+            raise ValueError("--peer/--spawn-backbone need --mode grpc")
+
+    def record(self) -> dict:
+        d = asdict(self)
+        d["peer"] = self.peer.to_dict() if self.peer else None
+        return d
+
+
+def model_config_for(model: PanguConfig | str | Path, tokenizer: dict) -> PanguConfig:
+    """The model config, with the vocabulary of the data's tokenizer (as
+    ``aisyn train`` does, so both runs build the same model)."""
+    mcfg = load_config(model) if isinstance(model, str | Path) else model
+    if mcfg.vocab_size != tokenizer["vocab_size"]:
+        mcfg = PanguConfig(**{**mcfg.to_dict(), "vocab_size": tokenizer["vocab_size"]})
+    return mcfg
+
+
+@contextlib.contextmanager
+def open_session(
+    run: RunDir,
+    mcfg: PanguConfig,
+    partition,
+    hello: dict,
+    opts: SplitOptions,
+    device: str,
+):
+    """Yields an ``Opened`` session with the compute party, however reached."""
+    if opts.mode == "local":
+        with open_local(
+            mcfg,
+            partition,
+            run.path / COMPUTE_DIR,
+            hello,
+            codec=opts.codec,
+            device=device,
+            recv_timeout_s=opts.recv_timeout_s,
+        ) as opened:
+            yield opened
+        return
+    server = None
+    settings = opts.peer
+    try:
+        if opts.spawn_backbone:
+            server = spawn_compute_party(
+                run.path / SPAWN_DIR,
+                mcfg,
+                partition,
+                run.path / COMPUTE_DIR,
+                device=device,
+                insecure=opts.spawn_insecure,
+            )
+            settings = server.settings
+        assert settings is not None
+        with open_grpc(
+            settings,
+            hello,
+            codec=opts.codec,
+            connect_timeout_s=opts.connect_timeout_s,
+            recv_timeout_s=opts.recv_timeout_s,
+        ) as opened:
+            yield opened
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def split_train(
+    model_config: PanguConfig | str | Path,
+    data_dirs: Sequence[str | Path],
+    out: str | Path,
+    cfg: TrainConfig,
+    opts: SplitOptions,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Train as the data party; returns a summary like ``train.loop.train``."""
+    sources = open_many(data_dirs, "train")
+    tok = sources[0].tokenizer_info
+    mcfg = model_config_for(model_config, tok)
+    if sources[0].seq_len > mcfg.seq_len:
+        raise ValueError(
+            f"data seq_len {sources[0].seq_len} exceeds the model's {mcfg.seq_len}"
+        )
+    partition = parse_partition(opts.cut, mcfg)
+    if not partition.is_u_shape:
+        raise PartitionError(
+            f"--cut {opts.cut}: split training needs a U-shape cut (u:FRONT,BACK) "
+            "so that labels and the loss stay with the data party"
+        )
+    device = resolve_device(cfg.device)
+    run = RunDir(out)
+    run_id = None
+    if resume and (run.path / "config.json").is_file():
+        old = run.read_config()
+        if old.get("kind") != "split":
+            raise ValueError(f"{run.path}: not a split run; cannot --resume it here")
+        run_id = old["run_id"]
+    run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(4)
+    config = {
+        "kind": "split",
+        "party": DATA_PARTY,
+        "run_id": run_id,
+        "model": mcfg.to_dict(),
+        "partition": partition.to_dict(),
+        "train": cfg.to_dict(),
+        "split": opts.record(),
+        "data": [str(Path(d).resolve()) for d in data_dirs],
+        "tokenizer": tok,
+        "seq_len": sources[0].seq_len,
+    }
+    run.create(config, resume=resume)
+    run.copy_tokenizer(sources[0].data_dir / tok["file"])
+
+    state = PartyState(mcfg, partition, DATA_PARTY, cfg, device)
+    sampler = BatchSampler(sources, seed=cfg.seed)
+    eod_id = tok["eod_id"] if cfg.eod_reset else None
+    valid = open_many(data_dirs[:1], "valid")[0] if cfg.eval_every else None
+    a_steps = checkpoint_steps(run.checkpoints) if resume else []
+    hello = proto.hello(
+        purpose="train",
+        run_id=run_id,
+        model=mcfg.to_dict(),
+        partition=partition.to_dict(),
+        train=cfg.to_dict(),
+        resume=resume,
+        a_steps=a_steps,
+        codec=opts.codec,
+    )
+    with open_session(run, mcfg, partition, hello, opts, cfg.device) as opened:
+        return _train_loop(
+            run, opened, state, sampler, valid, eod_id, cfg, opts, a_steps, progress
+        )
+
+
+def _train_loop(
+    run: RunDir,
+    opened,
+    state: PartyState,
+    sampler: BatchSampler,
+    valid,
+    eod_id: int | None,
+    cfg: TrainConfig,
+    opts: SplitOptions,
+    a_steps: list[int],
+    progress: bool,
+) -> dict:
+    link = opened.link
+    session = DataSession(state, link, eod_id=eod_id, window=opts.window)
+    start_step, elapsed0, tokens = opened.reply["start_step"], 0.0, 0
+    if start_step:
+        folder = checkpoint_folder(run.checkpoints, start_step)
+        saved = state.load(folder)
+        sampler.load_state_dict(saved["sampler"])
+        elapsed0, tokens = saved["elapsed_s"], saved["tokens"]
+        run.truncate_metrics(start_step)
+        if a_steps and start_step < a_steps[-1]:
+            log.warning(
+                "the compute party has no checkpoint of step %d; both resume from "
+                "step %d",
+                a_steps[-1],
+                start_step,
+            )
+        log.info("resumed from %s (step %d)", folder, start_step)
+
+    run_id = run.read_config()["run_id"]
+
+    def save(step: int, elapsed: float) -> None:
+        session.save_remote(step)
+        ckpt.save(
+            run.checkpoints,
+            step,
+            state.tensors(),
+            {
+                "party": DATA_PARTY,
+                "run_id": run_id,
+                "sampler": sampler.state_dict(),
+                "elapsed_s": elapsed,
+                "tokens": tokens,
+                "model": state.cfg.to_dict(),
+                "partition": state.partition.to_dict(),
+                "train": cfg.to_dict(),
+            },
+            keep=cfg.keep_checkpoints,
+        )
+
+    seq_len = sampler.sources[0].seq_len
+    tokens_per_step = cfg.batch_size * seq_len
+    t0 = time.perf_counter() - elapsed0
+    result: dict = {}
+    sent_total = recv_total = 0
+    bar = tqdm(
+        total=cfg.steps,
+        initial=start_step,
+        disable=not progress or None,
+        desc="split train",
+        unit="step",
+        dynamic_ncols=True,
+    )
+    try:
+        with logging_redirect_tqdm():
+            for step in range(start_step, cfg.steps):
+                sent0, recv0 = link.bytes_sent, link.bytes_received
+                ts = time.perf_counter()
+                batch = sampler.next_batch(cfg.batch_size).to(state.device)
+                result = session.train_step(batch, step)
+                link.flush()
+                step_time = time.perf_counter() - ts
+                sent = link.bytes_sent - sent0
+                received = link.bytes_received - recv0
+                sent_total += sent
+                recv_total += received
+                tokens += tokens_per_step
+                done = step + 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{result['loss']:.4f}")
+                record = None
+                if done % cfg.log_every == 0 or done == cfg.steps or done == 1:
+                    record = {
+                        "step": done,
+                        "epoch": sampler.epoch,
+                        **result,
+                        "tokens": tokens,
+                        "elapsed_s": round(time.perf_counter() - t0, 4),
+                        "step_time_s": round(step_time, 4),
+                        "bytes_sent": sent,
+                        "bytes_received": received,
+                    }
+                    log.info(
+                        "step %d/%d loss: %.6f (sent %d B, received %d B)",
+                        done,
+                        cfg.steps,
+                        result["loss"],
+                        sent,
+                        received,
+                    )
+                if valid is not None and (
+                    done % cfg.eval_every == 0 or done == cfg.steps
+                ):
+                    record = record or {
+                        "step": done,
+                        "tokens": tokens,
+                        "elapsed_s": round(time.perf_counter() - t0, 4),
+                    }
+                    record["val_loss"] = evaluate_loss(
+                        SplitModel(session),
+                        valid,
+                        batch_size=cfg.batch_size,
+                        max_batches=cfg.eval_batches,
+                        eod_id=eod_id,
+                        device=state.device,
+                    )
+                    log.info("step %d valid loss: %.6f", done, record["val_loss"])
+                if record:
+                    run.log_metrics(record)
+                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
+                    save(done, time.perf_counter() - t0)
+                    run.plot()
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - t0
+    plot = run.plot()
+    steps_run = cfg.steps - start_step
+    return {
+        "run": str(run.path),
+        "steps": cfg.steps,
+        "tokens": tokens,
+        "final_loss": result.get("loss", math.nan),
+        "elapsed_s": elapsed,
+        "plot": str(plot) if plot else None,
+        "bytes_sent_per_step": sent_total / steps_run if steps_run else 0,
+        "bytes_received_per_step": recv_total / steps_run if steps_run else 0,
+    }

@@ -1,0 +1,91 @@
+"""How a split party reaches its peer: addresses, mTLS files and the token.
+
+Secrets never go on a command line (``ps`` shows it) or into a run folder:
+the token comes from a file (``--token-file``) or the ``AISYN_SPLIT_TOKEN``
+environment variable, and run folders record only file paths.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from aisyn.link.base import LinkOptions
+from aisyn.link.certs import TlsConfig
+
+TOKEN_ENV = "AISYN_SPLIT_TOKEN"
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """One side's connection settings (A dials ``address``, B listens on it)."""
+
+    address: str
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    server_name: str | None = None
+    token_file: str | None = None
+    insecure: bool = False
+    allow_insecure_remote: bool = False
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.tls_cert, self.tls_key, self.tls_ca)]
+        if any(given) and not all(given):
+            raise ValueError("mutual TLS needs all of --tls-cert, --tls-key, --tls-ca")
+        if all(given) and self.insecure:
+            raise ValueError("give either the --tls-* files or --insecure, not both")
+        if not all(given) and not self.insecure:
+            raise ValueError(
+                "the link needs mutual TLS (--tls-cert, --tls-key, --tls-ca); "
+                "plaintext only with --insecure (loopback only unless forced)"
+            )
+
+    def tls(self) -> TlsConfig | None:
+        if self.insecure:
+            return None
+        assert self.tls_cert and self.tls_key and self.tls_ca
+        for label, path in (
+            ("--tls-cert", self.tls_cert),
+            ("--tls-key", self.tls_key),
+            ("--tls-ca", self.tls_ca),
+        ):
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"{label} {path}: no such file")
+        return TlsConfig.from_files(
+            self.tls_cert, self.tls_key, self.tls_ca, self.server_name
+        )
+
+    def token(self) -> str:
+        if self.token_file is not None:
+            path = Path(self.token_file)
+            if not path.is_file():
+                raise FileNotFoundError(f"--token-file {path}: no such file")
+            token = path.read_text(encoding="utf-8").strip()
+            if not token:
+                raise ValueError(f"--token-file {path}: empty")
+            return token
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        if not token:
+            raise ValueError(
+                f"no shared token: give --token-file FILE or set {TOKEN_ENV}"
+            )
+        return token
+
+    def to_dict(self) -> dict:
+        """For run folders: paths and flags only, never the token itself."""
+        return {
+            k: (str(Path(v).resolve()) if k.startswith(("tls_", "token")) and v else v)
+            for k, v in asdict(self).items()
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LinkSettings:
+        return cls(**d)
+
+
+def link_options(
+    codec: str = "none", recv_timeout_s: float | None = None
+) -> LinkOptions:
+    return LinkOptions(codec=codec, recv_timeout_s=recv_timeout_s)

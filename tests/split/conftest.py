@@ -1,0 +1,127 @@
+"""Fixtures for split training: a model with a real middle, a baseline run,
+an in-process gRPC compute party, dev certificates, a hang watchdog."""
+
+from __future__ import annotations
+
+import faulthandler
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aisyn.model.pangu import PanguConfig
+from aisyn.train.loop import TrainConfig, train
+from aisyn.train.run import read_metrics
+
+TOKEN = "split-test-token"
+
+
+@pytest.fixture(autouse=True)
+def _watchdog() -> Iterator[None]:
+    """Dump all stacks and exit if a test hangs, so the suite always ends."""
+    faulthandler.dump_traceback_later(240, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="session")
+def split_config() -> PanguConfig:
+    """Five layers: with cut u:1,1 each party runs real blocks (A: embedding +
+    h0 and h2 + top query h4 + head; B: h1, h2... see CUT)."""
+    return PanguConfig(
+        vocab_size=8000,
+        hidden_size=32,
+        num_layers=5,
+        num_heads=4,
+        ffn_size=64,
+        seq_len=32,
+    )
+
+
+CUT = "u:1,1"  # A: embedding + h[0] | B: h[1:3] | A: h[3] + top query h[4] + head
+
+
+def train_cfg(**overrides) -> TrainConfig:
+    base = dict(
+        steps=20,
+        batch_size=8,
+        micro_batch_size=2,
+        lr=3e-3,
+        warmup_steps=4,
+        log_every=1,
+        seed=11,
+        device="cpu",
+    )
+    return TrainConfig(**{**base, **overrides})
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(Path(run) / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory, news_data, split_config) -> list[float]:
+    """Per-step losses of plain ``aisyn train`` (20 steps, 4 micro-batches)."""
+    out = tmp_path_factory.mktemp("baseline") / "run"
+    train(split_config, [news_data], out, train_cfg(), progress=False)
+    return losses(out)
+
+
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("token") / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory):
+    from aisyn.link.certs import make_dev_certs
+
+    return make_dev_certs(tmp_path_factory.mktemp("certs"))
+
+
+class ServerThread:
+    """A real gRPC compute party, serving sessions on a background thread."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from aisyn.link.errors import LinkTimeoutError
+
+        while not self.stopped.is_set():
+            try:
+                self.server.serve_one(timeout=0.2)
+            except LinkTimeoutError:
+                continue
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def __enter__(self) -> ServerThread:
+        self.server.start()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join(10)
+        self.server.stop()
+
+
+def start_server(
+    cfg: PanguConfig, root: Path, settings, cut: str = CUT
+) -> ServerThread:
+    from aisyn.link.base import LinkOptions
+    from aisyn.model.segments import parse_partition
+    from aisyn.split.compute_party import ComputeParty
+    from aisyn.split.server import SplitServer
+
+    party = ComputeParty(cfg, parse_partition(cut, cfg), root, device="cpu")
+    options = LinkOptions(keepalive_s=0.5, keepalive_timeout_s=1.0)
+    return ServerThread(SplitServer(party, settings, options))
