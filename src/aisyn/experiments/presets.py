@@ -1,0 +1,139 @@
+"""Sizes of the standalone / data-fusion / federated comparison.
+
+``ci`` exercises every regime in a few minutes on a 2-core CPU (its numbers say
+nothing about quality); ``full`` is the benchmark. Every regime gets the same
+budget of optimizer steps (``finetune_steps``): standalone and fusion run them
+on one model; federated runs them *in total* over its clients, as the
+reference counts them (5 rounds = 1.1w steps = 0.55w per client), i.e.
+``rounds * local_steps * clients == finetune_steps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from aisyn.train.loop import TrainConfig
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    # the base model (our stand-in for pretrained PanGu-alpha)
+    model: dict = field(default_factory=dict)
+    seq_len: int = 128
+    pretrain_steps: int = 100
+    pretrain_batch: int = 16
+    pretrain_lr: float = 3e-3
+    pretrain_warmup: int = 20
+    max_documents: int | None = None  # per domain (None: all)
+    # supervised cloze data
+    per_document: int = 5  # train/valid blanks per document
+    test_per_document: int = 5
+    max_test_items: int | None = None  # per domain (None: all)
+    # fine-tuning (same for every regime)
+    finetune_steps: int = 40
+    batch_size: int = 16
+    lr: float = 1e-3
+    min_lr: float | None = None
+    warmup: int = 10
+    weight_decay: float = 0.0
+    method: str = "full"
+    # federated
+    rounds: int = 2
+    strategy: str = "fedavg"
+    schedule: str = "continue"
+    proximal_mu: float = 0.01
+    server_momentum: float = 0.7
+    eta: float = 3e-3
+    eval_items: int = 64
+    seed: int = 1234
+
+    def pretrain_config(self) -> TrainConfig:
+        return TrainConfig(
+            steps=self.pretrain_steps,
+            batch_size=self.pretrain_batch,
+            lr=self.pretrain_lr,
+            warmup_steps=self.pretrain_warmup,
+            log_every=max(1, self.pretrain_steps // 50),
+            seed=self.seed,
+        )
+
+    def finetune_config(self, steps: int | None = None) -> TrainConfig:
+        return TrainConfig(
+            steps=steps or self.finetune_steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            min_lr=self.min_lr,
+            warmup_steps=self.warmup,
+            weight_decay=self.weight_decay,
+            log_every=max(1, (steps or self.finetune_steps) // 100),
+            seed=self.seed,
+        )
+
+    def local_steps(self, clients: int) -> int:
+        per_client = self.finetune_steps // clients
+        if per_client % self.rounds:
+            raise ValueError(
+                f"preset {self.name}: {self.finetune_steps} steps over {clients} "
+                f"clients do not split into {self.rounds} equal rounds"
+            )
+        return per_client // self.rounds
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_overrides(self, **kw) -> Preset:
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+TINY = dict(
+    vocab_size=8000,
+    hidden_size=128,
+    num_layers=4,
+    num_heads=4,
+    ffn_size=512,
+    seq_len=128,
+)
+
+PRESETS: dict[str, Preset] = {
+    "ci": Preset(
+        name="ci",
+        model=dict(TINY, hidden_size=64, num_heads=4, ffn_size=256, num_layers=3),
+        seq_len=64,
+        pretrain_steps=30,
+        pretrain_batch=8,
+        max_documents=1500,
+        per_document=2,
+        test_per_document=2,
+        max_test_items=60,
+        finetune_steps=8,
+        batch_size=8,
+        lr=1e-3,
+        warmup=2,
+        rounds=2,
+        eval_items=32,
+    ),
+    "full": Preset(
+        name="full",
+        model=dict(TINY),
+        seq_len=128,
+        pretrain_steps=2500,
+        pretrain_batch=16,
+        pretrain_lr=3e-3,
+        pretrain_warmup=100,
+        per_document=5,
+        test_per_document=5,
+        finetune_steps=1200,
+        batch_size=16,
+        lr=1e-3,
+        warmup=30,
+        rounds=10,
+        eval_items=256,
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {list(PRESETS)}")
+    return PRESETS[name]

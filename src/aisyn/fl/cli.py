@@ -1,0 +1,234 @@
+"""``aisyn fl simulate | server | client | partition``: federated fine-tuning."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from pathlib import Path
+
+from aisyn.fl.settings import SCHEDULES, STRATEGIES, FLSettings, load_settings
+
+_HELP = {
+    "rounds": "federated rounds R",
+    "local_steps": "optimizer steps per client per round (E)",
+    "batch_size": "samples per local optimizer step",
+    "micro_batch_size": "samples per forward/backward (0: whole batch)",
+    "lr": "peak local learning rate",
+    "min_lr": "final learning rate of the cosine decay (<0: lr/10)",
+    "warmup": "linear warm-up steps",
+    "schedule": "continue: one schedule across all rounds; restart: per round",
+    "method": "full: train (and send) all weights; lora: only LoRA adapters",
+    "strategy": "server aggregation",
+    "proximal_mu": "FedProx proximal-term weight mu",
+    "server_lr": "FedAvgM server learning rate",
+    "server_momentum": "FedAvgM server momentum",
+    "eta": "FedAdam server learning rate",
+    "tau": "FedAdam adaptivity (epsilon)",
+    "min_clients": "clients needed to start / aggregate a round",
+    "round_timeout": "seconds to wait for replies per round (dropouts)",
+    "eval_items": "client validation items per evaluation (0: all)",
+}
+
+
+def add_settings_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("federated settings (override --config)")
+    g.add_argument(
+        "--config",
+        default=None,
+        help="TOML of settings: a file or a shipped name (scenario3, scenario4)",
+    )
+    for f in fields(FLSettings):
+        flag = "--" + f.name.replace("_", "-")
+        kw: dict = {
+            "default": None,
+            "help": _HELP.get(f.name, f.name.replace("_", " ")),
+        }
+        if f.name == "strategy":
+            kw["choices"] = STRATEGIES
+        elif f.name == "schedule":
+            kw["choices"] = SCHEDULES
+        elif f.name == "method":
+            kw["choices"] = ("full", "lora")
+        else:
+            kw["type"] = type(f.default)
+        g.add_argument(flag, **kw)
+
+
+def settings_from_args(args) -> FLSettings:
+    overrides = {f.name: getattr(args, f.name) for f in fields(FLSettings)}
+    return load_settings(args.config, **overrides)
+
+
+def parse_clients(specs: list[str]) -> dict[str, str]:
+    clients: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--client {spec!r}: expected NAME=SFT_DIR")
+        if name in clients:
+            raise ValueError(f"--client {name}: given twice")
+        clients[name] = path
+    return clients
+
+
+def _print_result(result: dict) -> None:
+    for h in result["history"]:
+        loss = h.get("global_valid_loss")
+        shown = "-" if loss is None else f"{loss:.4f}"
+        print(
+            f"round {h['round']}: global valid loss before training {shown}, "
+            f"accepted {h.get('accepted')}/{h.get('clients')}, "
+            f"round {h.get('round_s') or 0:.1f} s"
+        )
+    if result.get("final_global_valid_loss") is not None:
+        print(f"final global valid loss {result['final_global_valid_loss']:.4f}")
+    print(f"global model: {result['run']}")
+
+
+def cmd_simulate(args) -> None:
+    from aisyn.fl.launch import simulate
+
+    settings = settings_from_args(args)
+    clients = parse_clients(args.client)
+    if args.min_clients is None and "min_clients" not in _config_keys(args.config):
+        settings.min_clients = len(clients)
+    result = simulate(args.base, clients, args.out, settings, echo=args.echo)
+    _print_result(result)
+    for name, path in result["clients"].items():
+        print(f"client {name}: {path}")
+
+
+def _config_keys(config: str | None) -> set[str]:
+    if config is None:
+        return set()
+    from aisyn.fl.settings import read_settings_file
+
+    return {k.replace("-", "_") for k in read_settings_file(config)}
+
+
+def cmd_server(args) -> None:
+    from aisyn.fl.launch import serve
+    from aisyn.fl.runtime import ServerTls
+
+    tls_files = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile)
+    if any(tls_files) and not all(tls_files):
+        raise ValueError("give all of --ssl-certfile, --ssl-keyfile, --ssl-ca-certfile")
+    tls = ServerTls(*map(Path, tls_files)) if all(tls_files) else None
+    result = serve(
+        args.base,
+        args.out,
+        settings_from_args(args),
+        host=args.host,
+        port=args.port,
+        tls=tls,
+        allow_insecure=args.insecure_remote,
+    )
+    _print_result(result)
+
+
+def cmd_client(args) -> None:
+    from aisyn.fl.launch import join
+
+    rc = join(
+        args.superlink,
+        args.name,
+        args.data,
+        args.base,
+        args.out,
+        root_certificates=Path(args.root_certificates)
+        if args.root_certificates
+        else None,
+        allow_insecure=args.insecure_remote,
+    )
+    if rc:
+        raise OSError(f"flower-supernode exited with status {rc}")
+
+
+def cmd_partition(args) -> None:
+    from aisyn.fl.partition import partition_iid
+
+    dirs = partition_iid(args.data, args.out, args.parts, seed=args.seed)
+    print(json.dumps({"parts": [str(d) for d in dirs]}, indent=2))
+
+
+def register(sub) -> None:
+    fl = sub.add_parser(
+        "fl",
+        help="federated fine-tuning on Flower",
+        description="Federated supervised fine-tuning of a base model: clients train "
+        "E local steps per round on their own SFT data; the server aggregates with "
+        "FedAvg / FedProx / FedAdam / FedAvgM. Full weights or LoRA adapters.",
+    )
+    fsub = fl.add_subparsers(dest="fl_command", required=True, metavar="ACTION")
+
+    s = fsub.add_parser(
+        "simulate",
+        help="all parties on this machine (loopback)",
+        description="Start a SuperLink and one SuperNode per --client on loopback, "
+        "run the federation, stop them. Writes OUT/server (global model, per-round "
+        "metrics), OUT/clients/NAME (local models) and OUT/runtime (Flower logs).",
+    )
+    s.add_argument("--base", required=True, help="base model run folder")
+    s.add_argument(
+        "--client",
+        action="append",
+        required=True,
+        help="NAME=SFT_DIR (repeat; one per organisation)",
+    )
+    s.add_argument("--out", required=True, help="run folder")
+    s.add_argument("--echo", action="store_true", help="stream the server log")
+    add_settings_args(s)
+    s.set_defaults(func=cmd_simulate)
+
+    sv = fsub.add_parser(
+        "server",
+        help="the server side: a SuperLink, then the run",
+        description="Start a SuperLink on --host:--port and run the federation once "
+        "--min-clients clients joined. TLS is required unless --host is loopback.",
+    )
+    sv.add_argument("--base", required=True, help="base model run folder")
+    sv.add_argument("--out", required=True, help="server run folder")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sv.add_argument("--port", type=int, default=9092)
+    sv.add_argument("--ssl-certfile", default=None, help="server certificate (PEM)")
+    sv.add_argument("--ssl-keyfile", default=None, help="server private key (PEM)")
+    sv.add_argument("--ssl-ca-certfile", default=None, help="CA certificate (PEM)")
+    sv.add_argument(
+        "--insecure-remote",
+        action="store_true",
+        help="allow plaintext on a non-loopback address (not recommended)",
+    )
+    add_settings_args(sv)
+    sv.set_defaults(func=cmd_server)
+
+    c = fsub.add_parser(
+        "client",
+        help="one organisation's client (a SuperNode)",
+        description="Connect to the server's SuperLink and train on this "
+        "organisation's SFT data when asked; runs until stopped (Ctrl-C).",
+    )
+    c.add_argument("--superlink", required=True, help="server HOST:PORT")
+    c.add_argument("--name", required=True, help="this client's name")
+    c.add_argument("--data", required=True, help="SFT folder (aisyn prepare-sft)")
+    c.add_argument("--base", required=True, help="base model run folder")
+    c.add_argument("--out", required=True, help="this client's run folder")
+    c.add_argument("--root-certificates", default=None, help="CA certificate (PEM)")
+    c.add_argument(
+        "--insecure-remote",
+        action="store_true",
+        help="allow plaintext to a non-loopback server (not recommended)",
+    )
+    c.set_defaults(func=cmd_client)
+
+    pt = fsub.add_parser(
+        "partition",
+        help="split pooled SFT data into IID parts (scenario 4)",
+        description="Pool the given SFT folders and deal their items at random into "
+        "--parts folders of the same distribution.",
+    )
+    pt.add_argument("--data", action="append", required=True, help="SFT folder")
+    pt.add_argument("--parts", type=int, default=2)
+    pt.add_argument("--out", required=True, help="folder for part0, part1, ...")
+    pt.add_argument("--seed", type=int, default=0)
+    pt.set_defaults(func=cmd_partition)

@@ -1,0 +1,41 @@
+"""The Flower ``ClientApp``: thin handlers around ``aisyn.fl.task``.
+
+Each SuperNode runs this once per message, in a fresh process. The node's own
+settings (its data, base model copy and run folder) come from the SuperNode's
+``--node-config``; everything else from the server's ``ConfigRecord``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.app import Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from aisyn.fl import task
+
+app = ClientApp()
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
+    for noisy in ("matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    _setup_logging()
+    node = task.ClientNode.from_node_config(dict(context.node_config))
+    arrays, metrics = task.client_train(
+        node, msg.content["config"], msg.content["arrays"]
+    )
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    _setup_logging()
+    node = task.ClientNode.from_node_config(dict(context.node_config))
+    metrics = task.client_evaluate(node, msg.content["config"], msg.content["arrays"])
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)

@@ -1,0 +1,213 @@
+"""``aisyn fl simulate | server | client``: start the parties and run the federation.
+
+Run folder of ``simulate`` (``server`` / ``client`` write their own part)::
+
+    OUT/server/              global model: config.json, metrics.jsonl (one line per
+                             round), loss.png, checkpoints/ (atomic, per round),
+                             result.json
+    OUT/clients/<name>/      each client's local model after each round, its
+                             metrics.jsonl (per step and per round) and loss.png
+    OUT/runtime/             Flower's logs, generated App, FLWR_HOME folders
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from aisyn.data.sft import SFTData
+from aisyn.fl import runtime
+from aisyn.fl.settings import FLSettings
+from aisyn.fl.task import RESULT_FILE, ServerNode, server_run_config
+from aisyn.train.finetune import check_data_matches, describe_base
+
+log = logging.getLogger("aisyn.fl")
+
+
+class FederatedRunError(RuntimeError):
+    """The federated run ended without a result (see the logs it names)."""
+
+
+def check_client(name: str, data: Path, base: Path) -> None:
+    """Fail early, with the client's name, on missing or mismatched data."""
+    info = describe_base(base)
+    try:
+        sft = SFTData.open(data, "train")
+        check_data_matches(info, [sft])
+    except ValueError as e:
+        raise ValueError(f"client {name}: {e}") from None
+
+
+def _check_fresh(path: Path) -> None:
+    if (path / "config.json").exists():
+        raise FileExistsError(f"{path}: already holds a run; choose another --out")
+
+
+def _result(server_out: Path, log_path: Path, rc: int) -> dict:
+    result_file = server_out / RESULT_FILE
+    if result_file.is_file():
+        return json.loads(result_file.read_text())
+    lines = []
+    if log_path.is_file():
+        lines = [
+            ln.strip()
+            for ln in log_path.read_text(errors="replace").splitlines()
+            if "Error" in ln or "error" in ln or "Exception" in ln
+        ]
+    hint = lines[-1] if lines else f"flwr run exited with {rc}"
+    raise FederatedRunError(f"federated run failed ({hint}); see {log_path}")
+
+
+def run_server_side(
+    base: Path,
+    out: Path,
+    settings: FLSettings,
+    superlink: runtime.Process,
+    address: str,
+    root_certificates: Path | None,
+    echo: bool,
+) -> dict:
+    runtime_dir = out / "runtime"
+    app = runtime.write_app(
+        runtime_dir / "app",
+        server_run_config(settings, ServerNode(base, out / "server")),
+    )
+    timeout = settings.rounds * 2 * settings.round_timeout + 600
+    rc = runtime.submit_run(
+        app,
+        address,
+        runtime_dir / "submit",
+        root_certificates=root_certificates,
+        timeout=timeout,
+        echo=echo,
+    )
+    if not superlink.alive():
+        raise FederatedRunError(f"the SuperLink died: {superlink.tail()}")
+    return _result(out / "server", runtime_dir / "submit" / "flwr-run.log", rc)
+
+
+def simulate(
+    base: str | Path,
+    clients: Mapping[str, str | Path],
+    out: str | Path,
+    settings: FLSettings,
+    *,
+    echo: bool = False,
+    validate: bool = True,
+) -> dict:
+    """All parties on this machine (loopback), each in its own processes.
+
+    ``validate=False`` skips the up-front check of the clients' data (tests use
+    it to put a failing party into a run).
+    """
+    base, out = Path(base).resolve(), Path(out).resolve()
+    if len(clients) < settings.min_clients:
+        raise ValueError(
+            f"{len(clients)} client(s) given but min-clients is {settings.min_clients}"
+        )
+    if validate:
+        for name, data in clients.items():
+            check_client(name, Path(data), base)
+    _check_fresh(out / "server")
+    threads = max(1, (os.cpu_count() or 1) // len(clients))
+    t0 = time.perf_counter()
+    procs: list[runtime.Process] = []
+    try:
+        port = runtime.free_port()
+        address = f"127.0.0.1:{port}"
+        superlink = runtime.start_superlink(
+            "127.0.0.1", port, out / "runtime" / "superlink"
+        )
+        procs.append(superlink)
+        runtime.wait_ready(superlink, address, None)
+        for name, data in clients.items():
+            procs.append(
+                runtime.start_supernode(
+                    address,
+                    {
+                        "name": name,
+                        "data": str(Path(data).resolve()),
+                        "base": str(base),
+                        "out": str(out / "clients" / name),
+                    },
+                    out / "runtime" / f"client-{name}",
+                    threads=threads,
+                )
+            )
+        result = run_server_side(base, out, settings, superlink, address, None, echo)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    result["wall_s"] = time.perf_counter() - t0
+    result["clients"] = {n: str(out / "clients" / n) for n in clients}
+    return result
+
+
+def serve(
+    base: str | Path,
+    out: str | Path,
+    settings: FLSettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 9092,
+    tls: runtime.ServerTls | None = None,
+    allow_insecure: bool = False,
+    echo: bool = True,
+) -> dict:
+    """The server side: a SuperLink, then the run once ``min-clients`` joined."""
+    base, out = Path(base).resolve(), Path(out).resolve()
+    describe_base(base)
+    _check_fresh(out / "server")
+    superlink = runtime.start_superlink(
+        host, port, out / "runtime" / "superlink", tls, allow_insecure
+    )
+    try:
+        local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        address = f"{local}:{port}" if ":" not in local else f"[{local}]:{port}"
+        ca = tls.ca_certfile if tls else None
+        runtime.wait_ready(superlink, address, ca)
+        log.info(
+            "SuperLink listening on %s:%d; waiting for %d client(s)",
+            host,
+            port,
+            settings.min_clients,
+        )
+        return run_server_side(base, out, settings, superlink, address, ca, echo)
+    finally:
+        superlink.stop()
+
+
+def join(
+    superlink: str,
+    name: str,
+    data: str | Path,
+    base: str | Path,
+    out: str | Path,
+    *,
+    root_certificates: Path | None = None,
+    allow_insecure: bool = False,
+) -> int:
+    """One organisation's client: a SuperNode serving ClientApp runs until stopped."""
+    data, base, out = Path(data).resolve(), Path(base).resolve(), Path(out).resolve()
+    check_client(name, data, base)
+    node = runtime.start_supernode(
+        superlink,
+        {"name": name, "data": str(data), "base": str(base), "out": str(out)},
+        out.parent / f".{out.name}-runtime",
+        root_certificates,
+        allow_insecure,
+    )
+    log.info(
+        "client %s connected to %s (logs: %s); Ctrl-C to stop",
+        name,
+        superlink,
+        node.log_path,
+    )
+    try:
+        return node.popen.wait()
+    finally:
+        node.stop()

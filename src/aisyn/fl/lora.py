@@ -1,0 +1,122 @@
+"""LoRA adapters on PanGu-α through ``peft``, and what a fine-tuning run trains.
+
+``peft.inject_adapter_in_model`` replaces the attention (``q_proj``, ``k_proj``,
+``v_proj``, ``c_proj``) and MLP (``c_fc``, ``c_proj``) ``nn.Linear`` modules of
+every block, matched by name, with LoRA layers in place; the base weights are
+frozen. Whatever the method, the *trainable tensors* are named exactly as in
+``model.named_parameters()``: all parameters for full fine-tuning, only
+``...lora_A.default.weight`` / ``...lora_B.default.weight`` for LoRA. Those, and
+nothing else, are what a federated client sends.
+
+Checkpoints are always written as plain PanGu-α weights (adapters merged:
+``W + scale * B @ A``), so ``aisyn eval`` and ``load_run_model`` read them like any
+other run.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from aisyn.train.checkpoint import unique_state_dict
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "c_proj", "c_fc")
+ADAPTER_NAME = "default"
+METHODS = ("full", "lora")
+
+
+@dataclass
+class Method:
+    """Full fine-tuning, or LoRA of a given rank on the named Linear modules."""
+
+    name: str = "full"
+    rank: int = 8
+    alpha: float = 16.0
+    targets: Sequence[str] = field(default_factory=lambda: TARGET_MODULES)
+
+    def __post_init__(self) -> None:
+        if self.name not in METHODS:
+            raise ValueError(f"unknown method {self.name!r}; expected one of {METHODS}")
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+        self.targets = tuple(self.targets)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["targets"] = list(self.targets)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Method:
+        return cls(**d)
+
+
+def apply_method(
+    model: nn.Module, method: Method, seed: int = 0
+) -> list[tuple[str, nn.Parameter]]:
+    """Prepare ``model`` for ``method``; returns its trainable (name, parameter)s.
+
+    LoRA ``A`` matrices are drawn from a generator seeded by ``seed`` (``B`` is
+    zero, so the adapted model starts equal to the base).
+    """
+    if method.name == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return list(model.named_parameters())
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(
+        r=method.rank,
+        lora_alpha=method.alpha,
+        target_modules=list(method.targets),
+        lora_dropout=0.0,
+        bias="none",
+    )
+    # peft draws A with the global RNG; fork it so the caller's stream is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not trainable or not all(".lora_" in n for n, _ in trainable):
+        raise RuntimeError(f"LoRA left unexpected trainable tensors: {trainable[:3]}")
+    return trainable
+
+
+def trainable_tensors(
+    trainable: Sequence[tuple[str, nn.Parameter]],
+) -> dict[str, torch.Tensor]:
+    """Detached fp32 CPU copies of the trainable tensors, by name."""
+    return {n: p.detach().float().cpu().clone() for n, p in trainable}
+
+
+@torch.no_grad()
+def load_trainable(
+    trainable: Sequence[tuple[str, nn.Parameter]], tensors: dict[str, torch.Tensor]
+) -> None:
+    """Copy ``tensors`` (validated beforehand) into the trainable parameters."""
+    for n, p in trainable:
+        p.copy_(tensors[n])
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Plain PanGu-α weights with every LoRA adapter merged in (a copy)."""
+    deltas = {}
+    # Without peft imported no adapter can be present (and importing it is slow).
+    if "peft" in sys.modules:
+        from peft.tuners.lora import LoraLayer
+
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer):
+                deltas[f"{name}.weight"] = module.get_delta_weight(ADAPTER_NAME)
+    out = {}
+    for name, t in unique_state_dict(model).items():
+        if ".lora_" in name:
+            continue
+        plain = name.replace(".base_layer.", ".")
+        out[plain] = t + deltas[plain] if plain in deltas else t.clone()
+    return out

@@ -1,0 +1,119 @@
+"""Tensors <-> Flower ``ArrayRecord``s, and the checks every received update passes.
+
+Flower serialises each ``Array`` with ``np.save(allow_pickle=False)`` and we
+only read them back through ``Array.numpy()`` (``np.load(allow_pickle=False)``),
+so nothing that crosses a process is ever unpickled. NumPy has no bfloat16, so
+bf16 tensors cannot go in an ``ArrayRecord``: everything travels as float32
+(the CPU default here; on GPU the bf16 autocast keeps fp32 master weights
+anyway).
+
+An update is accepted only if it carries exactly the expected tensor names,
+each with the expected shape and dtype (both the declared metadata and the
+decoded array), all values finite, and a positive finite sample count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+
+WIRE_DTYPE = "float32"
+WEIGHT_KEY = "num-examples"  # Flower strategies weight by this metric
+# Metrics every client reply carries (Flower requires the same keys everywhere).
+REPLY_METRICS = (
+    WEIGHT_KEY,
+    "train-loss",
+    "global-valid-loss",
+    "train-s",
+    "startup-s",
+    "load-s",
+)
+
+
+class UpdateRejected(ValueError):
+    """A model update failed validation; the message says which check."""
+
+
+def tensors_to_record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    """Named tensors as an ``ArrayRecord`` of float32 arrays (bf16 converted)."""
+    return ArrayRecord(
+        {
+            name: Array(t.detach().to("cpu", torch.float32).contiguous().numpy())
+            for name, t in tensors.items()
+        }
+    )
+
+
+def payload_bytes(record: ArrayRecord) -> int:
+    """Serialised size of the arrays (what travels, before HTTP framing)."""
+    return sum(len(a.data) for a in record.values())
+
+
+def expected_spec(record: ArrayRecord) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(a.shape) for k, a in record.items()}
+
+
+def decode_checked(
+    record: ArrayRecord, expected: dict[str, tuple[int, ...]]
+) -> dict[str, np.ndarray]:
+    """Decode every array, checking names, shapes, dtype and finiteness."""
+    names = set(record.keys())
+    if names != set(expected):
+        missing = sorted(set(expected) - names)
+        extra = sorted(names - set(expected))
+        raise UpdateRejected(
+            f"tensor names differ (missing {missing[:3]}{'...' * (len(missing) > 3)}, "
+            f"unexpected {extra[:3]}{'...' * (len(extra) > 3)})"
+        )
+    out = {}
+    for name, arr in record.items():
+        if arr.dtype != WIRE_DTYPE or tuple(arr.shape) != expected[name]:
+            raise UpdateRejected(
+                f"{name}: {arr.dtype}{list(arr.shape)}, expected "
+                f"{WIRE_DTYPE}{list(expected[name])}"
+            )
+        try:
+            value = arr.numpy()
+        except (ValueError, TypeError, OSError) as e:
+            raise UpdateRejected(f"{name}: undecodable array ({e})") from None
+        if value.dtype != np.float32 or value.shape != expected[name]:
+            raise UpdateRejected(
+                f"{name}: payload is {value.dtype}{list(value.shape)}, its header "
+                f"says {arr.dtype}{list(arr.shape)}"
+            )
+        if not np.isfinite(value).all():
+            raise UpdateRejected(f"{name}: non-finite values")
+        out[name] = value
+    return out
+
+
+def record_to_tensors(
+    record: ArrayRecord, expected: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v) for k, v in decode_checked(record, expected).items()}
+
+
+def check_reply(message: Message, expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise ``UpdateRejected`` unless ``message`` is a well-formed, sane update."""
+    if message.has_error():
+        raise UpdateRejected(f"client failed: {message.error.reason}")
+    content = message.content
+    if len(content.array_records) != 1 or "arrays" not in content.array_records:
+        raise UpdateRejected("expected exactly one ArrayRecord named 'arrays'")
+    if len(content.metric_records) != 1 or "metrics" not in content.metric_records:
+        raise UpdateRejected("expected exactly one MetricRecord named 'metrics'")
+    metrics: MetricRecord = content.metric_records["metrics"]
+    if set(metrics.keys()) != set(REPLY_METRICS):
+        raise UpdateRejected(
+            f"metrics {sorted(metrics.keys())} != {list(REPLY_METRICS)}"
+        )
+    for key in REPLY_METRICS:
+        value = metrics[key]
+        if isinstance(value, list) or not math.isfinite(float(value)):
+            raise UpdateRejected(f"metric {key!r} is not a finite number")
+    if float(metrics[WEIGHT_KEY]) <= 0:
+        raise UpdateRejected(f"{WEIGHT_KEY} must be positive")
+    decode_checked(content.array_records["arrays"], expected)

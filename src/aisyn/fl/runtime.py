@@ -1,0 +1,395 @@
+"""Flower's deployment runtime, driven from ``aisyn fl``: processes and the App.
+
+Why the deployment runtime and not ``flwr.simulation``: in flwr 1.42 the only
+simulation backend is Ray, which is not installed here and would add a large,
+slow-to-install dependency to CI. The deployment runtime ships with ``flwr``
+itself and is what organisations run across machines anyway: one
+``flower-superlink`` (server side; Fleet, Control and Runtime APIs on one HTTP
+port), one ``flower-supernode`` per organisation, and ``flwr run`` submitting
+the App. ``aisyn fl simulate`` starts all of them on loopback; ``aisyn fl
+server`` / ``aisyn fl client`` start one side each.
+
+The Flower App is generated: a ``pyproject.toml`` whose components point at
+the installed ``aisyn.fl.server_app:app`` / ``aisyn.fl.client_app:app`` and whose
+``[tool.flwr.app.config]`` holds this run's settings. Runtime dependency
+installation is disabled (``--disable-runtime-dependency-installation``), so
+nothing is fetched from a package index. Each process gets ``FLWR_HOME`` under
+the run folder (Flower's config and installed Apps stay out of ``~``),
+telemetry and update checks are off. Plaintext is refused off loopback: give
+TLS files there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("aisyn.fl.runtime")
+
+APP_NAME = "aisyn-federated"
+CONNECTION = "aisyn"
+SERVER_APP = "aisyn.fl.server_app:app"
+CLIENT_APP = "aisyn.fl.client_app:app"
+
+
+class RuntimeStartError(OSError):
+    """A Flower process could not be started or did not become ready."""
+
+
+@dataclass
+class ServerTls:
+    """The SuperLink's certificate, key and the CA that signed it (PEM files)."""
+
+    certfile: Path
+    keyfile: Path
+    ca_certfile: Path
+
+    def check(self) -> None:
+        for p in (self.certfile, self.keyfile, self.ca_certfile):
+            if not Path(p).is_file():
+                raise FileNotFoundError(f"{p}: TLS file not found")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{address!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def check_transport(host: str, tls: object | None, allow_insecure: bool) -> None:
+    """Plaintext only on loopback (or when explicitly allowed)."""
+    if tls is None and not is_loopback(host) and not allow_insecure:
+        raise ValueError(
+            f"{host} is not a loopback address: give TLS files (--ssl-certfile/"
+            "--ssl-keyfile/--ssl-ca-certfile on the server, --root-certificates "
+            "on clients) or pass --insecure-remote knowingly"
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def flower_env(flwr_home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "FLWR_HOME": str(flwr_home),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def executable(name: str) -> str:
+    """A Flower entry point next to this interpreter (works in an unactivated venv)."""
+    here = Path(sys.executable).parent / name
+    if here.is_file():
+        return str(here)
+    import shutil
+
+    found = shutil.which(name)
+    if found is None:
+        raise RuntimeStartError(f"`{name}` not found; is flwr installed?")
+    return found
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # TOML basic strings accept JSON's escapes
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def toml_table(name: str, d: dict) -> str:
+    lines = [f"[{name}]"] if name else []
+    lines += [f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in d.items()]
+    return "\n".join(lines) + "\n"
+
+
+class Process:
+    """A started Flower process in its own process group (so its children —
+    SuperExec, ServerApp/ClientApp processes — stop with it)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("ab")
+        log.debug("starting %s: %s", name, " ".join(cmd))
+        self.popen = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 5) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return " | ".join(t.strip() for t in text[-lines:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the group, then SIGKILL what is left after ``grace_s``."""
+        try:
+            pgid = os.getpgid(self.popen.pid)
+        except ProcessLookupError:
+            pgid = None
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) did not exit", self.name, self.popen.pid)
+        self._log.close()
+
+
+def start_superlink(
+    host: str,
+    port: int,
+    workdir: Path,
+    tls: ServerTls | None = None,
+    allow_insecure: bool = False,
+) -> Process:
+    check_transport(host, tls, allow_insecure)
+    cmd = [
+        executable("flower-superlink"),
+        "--disable-runtime-dependency-installation",
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
+    if tls is None:
+        cmd.append("--insecure")
+    else:
+        tls.check()
+        cmd += [
+            "--ssl-certfile",
+            str(tls.certfile),
+            "--ssl-keyfile",
+            str(tls.keyfile),
+            "--ssl-ca-certfile",
+            str(tls.ca_certfile),
+        ]
+    env = flower_env(workdir / "flwr_home")
+    return Process("superlink", cmd, env, workdir / "superlink.log")
+
+
+def wait_ready(
+    proc: Process,
+    address: str,
+    root_certificates: Path | None,
+    timeout: float = 60.0,
+) -> None:
+    """Wait until the SuperLink answers on its HTTP health endpoint."""
+    import httpx
+
+    host, port = split_address(address)
+    scheme = "https" if root_certificates else "http"
+    url = f"{scheme}://{host if ':' not in host else f'[{host}]'}:{port}/health"
+    verify = str(root_certificates) if root_certificates else False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeStartError(
+                f"{proc.name} exited with code {proc.popen.returncode}: {proc.tail()}"
+            )
+        try:
+            if httpx.get(url, timeout=1.0, verify=verify).is_success:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeStartError(f"{proc.name} not ready on {address} after {timeout:.0f} s")
+
+
+def write_node_config(path: Path, node_config: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(toml_table("", node_config), encoding="utf-8")
+    return path
+
+
+def start_supernode(
+    superlink: str,
+    node_config: dict,
+    workdir: Path,
+    root_certificates: Path | None = None,
+    allow_insecure: bool = False,
+    threads: int | None = None,
+) -> Process:
+    """One organisation's SuperNode; ``node_config`` is visible only to its
+    ClientApp (data path, base model, run folder). ``threads`` caps the CPU
+    threads of its ClientApp processes (several nodes sharing one machine would
+    otherwise oversubscribe it, which costs far more than it gains)."""
+    host, _ = split_address(superlink)
+    check_transport(host, root_certificates, allow_insecure)
+    config_file = write_node_config(workdir / "node-config.toml", node_config)
+    cmd = [
+        executable("flower-supernode"),
+        "--superlink",
+        superlink,
+        "--port",
+        str(free_port()),  # this node's local Runtime API (for its ClientApps)
+        "--node-config",
+        str(config_file),
+    ]
+    if root_certificates is None:
+        cmd.append("--insecure")
+    else:
+        if not Path(root_certificates).is_file():
+            raise FileNotFoundError(f"{root_certificates}: CA certificate not found")
+        cmd += ["--root-certificates", str(root_certificates)]
+    env = flower_env(workdir / "flwr_home")
+    return Process(
+        f"supernode {node_config.get('name', '')}", cmd, env, workdir / "supernode.log"
+    )
+
+
+def write_app(app_dir: Path, run_config: dict) -> Path:
+    """The Flower App folder: just a ``pyproject.toml`` pointing at our apps."""
+    from importlib.metadata import version
+
+    app_dir.mkdir(parents=True, exist_ok=True)
+    text = (
+        toml_table(
+            "project",
+            {
+                "name": APP_NAME,
+                "version": version("aisyn"),
+                "description": "AIsyn federated fine-tuning of PanGu-alpha",
+                "license": "Apache-2.0",
+            },
+        )
+        + "dependencies = []\n\n"
+        + toml_table("tool.flwr.app", {"publisher": "aisyn"})
+        + "\n"
+        + toml_table(
+            "tool.flwr.app.components",
+            {"serverapp": SERVER_APP, "clientapp": CLIENT_APP},
+        )
+        + "\n"
+        + toml_table("tool.flwr.app.config", run_config)
+    )
+    (app_dir / "pyproject.toml").write_text(text, encoding="utf-8")
+    return app_dir
+
+
+def submit_run(
+    app_dir: Path,
+    superlink: str,
+    workdir: Path,
+    root_certificates: Path | None = None,
+    timeout: float | None = None,
+    echo: bool = False,
+) -> int:
+    """``flwr run --stream`` the App on the SuperLink; returns its exit status.
+
+    The stream (the ServerApp's log) goes to ``workdir/flwr-run.log`` (and to
+    stderr with ``echo``).
+    """
+    home = workdir / "flwr_home"
+    env = flower_env(home)
+    conn = {"address": superlink}
+    if root_certificates is None:
+        conn["insecure"] = True
+    else:
+        conn["root-certificates"] = str(root_certificates)
+    (home / "config.toml").write_text(
+        toml_table("superlink", {"default": CONNECTION})
+        + "\n"
+        + toml_table(f"superlink.{CONNECTION}", conn),
+        encoding="utf-8",
+    )
+    cmd = [executable("flwr"), "run", str(app_dir), CONNECTION, "--stream"]
+    log_path = workdir / "flwr-run.log"
+    with log_path.open("ab") as out:
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        timed_out = threading.Event()
+
+        def kill() -> None:
+            timed_out.set()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+
+        timer = threading.Timer(timeout, kill) if timeout else None
+        if timer:
+            timer.daemon = True
+            timer.start()
+        assert proc.stdout is not None
+        try:
+            for line in iter(proc.stdout.readline, b""):
+                out.write(line)
+                out.flush()
+                if echo:
+                    sys.stderr.write(line.decode(errors="replace"))
+            rc = proc.wait()
+        finally:
+            if timer:
+                timer.cancel()
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(10)
+    if timed_out.is_set():
+        raise TimeoutError(f"federated run exceeded {timeout:.0f} s; see {log_path}")
+    return rc

@@ -1,0 +1,25 @@
+"""The Flower ``ServerApp``: reads the run config, hands over to ``aisyn.fl.task``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from aisyn.fl import task
+from aisyn.fl.settings import FLSettings
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
+    for noisy in ("matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    run_config = dict(context.run_config)
+    settings = FLSettings.from_run_config(run_config)
+    node = task.ServerNode(base=Path(run_config["base"]), out=Path(run_config["out"]))
+    task.run_server(settings, node, grid)

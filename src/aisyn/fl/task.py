@@ -1,0 +1,383 @@
+"""What a federated client and the server actually do, as plain functions.
+
+The Flower handlers in ``client_app.py`` / ``server_app.py`` only unpack
+messages and call these, so everything here can be tested without Flower's
+runtime.
+
+Client (one fresh process per message): load the base model (meta-init, then
+the weights; no random init, no re-tokenising: SFT data are pre-tokenised
+tensors), check that its base and data match what the server announced, load
+the global trainable tensors, report their validation loss, train E local
+steps continuing the run's schedule and data order, save its local model, and
+return only the trainable tensors.
+
+Server: hold the global trainable tensors, run a guarded Flower strategy for R
+rounds, and after every round write the global model atomically as a checkpoint
+and one line of ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+
+from aisyn.data.sft import SFTData
+from aisyn.fl.lora import (
+    apply_method,
+    load_trainable,
+    trainable_tensors,
+)
+from aisyn.fl.records import (
+    payload_bytes,
+    record_to_tensors,
+    tensors_to_record,
+)
+from aisyn.fl.settings import FLSettings
+from aisyn.fl.strategy import make_strategy
+from aisyn.train.finetune import (
+    BaseModel,
+    SFTBatches,
+    check_data_matches,
+    describe_base,
+    load_base,
+    save_model,
+    sft_eval_loss,
+    train_steps,
+)
+from aisyn.train.loop import make_optimizer, resolve_device
+from aisyn.train.run import TOKENIZER, RunDir, plot_loss, write_json_atomic
+
+log = logging.getLogger("aisyn.fl")
+
+RESULT_FILE = "result.json"
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux), to measure start-up cost."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# --- client ---------------------------------------------------------------------------
+
+
+@dataclass
+class ClientNode:
+    """A client's own settings (``--node-config``): never sent to the server."""
+
+    name: str
+    data: Path  # SFT folder of this organisation
+    base: Path  # base model run folder (its copy of the pretrained model)
+    out: Path  # this node's run folder
+
+    @classmethod
+    def from_node_config(cls, cfg: dict) -> ClientNode:
+        missing = [k for k in ("name", "data", "base", "out") if k not in cfg]
+        if missing:
+            raise ValueError(
+                f"node config lacks {missing} (start it with `aisyn fl client`)"
+            )
+        return cls(
+            str(cfg["name"]), Path(cfg["data"]), Path(cfg["base"]), Path(cfg["out"])
+        )
+
+
+def round_config(settings: FLSettings, base: BaseModel) -> ConfigRecord:
+    """What the server tells clients each round (Flower adds ``server-round``)."""
+    return ConfigRecord(
+        {
+            **settings.to_run_config(),
+            "base-fingerprint": base.fingerprint,
+        }
+    )
+
+
+def settings_from_record(config: ConfigRecord) -> tuple[FLSettings, str, int]:
+    d = dict(config)
+    fingerprint = str(d.pop("base-fingerprint", ""))
+    server_round = int(d.pop("server-round", 0))
+    return FLSettings.from_run_config(d), fingerprint, server_round
+
+
+class ClientContext:
+    """Base model, data and run folder of one client, checked against the server."""
+
+    def __init__(
+        self, node: ClientNode, settings: FLSettings, fingerprint: str
+    ) -> None:
+        t0 = time.perf_counter()
+        self.node = node
+        self.settings = settings
+        self.info = describe_base(node.base)
+        if fingerprint and self.info.fingerprint != fingerprint:
+            raise ValueError(
+                f"client {node.name}: base model {node.base} "
+                f"({self.info.fingerprint[:12]}) is not the server's "
+                f"({fingerprint[:12]})"
+            )
+        try:
+            self.data = SFTData.open(node.data, "train")
+        except ValueError as e:
+            raise ValueError(f"client {node.name}: {e}") from None
+        check_data_matches(self.info, [self.data])
+        self.device = resolve_device(settings.device)
+        torch.manual_seed(settings.seed)
+        self.model, _ = load_base(self.info, self.device)
+        self.trainable = apply_method(self.model, settings.method_spec(), settings.seed)
+        self.spec = {n: tuple(p.shape) for n, p in self.trainable}
+        self.run = RunDir(node.out)
+        self._ensure_run_folder()
+        self.load_s = time.perf_counter() - t0
+
+    def _ensure_run_folder(self) -> None:
+        if (self.run.path / "config.json").is_file():
+            return
+        self.run.create(
+            {
+                "kind": "finetune",
+                "role": "client",
+                "name": self.node.name,
+                "model": self.info.model.to_dict(),
+                "method": self.settings.method_spec().to_dict(),
+                "federated": self.settings.to_dict(),
+                "data": [str(self.node.data.resolve())],
+                "tokenizer": self.info.tokenizer,
+                "seq_len": self.data.seq_len,
+                "base": self.info.to_dict(),
+            },
+            resume=False,
+        )
+        self.run.copy_tokenizer(self.info.path / TOKENIZER)
+
+    def load_global(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+        try:
+            tensors = record_to_tensors(arrays, self.spec)
+        except ValueError as e:
+            raise ValueError(
+                f"client {self.node.name}: bad global model: {e}"
+            ) from None
+        load_trainable(self.trainable, tensors)
+        return tensors
+
+    def valid_loss(self) -> float:
+        try:
+            valid = SFTData.open(self.node.data, "valid")
+        except ValueError:
+            valid = self.data  # no valid split: use the train items' head
+        n = self.settings.eval_items or None
+        return sft_eval_loss(
+            self.model, valid, batch_size=self.settings.batch_size, max_items=n
+        )
+
+
+def client_train(
+    node: ClientNode, config: ConfigRecord, arrays: ArrayRecord
+) -> tuple[ArrayRecord, MetricRecord]:
+    """One round of local training; returns the trainable tensors and metrics."""
+    startup = process_age_s()
+    settings, fingerprint, server_round = settings_from_record(config)
+    if not 1 <= server_round <= settings.rounds:
+        raise ValueError(f"client {node.name}: bad server round {server_round}")
+    ctx = ClientContext(node, settings, fingerprint)
+    anchor = ctx.load_global(arrays)
+    global_loss = ctx.valid_loss()
+    E, cfg = settings.local_steps, settings.train_config()
+    first = (server_round - 1) * E
+    batches = SFTBatches([ctx.data], settings.seed, ctx.device)
+    batches.skip(first * settings.batch_size)  # resume this client's data order
+    optimizer = make_optimizer(ctx.trainable, cfg)
+    t0 = time.perf_counter()
+
+    def on_step(done: int, rec: dict) -> None:
+        if done % 10 == 0 or done == first + 1 or done == first + E:
+            ctx.run.log_metrics(
+                {
+                    "round": server_round,
+                    **rec,
+                    "epoch": round(batches.epoch_float, 4),
+                    "train_s": round(time.perf_counter() - t0, 4),
+                }
+            )
+
+    records = train_steps(
+        ctx.model,
+        ctx.trainable,
+        optimizer,
+        batches,
+        cfg,
+        range(first, first + E),
+        lr_at=lambda step: settings.lr_at(server_round, step),
+        prox_mu=settings.proximal_mu if settings.strategy == "fedprox" else 0.0,
+        anchor=anchor,
+        on_step=on_step,
+    )
+    train_s = time.perf_counter() - t0
+    reply = tensors_to_record(trainable_tensors(ctx.trainable))
+    mean_loss = sum(r["loss"] for r in records) / len(records)
+    save_model(
+        ctx.run,
+        ctx.model,
+        first + E,
+        {"round": server_round, "elapsed_s": train_s},
+        keep=1,
+    )
+    ctx.run.log_metrics(
+        {
+            "round": server_round,
+            "step": first + E,
+            "round_loss": mean_loss,
+            "global_valid_loss": global_loss,
+            "bytes_received": payload_bytes(arrays),
+            "bytes_sent": payload_bytes(reply),
+            "startup_s": startup,
+            "load_s": ctx.load_s,
+            "train_s": train_s,
+            "elapsed_s": (startup or 0.0) + time.perf_counter() - t0 + ctx.load_s,
+        }
+    )
+    ctx.run.plot(f"client {node.name}")
+    metrics = MetricRecord(
+        {
+            "num-examples": len(ctx.data),
+            "train-loss": mean_loss,
+            "global-valid-loss": global_loss,
+            "train-s": train_s,
+            "startup-s": startup or 0.0,
+            "load-s": ctx.load_s,
+        }
+    )
+    return reply, metrics
+
+
+def client_evaluate(
+    node: ClientNode, config: ConfigRecord, arrays: ArrayRecord
+) -> MetricRecord:
+    """Validation loss of the global model on this client's valid items."""
+    settings, fingerprint, server_round = settings_from_record(config)
+    ctx = ClientContext(node, settings, fingerprint)
+    ctx.load_global(arrays)
+    loss = ctx.valid_loss()
+    ctx.run.log_metrics({"round": server_round, "final_global_valid_loss": loss})
+    return MetricRecord({"num-examples": len(ctx.data), "valid-loss": loss})
+
+
+# --- server ---------------------------------------------------------------------------
+
+
+@dataclass
+class ServerNode:
+    base: Path
+    out: Path
+
+
+def server_run_config(settings: FLSettings, node: ServerNode) -> dict:
+    return {**settings.to_run_config(), "base": str(node.base), "out": str(node.out)}
+
+
+def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
+    """Run the federation over ``grid``; returns the summary also written to
+    ``OUT/result.json``."""
+    t_start = time.perf_counter()
+    info = describe_base(node.base)
+    model, _ = load_base(info, "cpu")
+    torch.manual_seed(settings.seed)
+    trainable = apply_method(model, settings.method_spec(), settings.seed)
+    initial = trainable_tensors(trainable)
+    run = RunDir(node.out)
+    run.create(
+        {
+            "kind": "finetune",
+            "role": "server",
+            "model": info.model.to_dict(),
+            "method": settings.method_spec().to_dict(),
+            "federated": settings.to_dict(),
+            "tokenizer": info.tokenizer,
+            "seq_len": info.model.seq_len,
+            "base": info.to_dict(),
+        },
+        resume=False,
+    )
+    run.copy_tokenizer(info.path / TOKENIZER)
+    strategy = make_strategy(settings)
+    spec = {n: tuple(p.shape) for n, p in trainable}
+    history: list[dict] = []
+
+    def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Flower calls this after every round with the current (last good) model."""
+        if server_round == 0:
+            return None
+        tensors = record_to_tensors(arrays, spec)
+        load_trainable(trainable, tensors)
+        save_model(
+            run,
+            model,
+            server_round * settings.local_steps,
+            {"round": server_round, "elapsed_s": time.perf_counter() - t_start},
+            keep=2,
+        )
+        entry = dict(strategy.round_log.get(server_round, {"round": server_round}))
+        t_sent = entry.pop("t_sent", None)
+        entry["round_s"] = time.perf_counter() - t_sent if t_sent else None
+        entry["step"] = server_round * settings.local_steps
+        entry["elapsed_s"] = time.perf_counter() - t_start
+        history.append(entry)
+        run.log_metrics(entry)
+        plot_loss(
+            run.metrics_path,
+            run.path / "loss.png",
+            "federated global model",
+            key="global_valid_loss",
+            x="round",
+        )
+        return None
+
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=tensors_to_record(initial),
+        num_rounds=settings.rounds,
+        timeout=settings.round_timeout,
+        train_config=round_config(settings, info),
+        evaluate_config=round_config(settings, info),
+        evaluate_fn=after_round,
+    )
+    final_eval = getattr(result, "evaluate_metrics_clientapp", {}) or {}
+    last = final_eval.get(settings.rounds)
+    summary = {
+        "status": "completed",
+        "rounds": settings.rounds,
+        "local_steps": settings.local_steps,
+        "settings": settings.to_dict(),
+        "history": history,
+        "final_global_valid_loss": float(last["valid-loss"]) if last else None,
+        "elapsed_s": time.perf_counter() - t_start,
+        "trainable_parameters": sum(p.numel() for _, p in trainable),
+        "payload_bytes_per_client": payload_bytes(tensors_to_record(initial)),
+        "run": str(run.path),
+    }
+    if last is not None:
+        run.log_metrics(
+            {
+                "round": settings.rounds,
+                "final_global_valid_loss": summary["final_global_valid_loss"],
+            }
+        )
+    write_json_atomic(run.path / RESULT_FILE, summary)
+    log.info(
+        "federated run finished: %s",
+        json.dumps(
+            {k: summary[k] for k in ("rounds", "final_global_valid_loss", "elapsed_s")}
+        ),
+    )
+    return summary

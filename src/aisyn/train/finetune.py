@@ -1,0 +1,440 @@
+"""Supervised fine-tuning on cloze items: loss on the answer tokens only.
+
+The same pieces serve every regime of the comparison:
+
+* ``finetune()`` — a standalone or data-fusion run (one or several SFT folders
+  pooled) from a base model, writing a run folder of ``"kind": "finetune"`` so
+  ``aisyn eval`` scores it in the ``prompt`` format it was trained on;
+* ``train_steps()`` — the local training a federated client runs for E steps per
+  round (``aisyn.fl.task``), with an optional FedProx proximal term.
+
+Reuses the standalone loop's optimizer (``make_optimizer``), schedule
+(``TrainConfig.lr_at``), run folder and checkpoints. Only the positions that
+carry a supervised target go through the (vocabulary-sized) output projection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from aisyn.data.cache import cache_dir
+from aisyn.data.sft import IGNORE, SFTData, cat_batches, open_sft_many
+from aisyn.fl.lora import Method, apply_method, merged_state_dict
+from aisyn.model.pangu import PanguAlpha, PanguConfig, build_model
+from aisyn.train import checkpoint as ckpt
+from aisyn.train.loop import (
+    TrainConfig,
+    autocast_for,
+    make_optimizer,
+    resolve_device,
+)
+from aisyn.train.run import TOKENIZER, RunDir
+from aisyn.train.sampler import BatchSampler
+
+log = logging.getLogger("aisyn.finetune")
+
+
+# --- the base model -----------------------------------------------------------------
+
+
+@dataclass
+class BaseModel:
+    """Where a base model lives and what it was made with."""
+
+    path: Path  # its run folder
+    checkpoint: Path  # the model.safetensors read
+    model: PanguConfig
+    tokenizer: dict  # sha256, vocab_size, eod_id, pad_id
+    fingerprint: str  # sha256 of the weights file
+
+    def to_dict(self) -> dict:
+        return {
+            "path": str(self.path),
+            "checkpoint": str(self.checkpoint),
+            "fingerprint": self.fingerprint,
+        }
+
+
+def file_fingerprint(path: Path) -> str:
+    """SHA-256 of a file, memoised by (path, size, mtime) so large bases hash once."""
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    memo = cache_dir("fingerprints") / f"{key.hexdigest()}.txt"
+    if memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+    tmp.write_text(h.hexdigest())
+    os.replace(tmp, memo)
+    return h.hexdigest()
+
+
+def describe_base(base: str | Path) -> BaseModel:
+    """Read a base run folder's config and locate its latest weights."""
+    run = RunDir(base)
+    config = run.read_config()
+    try:
+        mcfg = PanguConfig.from_dict(config["model"])
+        tok = dict(config["tokenizer"])
+        if "sha256" not in tok:
+            raise KeyError("tokenizer.sha256")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{run.path}/config.json: not a model run ({e})") from None
+    last = ckpt.latest(run.checkpoints)
+    if last is None:
+        raise ckpt.CheckpointError(f"{run.path}: base run has no checkpoint yet")
+    weights = last / ckpt.MODEL_FILE
+    if not weights.is_file():
+        raise ckpt.CheckpointError(f"{weights}: missing")
+    return BaseModel(run.path, weights, mcfg, tok, file_fingerprint(weights))
+
+
+def load_base(
+    base: BaseModel | str | Path, device: str | torch.device = "cpu"
+) -> tuple[PanguAlpha, BaseModel]:
+    """The base model's weights, without a wasted random init (meta, then load)."""
+    info = base if isinstance(base, BaseModel) else describe_base(base)
+    model = build_model(info.model, device="meta")
+    model.to_empty(device=device)
+    model.tie_weights()
+    ckpt.load_weights(model, ckpt.read_tensors(info.checkpoint), str(info.checkpoint))
+    return model.train(), info
+
+
+def check_data_matches(info: BaseModel, data: Sequence[SFTData]) -> None:
+    for d in data:
+        if d.tokenizer_info["sha256"] != info.tokenizer["sha256"]:
+            raise ValueError(
+                f"{d.data_dir}: prepared with tokenizer "
+                f"{d.tokenizer_info['sha256'][:12]}, but the base model {info.path} "
+                f"uses {info.tokenizer['sha256'][:12]}; re-run `aisyn prepare-sft "
+                f"--tokenizer {info.path / TOKENIZER}`"
+            )
+        if d.seq_len > info.model.seq_len:
+            raise ValueError(
+                f"{d.data_dir}: sequences of {d.seq_len} tokens exceed the base "
+                f"model's seq_len {info.model.seq_len}"
+            )
+
+
+# --- loss and one optimizer step ------------------------------------------------------
+
+
+def sft_loss_sum(
+    model: PanguAlpha, inputs: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over supervised positions, and their count."""
+    sel = targets != IGNORE
+    hidden = model.hidden(inputs)
+    logits = model.logits(hidden[sel]).float()
+    return F.cross_entropy(logits, targets[sel], reduction="sum"), int(sel.sum())
+
+
+@torch.no_grad()
+def add_proximal_grad(
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    anchor: dict[str, torch.Tensor],
+    mu: float,
+) -> float:
+    """FedProx: the gradient of (mu/2)||w - w_global||^2, added in place.
+
+    Returns the term's value. Added to the gradient directly (before clipping,
+    as if it were part of the loss) instead of through autograd, which would
+    keep a second copy of the graph over every parameter.
+    """
+    total = 0.0
+    for name, p in trainable:
+        diff = p.detach() - anchor[name]
+        total += float(diff.pow(2).sum())
+        if p.grad is None:
+            p.grad = diff.mul(mu)
+        else:
+            p.grad.add_(diff, alpha=mu)
+    return 0.5 * mu * total
+
+
+def sft_step(
+    model: PanguAlpha,
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    lr: float,
+    micro: int,
+    grad_clip: float,
+    prox_mu: float = 0.0,
+    anchor: dict[str, torch.Tensor] | None = None,
+) -> dict:
+    """One optimizer step on a batch; the loss is the mean over supervised tokens,
+    whatever the micro-batching."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    n_tok = int((targets != IGNORE).sum())
+    if n_tok == 0:
+        raise ValueError("a batch without supervised tokens (corrupt SFT data?)")
+    total = 0.0
+    with autocast_for(inputs.device):
+        for mi, mt in zip(inputs.split(micro), targets.split(micro), strict=True):
+            loss_sum, _ = sft_loss_sum(model, mi, mt)
+            (loss_sum / n_tok).backward()
+            total += loss_sum.item()
+    loss = total / n_tok
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"non-finite fine-tuning loss ({loss}); lower the learning rate"
+        )
+    record: dict = {"loss": loss, "lr": lr, "answer_tokens": n_tok}
+    if prox_mu > 0:
+        if anchor is None:
+            raise ValueError("FedProx needs the global weights as anchor")
+        record["prox"] = add_proximal_grad(trainable, anchor, prox_mu)
+    params = [p for _, p in trainable]
+    if grad_clip > 0:
+        record["grad_norm"] = nn.utils.clip_grad_norm_(params, grad_clip).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return record
+
+
+# --- data order -----------------------------------------------------------------------
+
+
+class SFTBatches:
+    """Deterministic batches over one or several SFT sources (pooled for fusion).
+
+    The order is ``BatchSampler``'s (a fresh permutation per epoch from
+    ``seed + epoch``), so a federated client that starts a fresh process every
+    round can resume exactly where it stopped with ``skip(samples)``.
+    """
+
+    def __init__(
+        self, sources: Sequence[SFTData], seed: int, device: torch.device
+    ) -> None:
+        self.sources = list(sources)
+        self.sampler = BatchSampler(self.sources, seed)
+        self.offsets = np.cumsum([0, *[len(s) for s in self.sources]])
+        self.device = device
+
+    def skip(self, samples: int) -> None:
+        s = self.sampler
+        s.load_state_dict(
+            {
+                "seed": s.seed,
+                "sizes": s.sizes,
+                "epoch": samples // s.total,
+                "position": samples % s.total,
+            }
+        )
+
+    @property
+    def epoch_float(self) -> float:
+        return self.sampler.epoch + self.sampler.position / self.sampler.total
+
+    def next(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = cat_batches(
+            self.sources, self.sampler.next_indices(n), self.offsets
+        )
+        return inputs.to(self.device), targets.to(self.device)
+
+
+def train_steps(
+    model: PanguAlpha,
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    batches: SFTBatches,
+    cfg: TrainConfig,
+    steps: range,
+    *,
+    lr_at: Callable[[int], float] | None = None,
+    prox_mu: float = 0.0,
+    anchor: dict[str, torch.Tensor] | None = None,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> list[dict]:
+    """Run optimizer steps ``steps`` (global step indices, for the schedule)."""
+    lr_at = lr_at or cfg.lr_at
+    records = []
+    for step in steps:
+        inputs, targets = batches.next(cfg.batch_size)
+        rec = sft_step(
+            model,
+            trainable,
+            optimizer,
+            inputs,
+            targets,
+            lr=lr_at(step),
+            micro=cfg.micro,
+            grad_clip=cfg.grad_clip,
+            prox_mu=prox_mu,
+            anchor=anchor,
+        )
+        rec["step"] = step + 1
+        records.append(rec)
+        if on_step is not None:
+            on_step(step + 1, rec)
+    return records
+
+
+@torch.no_grad()
+def sft_eval_loss(
+    model: PanguAlpha,
+    data: SFTData,
+    *,
+    batch_size: int = 32,
+    max_items: int | None = None,
+) -> float:
+    """Mean loss per supervised token over (the first ``max_items`` of) a split."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    n = len(data) if max_items is None else min(len(data), max_items)
+    total, count = 0.0, 0
+    with autocast_for(device):
+        for start in range(0, n, batch_size):
+            inputs, targets = data.batch(range(start, min(n, start + batch_size)))
+            loss_sum, k = sft_loss_sum(model, inputs.to(device), targets.to(device))
+            total += loss_sum.item()
+            count += k
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+# --- a standalone / data-fusion run ---------------------------------------------------
+
+
+def finetune_config(
+    info: BaseModel,
+    data: Sequence[SFTData],
+    cfg: TrainConfig,
+    method: Method,
+    **extra,
+) -> dict:
+    return {
+        "kind": "finetune",
+        "model": info.model.to_dict(),
+        "train": cfg.to_dict(),
+        "method": method.to_dict(),
+        "data": [str(d.data_dir.resolve()) for d in data],
+        "tokenizer": info.tokenizer,
+        "seq_len": data[0].seq_len,
+        "base": info.to_dict(),
+        **extra,
+    }
+
+
+def save_model(
+    run: RunDir, model: nn.Module, step: int, state: dict, keep: int
+) -> Path:
+    """A checkpoint of plain (adapter-merged) weights; atomic."""
+    return ckpt.save(
+        run.checkpoints,
+        step,
+        {ckpt.MODEL_FILE: merged_state_dict(model)},
+        state,
+        keep=keep,
+    )
+
+
+def finetune(
+    base: str | Path,
+    data_dirs: Sequence[str | Path],
+    out: str | Path,
+    cfg: TrainConfig,
+    method: Method | None = None,
+    *,
+    progress: bool = True,
+) -> dict:
+    """Fine-tune ``base`` on the pooled SFT folders; returns a summary dict."""
+    method = method or Method()
+    device = resolve_device(cfg.device)
+    info = describe_base(base)
+    data = open_sft_many(data_dirs, "train")
+    check_data_matches(info, data)
+    run = RunDir(out)
+    run.create(finetune_config(info, data, cfg, method), resume=False)
+    run.copy_tokenizer(info.path / TOKENIZER)
+    torch.manual_seed(cfg.seed)
+    model, _ = load_base(info, device)
+    trainable = apply_method(model, method, seed=cfg.seed)
+    optimizer = make_optimizer(trainable, cfg)
+    batches = SFTBatches(data, cfg.seed, device)
+    valid = None
+    if cfg.eval_every:
+        valid = SFTData.open(data[0].data_dir, "valid")
+    t0 = time.perf_counter()
+    bar = tqdm(total=cfg.steps, disable=not progress or None, desc="finetune")
+    last: dict = {}
+
+    def on_step(done: int, rec: dict) -> None:
+        nonlocal last
+        last = rec
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.4f}")
+        record = None
+        if done % cfg.log_every == 0 or done == cfg.steps or done == 1:
+            record = {
+                **rec,
+                "epoch": round(batches.epoch_float, 4),
+                "elapsed_s": round(time.perf_counter() - t0, 4),
+            }
+        if valid is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+            record = record or {"step": done}
+            record["val_loss"] = sft_eval_loss(
+                model,
+                valid,
+                batch_size=cfg.batch_size,
+                max_items=cfg.eval_batches * cfg.batch_size,
+            )
+        if record:
+            run.log_metrics(record)
+        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
+            save_model(
+                run,
+                model,
+                done,
+                {"elapsed_s": time.perf_counter() - t0, "method": method.to_dict()},
+                cfg.keep_checkpoints,
+            )
+
+    try:
+        train_steps(
+            model,
+            trainable,
+            optimizer,
+            batches,
+            cfg,
+            range(cfg.steps),
+            on_step=on_step,
+        )
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - t0
+    plot = run.plot()
+    summary = {
+        "run": str(run.path),
+        "steps": cfg.steps,
+        "epochs": round(batches.epoch_float, 4),
+        "final_loss": last.get("loss"),
+        "elapsed_s": elapsed,
+        "trainable_parameters": sum(p.numel() for _, p in trainable),
+        "plot": str(plot) if plot else None,
+    }
+    (run.path / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,119 @@
+"""Federated runs through Flower's deployment runtime on loopback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from aisyn.fl.launch import simulate
+from aisyn.fl.settings import FLSettings
+from aisyn.train.run import read_metrics
+
+
+def _check_run(result: dict, run, clients: list[str]) -> None:
+    hist = result["history"]
+    assert [h["round"] for h in hist] == [1, 2]
+    # the global model's validation loss drops: base (before round 1) -> final
+    assert result["final_global_valid_loss"] < hist[0]["global_valid_loss"] - 0.5
+    # per-node run folders: metrics with bytes, loss curves, checkpoints
+    server = run / "server"
+    assert (server / "loss.png").is_file() and (
+        server / "checkpoints" / "latest"
+    ).is_file()
+    for name in clients:
+        node = run / "clients" / name
+        rounds = [r for r in read_metrics(node / "metrics.jsonl") if "round_loss" in r]
+        assert [r["round"] for r in rounds] == [1, 2]
+        assert all(r["bytes_received"] == r["bytes_sent"] > 0 for r in rounds)
+        assert (node / "loss.png").is_file()
+    config = json.loads((server / "config.json").read_text())
+    assert config["kind"] == "finetune"  # so `aisyn eval` scores it in prompt format
+
+
+def test_two_clients_two_rounds_loopback_run_completes_and_loss_drops(
+    base_run, sft_dirs, tmp_path
+):
+    # Prepare
+    settings = FLSettings(
+        rounds=2,
+        local_steps=3,
+        batch_size=8,
+        lr=3e-3,
+        warmup=1,
+        eval_items=32,
+        min_clients=2,
+        round_timeout=300,
+    )
+    # Execute
+    result = simulate(base_run, sft_dirs, tmp_path / "run", settings)
+    # Assert
+    for h in result["history"]:
+        assert h["accepted"] == 2 and h["rejected"] == []
+        assert (
+            h["bytes_sent"]
+            == h["bytes_received"]
+            == 2 * result["payload_bytes_per_client"]
+        )
+    _check_run(result, tmp_path / "run", ["news", "reviews"])
+
+
+@pytest.mark.slow
+def test_failing_client_is_rejected_and_the_run_goes_on(base_run, sft_dirs, tmp_path):
+    """A third client whose data vanished fails every round; its error replies are
+    rejected and logged, the two others are aggregated."""
+    # Prepare
+    settings = FLSettings(
+        rounds=2,
+        local_steps=3,
+        batch_size=8,
+        lr=3e-3,
+        warmup=1,
+        eval_items=32,
+        min_clients=3,
+        round_timeout=300,
+    )
+    clients = {**sft_dirs, "broken": tmp_path / "no-such-data"}
+    # Execute
+    result = simulate(base_run, clients, tmp_path / "run", settings, validate=False)
+    # Assert
+    for h in result["history"]:
+        assert h["accepted"] == 2
+        [rejected] = h["rejected"]
+        assert (
+            "client failed" in rejected["reason"]
+            and "no-such-data" in rejected["reason"]
+        )
+        assert h["bytes_received"] == 2 * result["payload_bytes_per_client"]
+    _check_run(result, tmp_path / "run", ["news", "reviews"])
+
+
+def test_cli_reports_a_client_without_data_in_one_line(base_run, tmp_path):
+    # Execute
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aisyn.cli",
+            "fl",
+            "simulate",
+            "--base",
+            str(base_run),
+            "--client",
+            f"acme={tmp_path / 'missing'}",
+            "--client",
+            "b=x",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # Assert: exit 2, one line naming the client and the problem, nothing started
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("aisyn: error: client acme:") and "not found" in line
+    assert not (tmp_path / "run").exists()
