@@ -115,7 +115,7 @@ class ServerThread:
 
 
 def start_server(
-    cfg: PanguConfig, root: Path, settings, cut: str = CUT
+    cfg: PanguConfig, root: Path, settings, cut: str = CUT, **options
 ) -> ServerThread:
     from aisyn.link.base import LinkOptions
     from aisyn.model.segments import parse_partition
@@ -123,5 +123,5 @@ def start_server(
     from aisyn.split.server import SplitServer
 
     party = ComputeParty(cfg, parse_partition(cut, cfg), root, device="cpu")
-    options = LinkOptions(keepalive_s=0.5, keepalive_timeout_s=1.0)
-    return ServerThread(SplitServer(party, settings, options))
+    opts = LinkOptions(keepalive_s=0.5, keepalive_timeout_s=1.0, **options)
+    return ServerThread(SplitServer(party, settings, opts))

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 from aisyn.link.base import LinkOptions, PeerHello
-from aisyn.link.errors import LinkError
+from aisyn.link.errors import FrameError, LinkError
 from aisyn.link.grpc_link import GrpcLinkServer
 from aisyn.split.compute_party import ComputeParty, Session
 from aisyn.split.transport import LinkSettings
 
 log = logging.getLogger(__name__)
+
+_ABORT_GRACE_S = 1.0
 
 
 class SplitServer:
@@ -87,6 +90,11 @@ class SplitServer:
         try:
             self.party.serve_session(link, session)
             ok = True
+        except FrameError as e:
+            log.warning("session for run %s failed: %s", session.run_id, e)
+            # The link is already ending the call with the reason; closing it at
+            # once can cancel the call before that status reaches the peer.
+            time.sleep(_ABORT_GRACE_S)
         except LinkError as e:
             log.warning("session for run %s failed: %s", session.run_id, e)
         except Exception:  # a broken session must never take the server down

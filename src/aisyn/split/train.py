@@ -153,6 +153,8 @@ def split_train(
             f"--cut {opts.cut}: split training needs a U-shape cut (u:FRONT,BACK) "
             "so that labels and the loss stay with the data party"
         )
+    if opts.peer is not None:
+        opts.peer.validate()
     device = resolve_device(cfg.device)
     run = RunDir(out)
     run_id = None

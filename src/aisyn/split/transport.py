@@ -7,6 +7,7 @@ environment variable, and run folders record only file paths.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +41,18 @@ class LinkSettings:
             raise ValueError(
                 "the link needs mutual TLS (--tls-cert, --tls-key, --tls-ca); "
                 "plaintext only with --insecure (loopback only unless forced)"
+            )
+
+    def validate(self) -> None:
+        """Fail early (before any run folder is written) on bad settings."""
+        self.tls()
+        self.token()
+        host = self.address.rpartition(":")[0].strip("[]")
+        if self.insecure and not self.allow_insecure_remote and not _loopback(host):
+            raise ValueError(
+                f"refusing plaintext to non-loopback {self.address}: use mutual TLS "
+                "(activations and gradients reveal training data), or force it "
+                "with --allow-insecure-remote"
             )
 
     def tls(self) -> TlsConfig | None:
@@ -83,6 +96,15 @@ class LinkSettings:
     @classmethod
     def from_dict(cls, d: dict) -> LinkSettings:
         return cls(**d)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def link_options(

@@ -1,0 +1,242 @@
+"""Faults: a killed party (kill -9) is detected within seconds, and restarting
+with --resume reaches the same final loss as an uninterrupted run; checkpoint
+pairs stay step-consistent even when one side got further than the other."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CUT, losses, train_cfg
+
+from aisyn.split.train import SplitOptions, split_train
+from aisyn.split.transport import LinkSettings
+from aisyn.train.run import read_metrics
+
+STEPS, EVERY = 40, 5
+
+
+def cli_env() -> dict[str, str]:
+    return {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+
+
+def train_args(cfg_json: Path, data: Path, out: Path) -> list[str]:
+    c = train_cfg(steps=STEPS, ckpt_every=EVERY)
+    return [
+        sys.executable,
+        "-m",
+        "aisyn.cli",
+        "split",
+        "train",
+        "--model",
+        str(cfg_json),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--cut",
+        CUT,
+        "--steps",
+        str(c.steps),
+        "--batch-size",
+        str(c.batch_size),
+        "--micro-batch-size",
+        str(c.micro_batch_size),
+        "--lr",
+        str(c.lr),
+        "--warmup",
+        str(c.warmup_steps),
+        "--log-every",
+        "1",
+        "--seed",
+        str(c.seed),
+        "--ckpt-every",
+        str(EVERY),
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"process ended early ({proc.returncode})"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.005)
+
+
+def kill9(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cfg_json(tmp_path_factory, split_config) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "model.json"
+    path.write_text(json.dumps(split_config.to_dict()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, news_data, split_config) -> list[float]:
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    split_train(
+        split_config,
+        [news_data],
+        out,
+        train_cfg(steps=STEPS, ckpt_every=EVERY),
+        SplitOptions(cut=CUT, mode="local"),
+        progress=False,
+    )
+    return losses(out)
+
+
+def resume_local(news_data, split_config, out: Path) -> None:
+    split_train(
+        split_config,
+        [news_data],
+        out,
+        train_cfg(steps=STEPS, ckpt_every=EVERY),
+        SplitOptions(cut=CUT, mode="local"),
+        resume=True,
+        progress=False,
+    )
+
+
+def assert_same_run(out: Path, uninterrupted: list[float]) -> None:
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert steps == list(range(1, STEPS + 1))  # each step logged once
+    assert losses(out)[-1] == pytest.approx(uninterrupted[-1], rel=1e-6)
+    assert losses(out) == pytest.approx(uninterrupted, rel=1e-6)
+
+
+def test_kill_9_of_in_process_run_then_resume(
+    tmp_path, news_data, split_config, cfg_json, uninterrupted
+):
+    # Prepare: an in-process split run in a child process
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*train_args(cfg_json, news_data, out), "--mode", "local"],
+        env=cli_env(),
+        stderr=subprocess.PIPE,
+    )
+    # Execute: kill -9 right after the step-10 checkpoint pair exists
+    wait_for(out / "checkpoints" / "step_00000010" / "state.json", proc)
+    kill9(proc)
+    assert not (out / "checkpoints" / f"step_{STEPS:08d}").exists()
+    resume_local(news_data, split_config, out)
+    # Assert
+    assert_same_run(out, uninterrupted)
+
+
+def test_compute_party_ahead_of_data_party(
+    tmp_path, news_data, split_config, uninterrupted
+):
+    """B saved step 40 but A died before writing its half: both resume from the
+    newest step they both have (35) and still end where they should."""
+    out = tmp_path / "run"
+    split_train(
+        split_config,
+        [news_data],
+        out,
+        train_cfg(steps=STEPS, ckpt_every=EVERY),
+        SplitOptions(cut=CUT, mode="local"),
+        progress=False,
+    )
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")
+    (out / "checkpoints" / "latest").write_text(f"step_{STEPS - EVERY:08d}")
+    resume_local(news_data, split_config, out)
+    assert_same_run(out, uninterrupted)
+
+
+def serve_args(cfg_json: Path, root: Path, token: Path, address: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "aisyn.cli",
+        "split",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--address-file",
+        str(address),
+        "--model",
+        str(cfg_json),
+        "--cut",
+        CUT,
+        "--out",
+        str(root),
+        "--token-file",
+        str(token),
+        "--insecure",
+        "--device",
+        "cpu",
+    ]
+
+
+def start_serving(cfg_json, root, token, tmp_path) -> tuple[subprocess.Popen, str]:
+    address = tmp_path / f"address-{time.monotonic_ns()}"
+    proc = subprocess.Popen(
+        serve_args(cfg_json, root, token, address),
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for(address, proc)
+    return proc, address.read_text().strip()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["compute", "data"])
+def test_kill_9_over_grpc_then_resume(
+    tmp_path, news_data, split_config, cfg_json, token_file, uninterrupted, victim
+):
+    # Prepare: a compute party and a data party, each its own process
+    b_root, out = tmp_path / "b", tmp_path / "a"
+    server, address = start_serving(cfg_json, b_root, token_file, tmp_path)
+    peer = ["--mode", "grpc", "--peer", address, "--insecure"]
+    peer += ["--token-file", str(token_file)]
+    a = subprocess.Popen(
+        [*train_args(cfg_json, news_data, out), *peer],
+        env=cli_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(out / "checkpoints" / "step_00000010" / "state.json", a)
+        # Execute
+        if victim == "compute":
+            kill9(server)
+            t0 = time.monotonic()
+            _, err = a.communicate(timeout=30)
+            detected = time.monotonic() - t0
+            # Assert: the data party notices within seconds and says why
+            assert a.returncode == 2, err
+            assert detected < 10, f"took {detected:.1f} s to notice"
+            assert "aisyn: error:" in err and "peer" in err.lower(), err
+            server, address = start_serving(cfg_json, b_root, token_file, tmp_path)
+        else:
+            kill9(a)
+        settings = LinkSettings(address, token_file=str(token_file), insecure=True)
+        split_train(
+            split_config,
+            [news_data],
+            out,
+            train_cfg(steps=STEPS, ckpt_every=EVERY),
+            SplitOptions(cut=CUT, mode="grpc", peer=settings),
+            resume=True,
+            progress=False,
+        )
+        assert_same_run(out, uninterrupted)
+    finally:
+        for p in (a, server):
+            if p.poll() is None:
+                kill9(p)
