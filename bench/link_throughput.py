@@ -1,0 +1,312 @@
+"""Transport microbenchmark for the split-learning link.
+
+Party B (server) runs in a separate process, as it would in a real deployment,
+so sender and receiver do not share one GIL. For every transport/codec it
+measures, on the same machine in the same run:
+
+* throughput: N tensors sent back to back, timed until B acknowledges the last;
+  reported as tensor MB/s (what training sees) and wire MB/s;
+* latency: one tensor at a time, send -> B has decoded it -> B's scalar ack;
+* scalar RTT: ping-pong of the scalar side channel (the per-frame floor).
+
+The baseline is a plain TCP socket moving the same raw fp32 bytes with
+``sendall``/``recv_into`` into one reused buffer (no framing beyond a length
+prefix, no copies, no allocation per message).
+
+Every tensor the link receives is a fresh allocation the caller owns. With
+glibc's default malloc settings each multi-MiB allocation is a new mmap whose
+pages fault in on first touch, which dominates the receive path on small
+machines; ``--tune-malloc`` raises glibc's mmap/trim thresholds in both
+processes (what ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` or
+jemalloc/tcmalloc would do in a deployment) to show that effect.
+
+    python bench/link_throughput.py --quick
+    python bench/link_throughput.py --rtt-ms 20 --mbit 1000   # through ShapedProxy
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import grpc
+import torch
+
+from aisyn.link import DevCerts, GrpcLinkServer, ShapedProxy, connect, make_dev_certs
+from aisyn.link.codec import encode
+
+TOKEN = "bench-token"
+TIMEOUT = 300.0
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: tuple[int, ...]
+    n: int  # tensors in the throughput phase
+    m: int  # one-at-a-time latency samples
+    k: int  # scalar ping-pongs
+    tune_malloc: bool = False
+
+
+@dataclass(frozen=True)
+class Row:
+    transport: str
+    codec: str
+    tensor_mb: float
+    wire_mb: float
+    seconds: float
+    n: int
+    latency_ms: float
+    rtt_ms: float
+
+
+def tune_malloc() -> None:
+    """Keep freed multi-MiB blocks in the process instead of unmapping them."""
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 512 << 20)
+    libc.mallopt(m_trim_threshold, 2 << 30)
+
+
+# --------------------------------------------------------------- peer (party B)
+
+
+def grpc_peer(conn: Connection, certs_dir: str | None, plan: Plan) -> None:
+    if plan.tune_malloc:
+        tune_malloc()
+    tls = DevCerts.at(certs_dir).server_tls() if certs_dir else None
+    server = GrpcLinkServer(
+        "127.0.0.1:0", token=TOKEN, tls=tls, insecure=tls is None
+    ).start()
+    conn.send(server.port)
+    link = server.accept(timeout=TIMEOUT)
+    for i in range(plan.n):
+        link.recv("act", step=0, micro=i, timeout=TIMEOUT)
+    link.send_scalar("done", 0.0, step=0)
+    for i in range(1, plan.m + 1):
+        link.recv("act", step=i, timeout=TIMEOUT)
+        link.send_scalar("ack", 0.0, step=i)
+    for i in range(plan.m + 1, plan.m + 1 + plan.k):
+        link.send_scalar(
+            "pong", link.recv_scalar("ping", step=i, timeout=TIMEOUT), step=i
+        )
+    link.recv("bye", step=plan.m + plan.k + 1, timeout=TIMEOUT)  # A closes first
+    link.close()
+    server.stop()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        got = sock.recv_into(view)
+        if not got:
+            raise ConnectionError("peer closed")
+        view = view[got:]
+
+
+def tcp_peer(conn: Connection, _certs_dir: str | None, plan: Plan) -> None:
+    if plan.tune_malloc:
+        tune_malloc()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn.send(listener.getsockname()[1])
+        sock, _ = listener.accept()
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        header = bytearray(8)
+        buf = bytearray(0)
+        for _ in range(plan.n + plan.m + plan.k):
+            _recv_exact(sock, memoryview(header))
+            (size,) = struct.unpack("!Q", header)
+            if len(buf) < size:
+                buf = bytearray(size)
+            _recv_exact(sock, memoryview(buf)[:size])
+            sock.sendall(b"\x01")
+
+
+# ----------------------------------------------------------- client (party A)
+
+
+def start_peer(
+    target: Callable[[Connection, str | None, Plan], None],
+    certs_dir: str | None,
+    plan: Plan,
+) -> tuple[mp.process.BaseProcess, int]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, certs_dir, plan), daemon=True)
+    proc.start()
+    if not parent.poll(60):
+        raise RuntimeError("benchmark peer did not start")
+    return proc, parent.recv()
+
+
+def via_proxy(port: int, args: argparse.Namespace) -> tuple[ShapedProxy | None, int]:
+    if not args.rtt_ms and not args.mbit:
+        return None, port
+    proxy = ShapedProxy(
+        0, "127.0.0.1", port, args.rtt_ms, args.mbit * 1e6 if args.mbit else None
+    ).start()
+    return proxy, proxy.port
+
+
+def bench_grpc(
+    codec: str, certs_dir: str | None, plan: Plan, args: argparse.Namespace
+) -> Row:
+    proc, port = start_peer(grpc_peer, certs_dir, plan)
+    proxy, port = via_proxy(port, args)
+    tls = DevCerts.at(certs_dir).client_tls() if certs_dir else None
+    link = connect(
+        f"127.0.0.1:{port}", token=TOKEN, tls=tls, insecure=tls is None, timeout=60
+    )
+    x = torch.randn(plan.shape)
+    t0 = time.perf_counter()
+    for i in range(plan.n):
+        link.send("act", x, step=0, micro=i, codec=codec)
+    link.recv_scalar("done", step=0, timeout=TIMEOUT)
+    seconds = time.perf_counter() - t0
+    wire = link.bytes_sent
+
+    latencies = []
+    for i in range(1, plan.m + 1):
+        t1 = time.perf_counter()
+        link.send("act", x, step=i, codec=codec)
+        link.recv_scalar("ack", step=i, timeout=TIMEOUT)
+        latencies.append(time.perf_counter() - t1)
+    rtts = []
+    for i in range(plan.m + 1, plan.m + 1 + plan.k):
+        t1 = time.perf_counter()
+        link.send_scalar("ping", 1.0, step=i)
+        link.recv_scalar("pong", step=i, timeout=TIMEOUT)
+        rtts.append(time.perf_counter() - t1)
+    link.send("bye", torch.zeros(1), step=plan.m + plan.k + 1)
+    link.close()
+    proc.join(30)
+    if proxy:
+        proxy.stop()
+    name = ("grpc tls" if certs_dir else "grpc insecure") + (" shaped" if proxy else "")
+    return Row(
+        name,
+        codec,
+        x.numel() * 4 / MB,
+        wire / plan.n / MB,
+        seconds,
+        plan.n,
+        statistics.median(latencies) * 1000,
+        statistics.median(rtts) * 1000,
+    )
+
+
+def bench_tcp(plan: Plan, args: argparse.Namespace) -> Row:
+    proc, port = start_peer(tcp_peer, None, plan)
+    proxy, port = via_proxy(port, args)
+    x = torch.randn(plan.shape)
+    payload = memoryview(encode(x).payload.numpy())
+    header = struct.pack("!Q", len(payload))
+    ack = bytearray(1)
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def send_one(data: memoryview | bytes) -> None:
+            sock.sendall(struct.pack("!Q", len(data)))
+            sock.sendall(data)
+
+        t0 = time.perf_counter()
+        for _ in range(plan.n):
+            sock.sendall(header)
+            sock.sendall(payload)
+        for _ in range(plan.n):
+            _recv_exact(sock, memoryview(ack))
+        seconds = time.perf_counter() - t0
+        latencies, rtts = [], []
+        for samples, data in ((latencies, payload), (rtts, struct.pack("!d", 1.0))):
+            for _ in range(plan.m if samples is latencies else plan.k):
+                t1 = time.perf_counter()
+                send_one(data)
+                _recv_exact(sock, memoryview(ack))
+                samples.append(time.perf_counter() - t1)
+    proc.join(30)
+    if proxy:
+        proxy.stop()
+    size = len(payload) / MB
+    return Row(
+        "tcp socket" + (" shaped" if proxy else ""),
+        "raw",
+        size,
+        (len(payload) + 8) / MB,
+        seconds,
+        plan.n,
+        statistics.median(latencies) * 1000,
+        statistics.median(rtts) * 1000,
+    )
+
+
+def print_table(rows: list[Row]) -> None:
+    head = (
+        f"{'transport':<20} {'codec':<5} {'tensor MB':>9} {'wire MB':>8} "
+        f"{'tensor MB/s':>11} {'wire MB/s':>9} {'latency ms':>10} {'scalar RTT ms':>13}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        rate, wire_rate = r.tensor_mb * r.n / r.seconds, r.wire_mb * r.n / r.seconds
+        print(
+            f"{r.transport:<20} {r.codec:<5} {r.tensor_mb:>9.1f} {r.wire_mb:>8.1f} "
+            f"{rate:>11.0f} {wire_rate:>9.0f} {r.latency_ms:>10.1f} {r.rtt_ms:>13.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few iterations")
+    parser.add_argument(
+        "--shape", default="8,1024,1280", help="tensor shape (fp32), comma separated"
+    )
+    parser.add_argument("--codecs", default="none,fp16,int8")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="shape the link")
+    parser.add_argument("--mbit", type=float, default=0.0, help="shape the link")
+    parser.add_argument(
+        "--tune-malloc", action="store_true", help="raise glibc mmap/trim thresholds"
+    )
+    args = parser.parse_args(argv)
+    shape = tuple(int(d) for d in args.shape.split(","))
+    n, m, k = (4, 3, 20) if args.quick else (16, 8, 200)
+    plan = Plan(shape, n, m, k, args.tune_malloc)
+    if args.tune_malloc:
+        tune_malloc()
+    print(
+        f"link microbenchmark: shape {list(shape)} fp32, {plan.n} msgs/throughput run, "
+        f"{plan.m} latency samples, {plan.k} scalar RTTs; python "
+        f"{platform.python_version()}, torch {torch.__version__}, grpc "
+        f"{grpc.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} "
+        "torch threads"
+        + ("; malloc tuned" if args.tune_malloc else "")
+        + (
+            f"; shaped: rtt {args.rtt_ms} ms, {args.mbit} Mbit/s"
+            if args.rtt_ms or args.mbit
+            else ""
+        )
+    )
+    rows = [bench_tcp(plan, args)]
+    with tempfile.TemporaryDirectory() as tmp:
+        make_dev_certs(tmp)
+        for certs_dir in (None, tmp):
+            for codec in args.codecs.split(","):
+                rows.append(bench_grpc(codec, certs_dir, plan, args))
+                print(f"  done: {rows[-1].transport} {codec}", file=sys.stderr)
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

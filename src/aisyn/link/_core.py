@@ -1,0 +1,473 @@
+"""Transport-independent half of a link endpoint.
+
+:class:`LinkCore` owns the send queue and its thread, the receive mailbox,
+the ordering rules and the failure state. A transport subclass supplies the
+hooks below and feeds every inbound frame to :meth:`LinkCore._on_frame` from
+a single receiving thread.
+
+Protocol rules enforced here (the frame layer checks each frame in isolation):
+
+* steps never decrease on a direction of the link, and a (kind, tag, step,
+  micro) key is used once -- this is what lets ``recv`` match by key while
+  still catching a desynchronised or replaying peer;
+* frames of a step the receiver has already left can never be received; they
+  are dropped with a warning whether they arrived before or after the
+  receiver moved on (an error here would depend on thread timing);
+* unconsumed data is bounded by ``max_pending_bytes`` so a runaway peer
+  cannot exhaust memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from .base import Link, LinkOptions, PeerHello
+from .codec import dtype_name, effective_codec, encode
+from .errors import (
+    FrameError,
+    FrameMismatchError,
+    FrameOrderError,
+    FrameTooLargeError,
+    LinkClosedError,
+    LinkError,
+    LinkTimeoutError,
+    MalformedFrameError,
+    PeerLostError,
+)
+from .frames import (
+    BYE_FRAME,
+    MAX_DIMS,
+    SCALAR,
+    TENSOR,
+    FrameKey,
+    Inbound,
+    TensorAssembler,
+    check_scalar,
+    frame_kind,
+    key_problem,
+    scalar_frame,
+    tensor_frames,
+)
+
+log = logging.getLogger(__name__)
+
+#: Bookkeeping cost charged per buffered entry on top of its bytes, so a
+#: flood of empty tensors or scalars is bounded by max_pending_bytes too.
+_ENTRY_COST = 256
+
+
+class _Job(NamedTuple):
+    key: FrameKey | None  # None: say goodbye
+    tensor: torch.Tensor | None = None
+    value: float = 0.0
+    codec: str = "none"
+    version: int | None = None
+
+
+class LinkCore(Link):
+    """Common machinery of all link endpoints; see the module docstring."""
+
+    def __init__(self, options: LinkOptions, name: str, peer: PeerHello) -> None:
+        self.peer = peer
+        self._opts = options
+        self._name = name
+        self._cond = threading.Condition()
+        # Receive side; guarded by _cond.
+        self._pending: dict[FrameKey, tuple[torch.Tensor | float, int]] = {}
+        self._pending_bytes = 0
+        self._in_step = -1
+        self._in_keys: set[FrameKey] = set()
+        self._recv_step = -1
+        self._peer_gone: str | None = None
+        self._error: LinkError | None = None
+        # Send side; guarded by _cond except the counters, which have one writer.
+        self._out_step = -1
+        self._out_keys: set[FrameKey] = set()
+        self._queued = 0
+        self._closing = False
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._sent = 0
+        self._received = 0
+        self._assembler = TensorAssembler(options.max_tensor_bytes, self._admit)
+        self._sender = threading.Thread(
+            target=self._send_loop, name=f"{name}-send", daemon=True
+        )
+
+    def _start(self) -> None:
+        self._sender.start()
+
+    # ----------------------------------------------------------- transport hooks
+
+    @abstractmethod
+    def _write(self, frame: bytes) -> None:
+        """Hand one serialised frame to the wire; may block; raises LinkError if
+        the transport is gone."""
+
+    @abstractmethod
+    def _end_writes(self) -> None:
+        """Called after BYE was written: no more frames follow."""
+
+    @abstractmethod
+    def _teardown(self, exc: LinkError, notify_peer: bool) -> None:
+        """The link failed: stop the transport, telling the peer why if asked."""
+
+    @abstractmethod
+    def _shutdown(self, graceful: bool, timeout: float) -> None:
+        """Local close: after a graceful goodbye wait for the peer to finish,
+        then release transport resources."""
+
+    def _peer_said_bye(self) -> None:
+        """The peer sent BYE; the transport may stop writing."""
+
+    # ------------------------------------------------------------------ sending
+
+    def send(
+        self,
+        tag: str,
+        tensor: torch.Tensor,
+        *,
+        step: int,
+        micro: int = 0,
+        codec: str | None = None,
+    ) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"send() needs a torch.Tensor, got {type(tensor).__name__}")
+        codec = self._opts.codec if codec is None else codec
+        effective_codec(codec, tensor.dtype)  # unknown codec -> ValueError
+        dtype_name(tensor.dtype)
+        if tensor.layout is not torch.strided or tensor.dim() > MAX_DIMS:
+            raise ValueError(
+                f"only dense tensors of at most {MAX_DIMS} dims can be sent, got "
+                f"{tensor.layout} with {tensor.dim()} dims"
+            )
+        try:
+            version = tensor._version  # bumped by every in-place op on the storage
+        except RuntimeError:  # inference-mode tensors have no version counter
+            version = None
+        key = FrameKey(TENSOR, tag, step, micro)
+        self._enqueue(_Job(key, tensor.detach(), codec=codec, version=version))
+
+    def send_scalar(self, tag: str, value: float, *, step: int) -> None:
+        self._enqueue(_Job(FrameKey(SCALAR, tag, step, 0), value=float(value)))
+
+    def _enqueue(self, job: _Job) -> None:
+        key = job.key
+        assert key is not None
+        problem = key_problem(key.tag, key.step, key.micro)
+        if problem:
+            raise ValueError(problem)
+        with self._cond:
+            self._check_usable()
+            if self._peer_gone:
+                raise PeerLostError(
+                    f"{self._name}: cannot send {key}: {self._peer_gone}"
+                )
+            if key.step < self._out_step:
+                raise ValueError(
+                    f"cannot send {key}: step {self._out_step} was already sent "
+                    "and steps must not decrease"
+                )
+            if key.step > self._out_step:
+                self._out_step = key.step
+                self._out_keys.clear()
+            if key in self._out_keys:
+                raise ValueError(f"{key} was already sent")
+            self._out_keys.add(key)
+            self._queued += 1
+            # Inside the lock so wire order always matches the step checks above.
+            self._jobs.put(job)
+
+    def _send_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if self._error is None:  # after a failure, queued jobs are dropped
+                    self._transmit(job)
+            except LinkError as exc:
+                self._fail(exc, notify_peer=False)
+            except Exception as exc:  # a bug here must not leave recv() hanging
+                log.exception("%s: sender failed", self._name)
+                self._fail(LinkError(f"sender failed: {exc!r}"), notify_peer=False)
+            finally:
+                with self._cond:
+                    self._queued -= 1
+                    self._cond.notify_all()
+
+    def _transmit(self, job: _Job) -> None:
+        if job.key is None:
+            self._write_frame(BYE_FRAME)
+            self._end_writes()
+        elif job.key.kind == SCALAR:
+            self._write_frame(scalar_frame(job.key, job.value))
+        else:
+            self._transmit_tensor(job)
+
+    def _transmit_tensor(self, job: _Job) -> None:
+        assert job.key is not None and job.tensor is not None
+        enc = encode(job.tensor, job.codec)
+        frames = tensor_frames(job.key, enc, self._opts.chunk_bytes)
+        # Write each frame only once the next one is built, so the last frame is
+        # still held back when all reads of the tensor's memory are done: if the
+        # caller modified it meanwhile, the peer never completes a torn tensor.
+        last = next(frames)
+        for frame in frames:
+            self._write_frame(last)
+            last = frame
+        if job.version is not None and job.tensor._version != job.version:
+            raise LinkError(
+                f"{job.key} was modified in place after send() and before it was "
+                "transmitted; clone it before sending or send it later"
+            )
+        self._write_frame(last)
+
+    def _write_frame(self, frame: bytes) -> None:
+        self._write(frame)
+        self._sent += len(frame)
+
+    def flush(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queued and self._error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise LinkTimeoutError(
+                        f"{self._name}: {self._queued} send(s) still queued after "
+                        f"{timeout:g} s"
+                    )
+                self._cond.wait(remaining)
+            if self._error is not None:
+                self._check_usable()
+
+    # ---------------------------------------------------------------- receiving
+
+    def recv(
+        self,
+        tag: str,
+        *,
+        step: int,
+        micro: int = 0,
+        shape: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        key = FrameKey(TENSOR, tag, step, micro)
+        tensor = self._take(key, timeout)
+        assert isinstance(tensor, torch.Tensor)
+        expected_shape = None if shape is None else tuple(shape)
+        if (expected_shape is not None and tuple(tensor.shape) != expected_shape) or (
+            dtype is not None and tensor.dtype != dtype
+        ):
+            exc = FrameMismatchError(
+                f"{key}: expected {_describe(expected_shape, dtype)}, got "
+                f"{_describe(tuple(tensor.shape), tensor.dtype)}"
+            )
+            self._fail(exc, notify_peer=True)
+            raise exc
+        return tensor
+
+    def recv_scalar(
+        self, tag: str, *, step: int, timeout: float | None = None
+    ) -> float:
+        value = self._take(FrameKey(SCALAR, tag, step, 0), timeout)
+        assert isinstance(value, float)
+        return value
+
+    def _take(self, key: FrameKey, timeout: float | None) -> torch.Tensor | float:
+        problem = key_problem(key.tag, key.step, key.micro)
+        if problem:
+            raise ValueError(problem)
+        if timeout is None:
+            timeout = self._opts.recv_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if key.step < self._recv_step:
+                raise ValueError(
+                    f"cannot receive {key}: this side already moved on to step "
+                    f"{self._recv_step}"
+                )
+            if key.step > self._recv_step:
+                self._advance(key.step)
+            while True:
+                self._check_usable()
+                entry = self._pending.pop(key, None)
+                if entry is not None:
+                    self._pending_bytes -= entry[1]
+                    return entry[0]
+                if self._peer_gone:
+                    raise PeerLostError(
+                        f"{self._name}: {self._peer_gone}; {key} never arrived"
+                    )
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise LinkTimeoutError(
+                        f"{self._name}: timed out after {timeout:g} s waiting for {key}"
+                    )
+                self._cond.wait(remaining)
+
+    def _advance(self, step: int) -> None:
+        """Receiver moves on to ``step``; drop what earlier steps left unread."""
+        self._recv_step = step
+        stale = [key for key in self._pending if key.step < step]
+        if stale:
+            log.warning(
+                "%s: dropping %d frame(s) from earlier steps that were never "
+                "received: %s",
+                self._name,
+                len(stale),
+                ", ".join(map(str, stale[:4])),
+            )
+        for key in stale:
+            self._pending_bytes -= self._pending.pop(key)[1]
+
+    # ------------------------------------------------- inbound (transport thread)
+
+    def _on_frame(self, inbound: Inbound) -> None:
+        """Handle one inbound frame; raises FrameError on a protocol violation
+        (the transport then fails the link and tells the peer)."""
+        self._received += inbound.nbytes
+        frame = inbound.frame
+        if frame is None:
+            raise MalformedFrameError(inbound.error or "undecodable frame")
+        kind = frame_kind(frame)
+        if kind == "error":  # may legitimately cut a tensor short: checked first
+            msg = f"peer rejected the session: {frame.error.message}"
+            self._fail(FrameError(msg), notify_peer=False)
+            return
+        partial = self._assembler.in_progress
+        if partial is not None and kind != "tensor":
+            self._assembler.reset()
+            raise MalformedFrameError(
+                f"{partial} truncated: a {kind.upper()} frame arrived before its end"
+            )
+        if kind == "tensor":
+            done = self._assembler.add(frame.tensor, inbound.data)
+            if done is not None:
+                self._deliver(*done)
+        elif kind == "scalar":
+            key = check_scalar(frame.scalar)
+            self._admit(key, 0)
+            self._deliver(key, frame.scalar.value)
+        elif kind == "bye":
+            with self._cond:
+                self._peer_gone = "peer closed the link"
+                self._cond.notify_all()
+            self._peer_said_bye()
+        else:
+            raise MalformedFrameError(f"unexpected {kind.upper()} frame mid-session")
+
+    def _admit(self, key: FrameKey, nbytes: int) -> None:
+        """Ordering and memory checks before a frame's data is accepted."""
+        with self._cond:
+            if key.step < self._in_step:
+                raise FrameOrderError(
+                    f"{key} arrived after step {self._in_step}: steps must not decrease"
+                )
+            if key.step > self._in_step:
+                self._in_step = key.step
+                self._in_keys.clear()
+            if key in self._in_keys:
+                raise FrameOrderError(f"duplicate {key}")
+            cost = nbytes + _ENTRY_COST
+            if self._pending_bytes + cost > self._opts.max_pending_bytes:
+                raise FrameTooLargeError(
+                    f"{key}: receiver already buffers {self._pending_bytes} unread "
+                    f"bytes; max_pending_bytes={self._opts.max_pending_bytes}"
+                )
+            self._in_keys.add(key)
+            self._pending_bytes += cost  # reserved now, released when consumed
+
+    def _deliver(self, key: FrameKey, value: torch.Tensor | float) -> None:
+        nbytes = 0
+        if isinstance(value, torch.Tensor):
+            nbytes = value.numel() * value.element_size()
+        with self._cond:
+            if key.step < self._recv_step:
+                self._pending_bytes -= nbytes + _ENTRY_COST
+                log.warning(
+                    "%s: dropping %s: this side already moved on to step %d",
+                    self._name,
+                    key,
+                    self._recv_step,
+                )
+                return
+            self._pending[key] = (value, nbytes + _ENTRY_COST)
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------- failure, close
+
+    def _check_usable(self) -> None:
+        """Raise the sticky failure, if any (caller holds _cond)."""
+        if self._error is not None:
+            # A fresh instance per raise: re-raising one object would keep
+            # growing its traceback across calls.
+            raise type(self._error)(str(self._error))
+        if self._closing:
+            raise LinkClosedError(f"{self._name} is closed")
+
+    def _fail(self, exc: LinkError, *, notify_peer: bool) -> None:
+        with self._cond:
+            if self._error is not None or self._closing:
+                return
+            if self._peer_gone is not None and isinstance(exc, PeerLostError):
+                return  # the peer already said goodbye; keep unread frames readable
+            self._error = exc
+            self._cond.notify_all()
+        log.warning("%s: %s: %s", self._name, type(exc).__name__, exc)
+        self._teardown(exc, notify_peer)
+
+    def close(self) -> None:
+        timeout = self._opts.close_timeout_s
+        with self._cond:
+            if self._closing:
+                return
+            graceful = self._error is None and self._peer_gone is None
+            if graceful:
+                self._queued += 1
+                self._jobs.put(_Job(None))
+            self._closing = True
+        if graceful:
+            try:
+                self.flush(timeout)
+            except LinkError as exc:
+                log.warning("%s: closing without goodbye: %s", self._name, exc)
+                graceful = False
+        self._jobs.put(None)
+        self._shutdown(graceful, timeout)
+        self._sender.join(timeout)
+        with self._cond:
+            if self._error is None:
+                self._error = LinkClosedError(f"{self._name} is closed")
+            self._cond.notify_all()
+        log.info(
+            "%s: closed (%d bytes sent, %d received)",
+            self._name,
+            self._sent,
+            self._received,
+        )
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self._received
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._name}>"
+
+
+def _describe(shape: tuple[int, ...] | None, dtype: torch.dtype | None) -> str:
+    parts = []
+    if dtype is not None:
+        parts.append(str(dtype).removeprefix("torch."))
+    if shape is not None:
+        parts.append(str(list(shape)))
+    return " ".join(parts)

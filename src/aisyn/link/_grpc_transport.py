@@ -1,0 +1,258 @@
+"""The parts of the gRPC link shared by its client and server ends.
+
+A :class:`GrpcLink` adapts one bidirectional ``Exchange`` stream to
+:class:`LinkCore`: outbound frames go through a small bounded queue that gRPC
+drains (the request iterator on a client, the response generator on a
+server), inbound frames are read by a dedicated thread. Messages are
+serialised by the link itself (see ``frames.tensor_frames``), so gRPC is
+registered with an identity serialiser and ``frames.parse_frame`` as the
+deserialiser.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+
+import grpc
+
+from ._core import LinkCore
+from .base import LinkOptions, PeerHello
+from .errors import (
+    AuthError,
+    FrameError,
+    FrameTooLargeError,
+    HandshakeError,
+    LinkError,
+    MalformedFrameError,
+    PeerLostError,
+)
+from .frames import MAX_MESSAGE_BYTES, Inbound, check_hello
+
+log = logging.getLogger(__name__)
+
+SERVICE = "aisyn.link.v1.TensorLink"
+METHOD = f"/{SERVICE}/Exchange"
+TOKEN_HEADER = "authorization"
+
+_END = b""  # sentinel in the outbound queue; real frames are never empty
+
+
+def identity(frame: bytes) -> bytes:
+    return frame
+
+
+# ------------------------------------------------------------------ addresses
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` / ``"[v6]:port"`` -> (host, port); ValueError if malformed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected 'host:port', got {address!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_plaintext(
+    address: str, insecure: bool, allow_remote: bool, has_tls: bool
+) -> None:
+    """Enforce: TLS unless insecure=True, and plaintext only on loopback unless
+    explicitly allowed (activations and gradients leak training data)."""
+    if has_tls and insecure:
+        raise ValueError("pass either tls=... or insecure=True, not both")
+    if not has_tls and not insecure:
+        raise ValueError("TLS material is required; pass insecure=True for plaintext")
+    if insecure and not allow_remote:
+        host = split_host_port(address)[0]
+        if not is_loopback(host):
+            raise ValueError(
+                f"refusing plaintext on non-loopback address {address!r}: "
+                "use mutual TLS, or pass allow_insecure_remote=True"
+            )
+
+
+def grpc_options(opts: LinkOptions, *, server: bool) -> list[tuple[str, int]]:
+    keepalive_ms = int(opts.keepalive_s * 1000)
+    common = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # Pings detect a silent peer (unplugged cable, frozen host) within
+        # keepalive + timeout, even while no data flows.
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", int(opts.keepalive_timeout_s * 1000)),
+        # Recent gRPC cores time out the keepalive ping with the generic ping
+        # timeout (default 60 s) rather than keepalive_timeout_ms; set both.
+        ("grpc.http2.ping_timeout_ms", int(opts.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if server:
+        # Accept the client's frequent pings instead of answering GOAWAY
+        # "too_many_pings" (the default minimum interval is 5 minutes).
+        return common + [
+            ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+    return common + [
+        ("grpc.enable_retries", 0),  # a stream cannot be replayed transparently
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+# --------------------------------------------------------- status <-> errors
+
+
+def status_for(exc: LinkError) -> grpc.StatusCode:
+    if isinstance(exc, AuthError):
+        return grpc.StatusCode.UNAUTHENTICATED
+    if isinstance(exc, FrameError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, HandshakeError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.ABORTED
+
+
+def error_for(
+    code: grpc.StatusCode | None, details: str | None, peer: str
+) -> LinkError:
+    """Map a gRPC status received from ``peer`` to the link's exceptions."""
+    details = details or "no details"
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return AuthError(f"{peer} rejected our credentials: {details}")
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return FrameError(f"{peer} rejected the session: {details}")
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        return HandshakeError(f"{peer} refused the session: {details}")
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return FrameTooLargeError(f"{peer}: {details}")
+    name = code.name if code is not None else "stream error"
+    return PeerLostError(f"lost {peer}: {name}: {details}")
+
+
+# ----------------------------------------------------------------- the link
+
+
+class GrpcLink(LinkCore):
+    """A link over one gRPC ``Exchange`` stream (client or server end)."""
+
+    def __init__(
+        self, options: LinkOptions, name: str, peer: PeerHello | None, remote: str
+    ) -> None:
+        super().__init__(options, name, peer or PeerHello("", 0, ""))
+        self._remote = remote
+        self._hello_done = peer is not None
+        self._out: queue.Queue[bytes] = queue.Queue(maxsize=options.frames_in_flight)
+        self._dead = threading.Event()  # set once the stream takes no more frames
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"{name}-recv", daemon=True
+        )
+        self._inbound: Iterable[Inbound] = ()
+
+    # -- outbound
+
+    def _write(self, frame: bytes) -> None:
+        # Bounded waits so a sender blocked on a stalled stream notices teardown.
+        while not self._dead.is_set():
+            try:
+                self._out.put(frame, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        raise PeerLostError(f"{self._name}: stream closed")
+
+    def _outgoing(self) -> Iterator[bytes]:
+        """Frames for gRPC to write, until the end marker."""
+        while (frame := self._out.get()) is not _END:
+            yield frame
+
+    def _end_writes(self) -> None:
+        self._push_end()
+
+    def _peer_said_bye(self) -> None:
+        # Whatever we still had queued has no reader any more.
+        self._dead.set()
+        self._push_end(drop_queued=True)
+
+    def _push_end(self, last: bytes | None = None, drop_queued: bool = False) -> None:
+        """Queue ``last`` (if any) and the end marker; with ``drop_queued``,
+        unsent frames are discarded first (the session is being abandoned)."""
+        if drop_queued:
+            self._drain()
+        for item in (last, _END) if last is not None else (_END,):
+            while True:
+                try:
+                    self._out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    if self._dead.is_set():
+                        self._drain()  # gRPC may have stopped consuming
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                self._out.get_nowait()
+        except queue.Empty:
+            pass
+
+    # -- inbound
+
+    def _read_loop(self) -> None:
+        try:
+            for item in self._inbound:
+                if self._hello_done:
+                    self._on_frame(item)
+                else:
+                    self._on_hello(item)
+        except (FrameError, HandshakeError) as exc:
+            self._fail(exc, notify_peer=True)
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else "stream aborted"
+            self._fail(error_for(code, details, self._remote), notify_peer=False)
+        except Exception as exc:  # a bug here must not leave recv() hanging
+            log.exception("%s: receiver failed", self._name)
+            self._fail(LinkError(f"receiver failed: {exc!r}"), notify_peer=False)
+        else:
+            with self._cond:
+                expected = self._closing or self._peer_gone is not None
+            if not expected:
+                self._fail(PeerLostError(self._ended_abruptly()), notify_peer=False)
+        finally:
+            self._dead.set()
+
+    def _ended_abruptly(self) -> str:
+        return f"{self._remote} ended the session without saying goodbye"
+
+    def _on_hello(self, item: Inbound) -> None:
+        self._received += item.nbytes
+        if item.frame is None:
+            raise MalformedFrameError(item.error or "undecodable frame")
+        peer = check_hello(item.frame)
+        with self._cond:
+            self.peer = peer
+            self._hello_done = True
+            self._cond.notify_all()
+
+    def _wait_hello(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._hello_done or self._error, timeout)
+            if self._error is not None:
+                self._check_usable()
+            if not self._hello_done:
+                raise PeerLostError(
+                    f"no HELLO from {self._remote} within {timeout:g} s"
+                )

@@ -1,0 +1,66 @@
+"""Exceptions raised by links.
+
+Every failure a training loop may want to tell apart has its own class, all
+under :class:`LinkError`, and every message is one line that names the frame
+(tag/step/micro) or the peer involved, so a log line is enough to act on.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthError",
+    "FrameError",
+    "FrameMismatchError",
+    "FrameOrderError",
+    "FrameTooLargeError",
+    "HandshakeError",
+    "LinkClosedError",
+    "LinkError",
+    "LinkTimeoutError",
+    "MalformedFrameError",
+    "PeerLostError",
+]
+
+
+class LinkError(Exception):
+    """Base class of all link failures."""
+
+
+class FrameError(LinkError):
+    """A frame broke the protocol; the session it arrived on is over."""
+
+
+class MalformedFrameError(FrameError):
+    """Undecodable, truncated or internally inconsistent frame."""
+
+
+class FrameTooLargeError(FrameError):
+    """A frame or the data buffered for the receiver exceeds a configured limit."""
+
+
+class FrameOrderError(FrameError):
+    """Step went backwards, duplicate key, or chunks out of order."""
+
+
+class FrameMismatchError(FrameError):
+    """The tensor received does not have the shape/dtype the receiver expected."""
+
+
+class AuthError(LinkError):
+    """The peer's credentials (token or certificate) were rejected."""
+
+
+class HandshakeError(LinkError):
+    """The peers disagree on protocol version or the session was refused."""
+
+
+class PeerLostError(LinkError):
+    """The peer went away: connection lost, keepalive timed out or it said BYE."""
+
+
+class LinkTimeoutError(LinkError, TimeoutError):
+    """A receive or handshake did not complete within its timeout."""
+
+
+class LinkClosedError(LinkError):
+    """The link was closed locally."""

@@ -1,0 +1,457 @@
+"""Frame layer: serialise tensors into chunked frames and validate what arrives.
+
+Pure functions and one small state machine (:class:`TensorAssembler`); no
+threads, no I/O, so every rule here is unit-testable without a transport.
+
+Outbound tensor frames are produced by hand rather than by filling
+``TensorChunk.data`` and calling ``SerializeToString``: the protobuf route would
+copy each 4 MiB slice three times (into a bytes object, into the message, into
+the serialised string). Here the header is serialised by protobuf and the data
+field -- the last one in the message -- is appended with a single join straight
+from the tensor's memory. The result is ordinary protobuf wire format
+(tests check that ``Frame.FromString`` parses it to the expected message).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+
+from .base import MAX_CHUNK_BYTES, PeerHello
+from .codec import DTYPES, Encoded, decode, dtype_name, effective_codec, wire_sizes
+from .errors import (
+    FrameOrderError,
+    FrameTooLargeError,
+    HandshakeError,
+    MalformedFrameError,
+)
+from .proto import tensor_link_pb2 as pb
+
+PROTOCOL_VERSION = 1
+#: gRPC message limit: one chunk plus room for its header.
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024
+MAX_DIMS = 8
+MAX_ROLE_CHARS = 64
+MAX_SESSION_BYTES = 32 * 1024
+_TAG_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+
+TENSOR = "tensor"
+SCALAR = "scalar"
+
+
+class FrameKey(NamedTuple):
+    """Address of one tensor or scalar on the link."""
+
+    kind: str  # TENSOR or SCALAR
+    tag: str
+    step: int
+    micro: int
+
+    def __str__(self) -> str:
+        if self.kind == SCALAR:
+            return f"scalar {self.tag!r} step {self.step}"
+        return f"tensor {self.tag!r} step {self.step} micro {self.micro}"
+
+
+def key_problem(tag: str, step: int, micro: int) -> str | None:
+    """Why (tag, step, micro) is not a valid key, or None."""
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag):
+        return f"tag {tag!r} must be 1-128 characters of [A-Za-z0-9_.:/-]"
+    if not isinstance(step, int) or not 0 <= step <= _INT64_MAX:
+        return f"step {step!r} must be an int in [0, 2**63)"
+    if not isinstance(micro, int) or not 0 <= micro <= _INT32_MAX:
+        return f"micro {micro!r} must be an int in [0, 2**31)"
+    return None
+
+
+# --------------------------------------------------------------------- outbound
+
+
+def hello_frame(role: str, session: str) -> bytes:
+    if len(role) > MAX_ROLE_CHARS:
+        raise ValueError(f"role must be at most {MAX_ROLE_CHARS} characters")
+    if len(session.encode()) > MAX_SESSION_BYTES:
+        raise ValueError(f"session string must be at most {MAX_SESSION_BYTES} bytes")
+    hello = pb.Hello(role=role, protocol_version=PROTOCOL_VERSION, session=session)
+    return pb.Frame(hello=hello).SerializeToString()
+
+
+def scalar_frame(key: FrameKey, value: float) -> bytes:
+    scalar = pb.Scalar(tag=key.tag, step=key.step, value=value)
+    return pb.Frame(scalar=scalar).SerializeToString()
+
+
+def error_frame(message: str) -> bytes:
+    return pb.Frame(error=pb.Error(message=message[:4096])).SerializeToString()
+
+
+BYE_FRAME: bytes = pb.Frame(bye=pb.Bye()).SerializeToString()
+
+_FRAME_TENSOR_TAG = b"\x12"  # field 2 (Frame.tensor), wire type 2 (length-delimited)
+_CHUNK_DATA_TAG = b"\x7a"  # field 15 (TensorChunk.data), wire type 2
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _chunk_prefixes(
+    key: FrameKey,
+    codec: str,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    side_bytes: int,
+    total: int,
+    chunk_bytes: int,
+) -> Iterator[tuple[bytes, int, int]]:
+    """Yield (frame bytes up to the data, start, end) for each chunk of the stream."""
+    num = max(1, -(-total // chunk_bytes))
+    header = pb.TensorChunk(
+        tag=key.tag,
+        step=key.step,
+        micro=key.micro,
+        dtype=dtype_name(dtype),
+        shape=shape,
+        codec=codec,
+        num_chunks=num,
+        total_bytes=total,
+        side_bytes=side_bytes,
+    )
+    for index in range(num):
+        header.chunk_index = index
+        start = index * chunk_bytes
+        end = min(total, start + chunk_bytes)
+        body = header.SerializeToString()
+        data_len = _varint(end - start)
+        inner = len(body) + len(_CHUNK_DATA_TAG) + len(data_len) + end - start
+        prefix = b"".join(
+            (_FRAME_TENSOR_TAG, _varint(inner), body, _CHUNK_DATA_TAG, data_len)
+        )
+        yield prefix, start, end
+
+
+def tensor_frames(key: FrameKey, enc: Encoded, chunk_bytes: int) -> Iterator[bytes]:
+    """Serialised frames carrying ``enc``; each copies its slice exactly once."""
+    buffers = [memoryview(t.numpy()) for t in (enc.side, enc.payload) if t.numel()]
+    for prefix, start, end in _chunk_prefixes(
+        key, enc.codec, enc.dtype, enc.shape, enc.side.numel(), enc.nbytes, chunk_bytes
+    ):
+        parts = [prefix]
+        offset = 0
+        for buf in buffers:
+            lo, hi = max(start, offset), min(end, offset + len(buf))
+            if lo < hi:
+                parts.append(buf[lo - offset : hi - offset])
+            offset += len(buf)
+        yield b"".join(parts)
+
+
+def tensor_wire_size(key: FrameKey, tensor: torch.Tensor, chunk_bytes: int) -> int:
+    """Bytes ``tensor_frames`` would produce for an uncompressed tensor."""
+    total = tensor.numel() * tensor.dtype.itemsize
+    prefixes = _chunk_prefixes(
+        key, "none", tensor.dtype, tensor.shape, 0, total, chunk_bytes
+    )
+    return sum(len(prefix) + end - start for prefix, start, end in prefixes)
+
+
+# ---------------------------------------------------------------------- inbound
+
+
+class Inbound(NamedTuple):
+    """One received message: the parsed frame, or why it could not be parsed."""
+
+    frame: pb.Frame | None
+    nbytes: int
+    error: str | None = None
+    #: A TENSOR frame's data as a view of the received message; the chunk's
+    #: own ``data`` field is then left empty.
+    data: memoryview | None = None
+
+
+def parse_frame(raw: bytes) -> Inbound:
+    """Deserialiser for the transport. Never raises: an exception inside a gRPC
+    deserialiser would surface as an opaque INTERNAL error instead of ours."""
+    if raw[:1] == _FRAME_TENSOR_TAG:
+        return _parse_tensor_frame(raw)
+    frame = pb.Frame()
+    try:
+        frame.ParseFromString(raw)
+    except DecodeError as exc:
+        return Inbound(None, len(raw), f"undecodable frame of {len(raw)} bytes: {exc}")
+    return Inbound(frame, len(raw))
+
+
+def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < len(raw) and shift < 64:
+        byte = raw[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("truncated or overlong varint")
+
+
+def _parse_tensor_frame(raw: bytes) -> Inbound:
+    """Fast path for TENSOR frames, the bulk of the traffic.
+
+    Protobuf would copy each 4 MiB data field twice (into the message, then
+    into a new bytes object on access). Instead this walks the field tags of
+    the TensorChunk, hands every field except ``data`` to protobuf -- which
+    still parses and validates them -- and returns ``data`` as a view of the
+    received message. It accepts strictly less than protobuf does: the chunk
+    must be the only field of the Frame and ``data`` must occur once.
+    """
+    n = len(raw)
+    try:
+        length, pos = _read_varint(raw, 1)
+        if pos + length != n:
+            raise ValueError("the chunk must span the whole frame")
+        header = bytearray()
+        data: memoryview | None = None
+        while pos < n:
+            field_start = pos
+            key, pos = _read_varint(raw, pos)
+            wire = key & 7
+            if wire == 0:
+                pos = _read_varint(raw, pos)[1]
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            elif wire == 2:
+                size, pos = _read_varint(raw, pos)
+                if key >> 3 == 15:
+                    if data is not None or pos + size > n:
+                        raise ValueError("repeated or truncated data field")
+                    data = memoryview(raw)[pos : pos + size]
+                    pos += size
+                    continue
+                pos += size
+            else:
+                raise ValueError(f"unexpected wire type {wire}")
+            if pos > n:
+                raise ValueError("truncated field")
+            header += raw[field_start:pos]
+        chunk = pb.TensorChunk.FromString(bytes(header))
+    except (ValueError, DecodeError) as exc:
+        return Inbound(None, n, f"undecodable TENSOR frame of {n} bytes: {exc}")
+    frame = pb.Frame()
+    frame.tensor.CopyFrom(chunk)  # header only: a few dozen bytes
+    return Inbound(frame, n, data=data if data is not None else memoryview(b""))
+
+
+def frame_kind(frame: pb.Frame) -> str:
+    return frame.WhichOneof("kind") or "empty"
+
+
+def check_hello(frame: pb.Frame) -> PeerHello:
+    """Validate the first frame of a session."""
+    if frame_kind(frame) != "hello":
+        raise MalformedFrameError(
+            f"expected HELLO as the first frame, got {frame_kind(frame).upper()}"
+        )
+    hello = frame.hello
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise HandshakeError(
+            f"protocol version mismatch: peer speaks v{hello.protocol_version}, "
+            f"this side speaks v{PROTOCOL_VERSION}"
+        )
+    if len(hello.role) > MAX_ROLE_CHARS or len(hello.session) > MAX_SESSION_BYTES:
+        raise MalformedFrameError("HELLO role or session string too long")
+    return PeerHello(hello.role, hello.protocol_version, hello.session)
+
+
+def check_scalar(scalar: pb.Scalar) -> FrameKey:
+    problem = key_problem(scalar.tag, scalar.step, 0)
+    if problem:
+        raise MalformedFrameError(f"bad SCALAR frame: {problem}")
+    return FrameKey(SCALAR, scalar.tag, scalar.step, 0)
+
+
+@dataclass(slots=True)
+class _Partial:
+    key: FrameKey
+    header: tuple[object, ...]
+    codec: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    buffer: torch.Tensor
+    view: np.ndarray
+    num_chunks: int
+    next_index: int = 0
+    filled: int = 0
+
+
+def _header(chunk: pb.TensorChunk) -> tuple[object, ...]:
+    """Everything that must be identical across the chunks of one tensor."""
+    return (
+        chunk.tag,
+        chunk.step,
+        chunk.micro,
+        chunk.dtype,
+        tuple(chunk.shape),
+        chunk.codec,
+        chunk.num_chunks,
+        chunk.total_bytes,
+        chunk.side_bytes,
+    )
+
+
+class TensorAssembler:
+    """Reassembles and validates the chunks of one tensor at a time.
+
+    Chunks of one tensor arrive back to back (the sender emits them from one
+    thread onto one ordered stream), so any other frame in between means the
+    tensor was truncated. ``admit(key, nbytes)`` is called once per tensor,
+    before its buffer is allocated, so ordering and memory-budget checks can
+    reject it early; it raises FrameError to refuse.
+    """
+
+    def __init__(
+        self, max_tensor_bytes: int, admit: Callable[[FrameKey, int], None]
+    ) -> None:
+        self._max = max_tensor_bytes
+        self._admit = admit
+        self._cur: _Partial | None = None
+
+    @property
+    def in_progress(self) -> str | None:
+        """Description of a partially received tensor, or None."""
+        return None if self._cur is None else self._describe(self._cur)
+
+    def add(
+        self, chunk: pb.TensorChunk, data: memoryview | bytes | None = None
+    ) -> tuple[FrameKey, torch.Tensor] | None:
+        """Consume one chunk whose data is ``data`` (default ``chunk.data``);
+        returns (key, tensor) when the tensor is complete."""
+        if data is None:
+            data = chunk.data  # each access of a bytes field copies: do it once
+        n = len(data)
+        if n > MAX_CHUNK_BYTES:
+            raise FrameTooLargeError(
+                f"chunk of {n} bytes exceeds the {MAX_CHUNK_BYTES} limit"
+            )
+        cur = self._cur
+        if cur is None:
+            if chunk.chunk_index != 0:
+                raise FrameOrderError(
+                    f"chunk {chunk.chunk_index} of tensor {chunk.tag!r} step "
+                    f"{chunk.step} micro {chunk.micro} arrived without chunk 0"
+                )
+            cur = self._cur = self._start(chunk)
+        elif _header(chunk) != cur.header:
+            self._cur = None
+            if chunk.chunk_index == 0:
+                raise MalformedFrameError(
+                    f"{self._describe(cur)} truncated: next tensor began first"
+                )
+            raise MalformedFrameError(
+                f"chunk {chunk.chunk_index} of {cur.key} has a header that differs "
+                "from chunk 0"
+            )
+        elif chunk.chunk_index != cur.next_index:
+            self._cur = None
+            raise FrameOrderError(
+                f"chunk {chunk.chunk_index} of {cur.key} arrived, "
+                f"expected chunk {cur.next_index}"
+            )
+        if cur.filled + n > cur.buffer.numel():
+            self._cur = None
+            raise MalformedFrameError(
+                f"{cur.key}: chunks carry more than the {cur.buffer.numel()} bytes "
+                "announced"
+            )
+        cur.view[cur.filled : cur.filled + n] = np.frombuffer(data, np.uint8)
+        cur.filled += n
+        cur.next_index += 1
+        if cur.next_index < cur.num_chunks:
+            return None
+        self._cur = None
+        return cur.key, self._finish(cur)
+
+    def reset(self) -> None:
+        self._cur = None
+
+    @staticmethod
+    def _describe(cur: _Partial) -> str:
+        return f"{cur.key} (got {cur.next_index} of {cur.num_chunks} chunks)"
+
+    def _start(self, chunk: pb.TensorChunk) -> _Partial:
+        problem = key_problem(chunk.tag, chunk.step, chunk.micro)
+        if problem:
+            raise MalformedFrameError(f"bad TENSOR frame: {problem}")
+        key = FrameKey(TENSOR, chunk.tag, chunk.step, chunk.micro)
+        dtype = DTYPES.get(chunk.dtype)
+        if dtype is None:
+            raise MalformedFrameError(f"{key}: unknown dtype {chunk.dtype!r}")
+        shape = tuple(chunk.shape)
+        if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+            raise MalformedFrameError(f"{key}: invalid shape {list(shape)}")
+        try:
+            if effective_codec(chunk.codec, dtype) != chunk.codec:
+                raise ValueError(f"codec {chunk.codec!r} is not used for {chunk.dtype}")
+            side, payload = wire_sizes(chunk.codec, shape, dtype)
+        except ValueError as exc:
+            raise MalformedFrameError(f"{key}: {exc}") from None
+        total = side + payload
+        decoded = math.prod(shape) * dtype.itemsize
+        if max(total, decoded) > self._max:
+            raise FrameTooLargeError(
+                f"{key}: {max(total, decoded)} bytes exceeds the {self._max}-byte "
+                "tensor limit"
+            )
+        if chunk.total_bytes != total or chunk.side_bytes != side:
+            raise MalformedFrameError(
+                f"{key}: header announces {chunk.side_bytes}+"
+                f"{chunk.total_bytes - chunk.side_bytes} bytes but {chunk.codec} "
+                f"{chunk.dtype}{list(shape)} needs {side}+{payload}"
+            )
+        min_chunks = max(1, -(-total // MAX_CHUNK_BYTES))
+        if not min_chunks <= chunk.num_chunks <= max(1, total):
+            raise MalformedFrameError(
+                f"{key}: {chunk.num_chunks} chunks cannot carry {total} bytes"
+            )
+        self._admit(key, decoded)
+        buffer = torch.empty(total, dtype=torch.uint8)
+        return _Partial(
+            key=key,
+            header=_header(chunk),
+            codec=chunk.codec,
+            dtype=dtype,
+            shape=shape,
+            buffer=buffer,
+            view=buffer.numpy(),
+            num_chunks=chunk.num_chunks,
+        )
+
+    @staticmethod
+    def _finish(cur: _Partial) -> torch.Tensor:
+        if cur.filled != cur.buffer.numel():
+            raise MalformedFrameError(
+                f"{cur.key} truncated: {cur.filled} of {cur.buffer.numel()} bytes"
+            )
+        side = wire_sizes(cur.codec, cur.shape, cur.dtype)[0]
+        enc = Encoded(
+            cur.codec, cur.dtype, cur.shape, cur.buffer[:side], cur.buffer[side:]
+        )
+        try:
+            return decode(enc)
+        except ValueError as exc:
+            raise MalformedFrameError(f"{cur.key}: {exc}") from None

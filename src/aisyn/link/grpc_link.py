@@ -1,0 +1,463 @@
+"""The link over gRPC: :class:`GrpcLinkServer` (party B) and :func:`connect` (A).
+
+One session is one bidirectional ``Exchange`` stream. The server accepts one
+session at a time (a second caller gets UNAVAILABLE "busy" and
+:func:`connect` retries until its timeout), checks the bearer token before
+reading anything, then expects HELLO. Any protocol violation ends only that
+session -- with INVALID_ARGUMENT and a one-line reason -- and the server goes on
+to accept the next one.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import Self
+
+import grpc
+
+from ._grpc_transport import (
+    METHOD,
+    SERVICE,
+    TOKEN_HEADER,
+    GrpcLink,
+    check_plaintext,
+    grpc_options,
+    identity,
+    split_host_port,
+    status_for,
+)
+from .base import LinkOptions, PeerHello
+from .certs import TlsConfig
+from .errors import (
+    AuthError,
+    LinkClosedError,
+    LinkError,
+    LinkTimeoutError,
+    MalformedFrameError,
+    PeerLostError,
+)
+from .frames import Inbound, check_hello, error_frame, hello_frame, parse_frame
+
+__all__ = ["GrpcLink", "GrpcLinkServer", "connect"]
+
+log = logging.getLogger(__name__)
+
+#: The server's reply session string, or a function of the client's HELLO
+#: returning it; raise HandshakeError to refuse the session.
+SessionReply = str | Callable[[PeerHello], str]
+
+_HANDSHAKING = object()
+
+
+def _check_token(token: str) -> None:
+    # It travels as an HTTP/2 header value: printable ASCII only.
+    if not token or not (token.isascii() and token.isprintable()):
+        raise ValueError("token must be a non-empty printable ASCII string")
+
+
+# -------------------------------------------------------------------- client
+
+
+class _ClientLink(GrpcLink):
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        target: str,
+        token: str,
+        hello: bytes,
+        options: LinkOptions,
+        name: str,
+    ) -> None:
+        super().__init__(options, name, None, target)
+        self._channel = channel
+        self._requests_done = threading.Event()
+        self._aborter: threading.Thread | None = None
+        exchange = channel.stream_stream(
+            METHOD, request_serializer=identity, response_deserializer=parse_frame
+        )
+        # wait_for_ready=False: fail fast while the server is down; connect()
+        # retries, which also surfaces TLS/auth errors instead of hanging.
+        self._call = exchange(
+            self._requests(hello),
+            metadata=((TOKEN_HEADER, f"Bearer {token}"),),
+            wait_for_ready=False,
+        )
+        self._inbound = self._call
+        self._sent += len(hello)
+        self._reader.start()
+        self._start()
+
+    def _requests(self, hello: bytes) -> Iterator[bytes]:
+        try:
+            yield hello
+            yield from self._outgoing()
+        finally:
+            self._requests_done.set()
+
+    def _teardown(self, exc: LinkError, notify_peer: bool) -> None:
+        self._dead.set()
+        if notify_peer:
+            self._push_end(error_frame(str(exc)), drop_queued=True)
+            self._aborter = threading.Thread(
+                target=self._cancel_later, name=f"{self._name}-abort", daemon=True
+            )
+            self._aborter.start()
+        else:
+            self._push_end(drop_queued=True)
+            self._call.cancel()
+
+    def _cancel_later(self) -> None:
+        # Cancelling at once could discard the ERROR frame; give gRPC a moment to
+        # write it and the server a moment to end the call itself.
+        if self._requests_done.wait(1.0):
+            self._reader.join(2.0)
+        self._call.cancel()
+
+    def _shutdown(self, graceful: bool, timeout: float) -> None:
+        if graceful:  # BYE is out; the server ends the call when it reads it
+            self._reader.join(timeout)
+        if self._aborter is not None:  # let the ERROR frame reach the server
+            self._aborter.join(timeout)
+        self._discard(timeout)
+        self._channel.close()
+
+    def _discard(self, timeout: float = 2.0) -> None:
+        """Abandon this call (but not the channel, which connect() may reuse)."""
+        self._dead.set()
+        self._push_end(drop_queued=True)
+        self._call.cancel()
+        self._jobs.put(None)
+        self._reader.join(timeout)
+
+
+def connect(
+    peer: str,
+    *,
+    token: str,
+    tls: TlsConfig | None = None,
+    insecure: bool = False,
+    allow_insecure_remote: bool = False,
+    role: str = "A",
+    session: str = "",
+    options: LinkOptions | None = None,
+    timeout: float | None = None,
+) -> GrpcLink:
+    """Open a session with the server at ``peer`` ("host:port") and return the link.
+
+    Retries while the server is unreachable or busy, for up to ``timeout``
+    seconds (default ``options.handshake_timeout_s``). Raises AuthError for a
+    rejected token, HandshakeError for a refused HELLO, PeerLostError when no
+    session could be opened in time, ValueError for an insecure non-loopback
+    address.
+    """
+    opts = options or LinkOptions()
+    check_plaintext(peer, insecure, allow_insecure_remote, tls is not None)
+    _check_token(token)
+    hello = hello_frame(role, session)
+    channel_options = grpc_options(opts, server=False)
+    if tls is not None:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=tls.root_ca,
+            private_key=tls.private_key,
+            certificate_chain=tls.cert_chain,
+        )
+        if tls.server_name:
+            channel_options.append(("grpc.ssl_target_name_override", tls.server_name))
+        channel = grpc.secure_channel(peer, creds, options=channel_options)
+    else:
+        channel = grpc.insecure_channel(peer, options=channel_options)
+
+    timeout = opts.handshake_timeout_s if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    name = f"link[{role}->{peer}]"
+    while True:
+        link = _ClientLink(channel, peer, token, hello, opts, name)
+        try:
+            link._wait_hello(max(0.0, deadline - time.monotonic()))
+        except PeerLostError as exc:  # not up yet, busy, or unreachable
+            link._discard()
+            if time.monotonic() + delay >= deadline:
+                channel.close()
+                raise PeerLostError(
+                    f"could not open a session with {peer} within {timeout:g} s: {exc}"
+                ) from None
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
+            continue
+        except BaseException:
+            link._discard()
+            channel.close()
+            raise
+        log.info("%s: session open (peer role %r)", name, link.peer.role)
+        return link
+
+
+# -------------------------------------------------------------------- server
+
+
+class _ServerLink(GrpcLink):
+    def __init__(
+        self,
+        context: grpc.ServicerContext,
+        options: LinkOptions,
+        name: str,
+        peer: PeerHello,
+        hello_nbytes: int,
+        hello_reply: bytes,
+        server_stopping: Callable[[], bool],
+    ) -> None:
+        super().__init__(options, name, peer, context.peer())
+        self._context = context
+        self._server_stopping = server_stopping
+        self._served = threading.Event()  # the response stream has ended
+        self._abort: tuple[grpc.StatusCode, str] | None = None
+        self._received += hello_nbytes
+        self._out.put_nowait(hello_reply)  # first frame of the response stream
+        self._sent += len(hello_reply)
+
+    def serve(self, requests: Iterator[Inbound]) -> Iterator[bytes]:
+        """Body of the response stream: runs until the session ends."""
+        self._inbound = requests
+        self._reader.start()
+        self._start()
+        try:
+            yield from self._outgoing()
+            if self._abort is not None:
+                self._context.abort(*self._abort)
+        finally:
+            self._served.set()
+
+    def _teardown(self, exc: LinkError, notify_peer: bool) -> None:
+        self._abort = (status_for(exc), str(exc))
+        self._dead.set()
+        self._push_end(drop_queued=True)
+
+    def _shutdown(self, graceful: bool, timeout: float) -> None:
+        if graceful:  # BYE is out; the client ends its half when it reads it
+            self._reader.join(timeout)
+        self._dead.set()
+        self._push_end(drop_queued=True)
+        # Let a pending abort status (the reason for a failure) go out first:
+        # cancelling now would replace it with a bare CANCELLED.
+        self._served.wait(timeout)
+        self._context.cancel()  # no-op if the call already ended
+        self._reader.join(timeout)
+
+    def rpc_done(self) -> None:
+        """gRPC callback: the call is over, for whatever reason."""
+        self._dead.set()
+        self._served.set()
+        self._push_end(drop_queued=True)
+        self._fail(PeerLostError(self._ended_abruptly()), notify_peer=False)
+
+    def _fail(self, exc: LinkError, *, notify_peer: bool) -> None:
+        # Whichever thread notices first, a stream cut by our own server's
+        # stop() is not a lost peer.
+        if isinstance(exc, PeerLostError) and self._server_stopping():
+            exc = LinkClosedError("the link server was stopped")
+        super()._fail(exc, notify_peer=notify_peer)
+
+    def _ended_abruptly(self) -> str:
+        # gRPC drops a call whose message exceeds the size limit before the
+        # servicer sees it, so that case looks like a disconnect from here.
+        return (
+            f"{self._remote} ended the session without saying goodbye (it "
+            "disconnected, cancelled, or sent a message over the gRPC size limit)"
+        )
+
+
+class GrpcLinkServer:
+    """Serves link sessions on ``listen`` ("host:port"; port 0 picks a free one).
+
+    Usage::
+
+        with GrpcLinkServer("0.0.0.0:50051", token=tok, tls=tls) as server:
+            link = server.accept(timeout=600)   # one Link per client session
+    """
+
+    def __init__(
+        self,
+        listen: str,
+        *,
+        token: str,
+        tls: TlsConfig | None = None,
+        insecure: bool = False,
+        allow_insecure_remote: bool = False,
+        role: str = "B",
+        session: SessionReply = "",
+        options: LinkOptions | None = None,
+        max_workers: int = 8,
+    ) -> None:
+        check_plaintext(listen, insecure, allow_insecure_remote, tls is not None)
+        _check_token(token)
+        self._token = token.encode()
+        self._role = role
+        self._session = session
+        self._opts = options or LinkOptions()
+        self._lock = threading.Lock()
+        self._active: object | None = None  # the session's link, or _HANDSHAKING
+        self._sessions: queue.Queue[GrpcLink] = queue.Queue()
+        self._stopping = False
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Exchange": grpc.stream_stream_rpc_method_handler(
+                    self._exchange,
+                    request_deserializer=parse_frame,
+                    response_serializer=identity,
+                )
+            },
+        )
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers, thread_name_prefix="link-server"),
+            handlers=[handler],
+            options=grpc_options(self._opts, server=True),
+        )
+        try:
+            if tls is not None:
+                creds = grpc.ssl_server_credentials(
+                    [(tls.private_key, tls.cert_chain)],
+                    root_certificates=tls.root_ca,
+                    require_client_auth=True,
+                )
+                port = self._server.add_secure_port(listen, creds)
+            else:
+                port = self._server.add_insecure_port(listen)
+        except RuntimeError as exc:
+            raise LinkError(f"cannot listen on {listen}: {exc}") from None
+        if not port:
+            raise LinkError(f"cannot listen on {listen}")
+        host = split_host_port(listen)[0]
+        #: the bound port (useful with port 0) and a dialable "host:port"
+        self.port: int = port
+        self.address: str = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def start(self) -> Self:
+        self._server.start()
+        log.info("link server listening on %s", self.address)
+        return self
+
+    def accept(self, timeout: float | None = None) -> GrpcLink:
+        """The next session's link, in the order sessions were opened."""
+        try:
+            return self._sessions.get(timeout=timeout)
+        except queue.Empty:
+            raise LinkTimeoutError(
+                f"no session on {self.address} within {timeout:g} s"
+            ) from None
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop serving; an active session's link fails with LinkClosedError."""
+        self._stopping = True
+        self._server.stop(grace).wait(grace + 5.0)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- the servicer: validate, delegate, map errors to status codes
+
+    def _exchange(
+        self, requests: Iterator[Inbound], context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        remote = context.peer()
+        try:
+            self._authenticate(context)
+        except AuthError as exc:
+            log.warning("rejected session from %s: %s", remote, exc)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        if not self._claim():
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE, "server busy with another session"
+            )
+        try:
+            link = self._open(requests, context)
+        except (LinkError, ValueError) as exc:
+            self._release(_HANDSHAKING)
+            log.warning("refused session from %s: %s", remote, exc)
+            code = status_for(exc) if isinstance(exc, LinkError) else None
+            context.abort(code or grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        yield from link.serve(requests)
+
+    def _authenticate(self, context: grpc.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata())
+        value = metadata.get(TOKEN_HEADER)
+        if not isinstance(value, str) or not value.startswith("Bearer "):
+            raise AuthError("missing bearer token")
+        if not hmac.compare_digest(value.removeprefix("Bearer ").encode(), self._token):
+            raise AuthError("invalid token")
+
+    def _open(
+        self, requests: Iterator[Inbound], context: grpc.ServicerContext
+    ) -> _ServerLink:
+        peer, nbytes = self._read_hello(requests, context)
+        reply = self._session(peer) if callable(self._session) else self._session
+        name = f"link[{self._role}<-{context.peer()}]"
+        reply_frame = hello_frame(self._role, reply)
+        link = _ServerLink(
+            context,
+            self._opts,
+            name,
+            peer,
+            nbytes,
+            reply_frame,
+            server_stopping=lambda: self._stopping,
+        )
+
+        def done() -> None:
+            link.rpc_done()
+            self._release(link)
+
+        if not context.add_callback(done):
+            raise PeerLostError("client went away during the handshake")
+        with self._lock:
+            self._active = link
+        log.info("%s: session open (peer role %r)", name, peer.role)
+        self._sessions.put(link)
+        return link
+
+    def _read_hello(
+        self, requests: Iterator[Inbound], context: grpc.ServicerContext
+    ) -> tuple[PeerHello, int]:
+        timeout = self._opts.handshake_timeout_s
+        timer = threading.Timer(timeout, context.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            item = next(requests)
+        except StopIteration:
+            raise PeerLostError("client ended the stream before HELLO") from None
+        except grpc.RpcError:
+            raise LinkTimeoutError(f"no HELLO within {timeout:g} s") from None
+        finally:
+            timer.cancel()
+        if item.frame is None:
+            raise MalformedFrameError(item.error or "undecodable frame")
+        return check_hello(item.frame), item.nbytes
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self._active is not None:
+                return False
+            self._active = _HANDSHAKING
+            return True
+
+    def _release(self, holder: object) -> None:
+        with self._lock:
+            if self._active is holder:
+                self._active = None
