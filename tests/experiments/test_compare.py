@@ -1,0 +1,136 @@
+"""The comparison writes the reference's table (Markdown, CSV, JSON) and curves."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from aisyn.experiments.compare import check_targets, run_compare
+from aisyn.experiments.presets import PRESETS, Preset
+
+
+def write_corpus(path, name, n):
+    from aisyn.data.corpora import load_corpus
+
+    docs = [d.text.replace("\n", " ") for d in load_corpus(name).documents[:n]]
+    path.write_text("\n".join(docs) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def _check_report(out, names):
+    md = (out / "report.md").read_text(encoding="utf-8")
+    header = md.splitlines()[2]
+    for col in (
+        "regime",
+        "device",
+        "epochs/rounds",
+        "steps",
+        "wall time",
+        "final loss",
+        *[f"Acc {n}" for n in names],
+        *[f"test loss {n}" for n in names],
+    ):
+        assert col in header
+    rows = list(csv.DictReader((out / "report.csv").open(encoding="utf-8")))
+    regimes = [r["regime"] for r in rows]
+    assert regimes[0] == "without ft (base)"
+    assert f"{names[0]} ft" in regimes and f"{names[1]} ft" in regimes
+    assert f"{names[0]}+{names[1]} ft" in regimes
+    assert any(r.startswith("AIsyn federated") for r in regimes)
+    assert sum(r.startswith("client ") for r in regimes) == 2
+    for r in rows:
+        for n in names:
+            assert 0.0 <= float(r[f"acc_{n}"]) <= 1.0
+            assert int(r[f"acc_{n}_items"]) > 0
+            assert float(r[f"test_loss_{n}"]) > 0
+    # equal budget of optimizer steps across fine-tuned regimes
+    steps = {r["regime"]: int(r["steps"]) for r in rows}
+    fed = next(v for k, v in steps.items() if k.startswith("AIsyn"))
+    assert steps[f"{names[0]} ft"] == steps[f"{names[0]}+{names[1]} ft"] == fed
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["targets"]) == {
+        "a_standalone_2x_chance",
+        "b_fed_vs_fusion_accuracy",
+        "c_fed_vs_fusion_loss",
+        "d_fed_beats_other_standalone",
+    }
+    plots = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert len(plots) == 6  # 2 standalone, fusion, federated global, 2 clients
+    return rows
+
+
+def test_micro_comparison_produces_the_table(tmp_path, monkeypatch):
+    # Prepare: two small corpora and a private cache (the base is built here)
+    monkeypatch.setenv("AISYN_CACHE", str(tmp_path / "cache"))
+    domains = [
+        write_corpus(tmp_path / "news.txt", "news", 400),
+        write_corpus(tmp_path / "reviews.txt", "reviews", 400),
+    ]
+    preset = Preset(
+        name="micro",
+        model=dict(
+            vocab_size=8000, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64
+        ),
+        seq_len=48,
+        pretrain_steps=4,
+        pretrain_batch=4,
+        per_document=2,
+        test_per_document=2,
+        max_test_items=16,
+        finetune_steps=4,
+        batch_size=4,
+        warmup=1,
+        rounds=1,
+        eval_items=8,
+    )
+    # Execute
+    report = run_compare(domains, preset, tmp_path / "report")
+    # Assert
+    _check_report(tmp_path / "report", ["news", "reviews"])
+    assert report["rows"][0]["format"] == "lm"
+    assert all(r["format"] == "prompt" for r in report["rows"][1:])
+    # a second run into the same folder is refused (nothing is overwritten)
+    with pytest.raises(FileExistsError):
+        run_compare(domains, preset, tmp_path / "report")
+
+
+@pytest.mark.slow
+def test_ci_preset_produces_the_table(tmp_path):
+    run_compare(["news", "reviews"], PRESETS["ci"], tmp_path / "report")
+    _check_report(tmp_path / "report", ["news", "reviews"])
+
+
+def _row(regime, acc_news, acc_reviews, loss_news=5.0, loss_reviews=5.0, ci=0.02):
+    def acc(a):
+        return {"accuracy": a, "ci95": [a - ci, a + ci], "chance": 0.1, "items": 500}
+
+    return {
+        "regime": regime,
+        "acc_news": acc(acc_news),
+        "acc_reviews": acc(acc_reviews),
+        "loss_news": loss_news,
+        "loss_reviews": loss_reviews,
+    }
+
+
+def test_targets_are_judged_as_the_issue_states():
+    # Prepare
+    rows = [
+        _row("news ft", 0.25, 0.15),
+        _row("reviews ft", 0.14, 0.19),  # 19 % < 2 x chance
+        _row("news+reviews ft", 0.26, 0.30, 5.00, 5.00),
+        _row("AIsyn federated (fedavg, full)", 0.255, 0.27, 5.01, 5.05),
+    ]
+    # Execute
+    t = check_targets(rows, ["news", "reviews"])
+    # Assert
+    assert t["a_standalone_2x_chance"]["news"]["pass"]
+    assert not t["a_standalone_2x_chance"]["reviews"]["pass"]
+    assert t["b_fed_vs_fusion_accuracy"]["news"]["pass"]  # within 1 point
+    assert not t["b_fed_vs_fusion_accuracy"]["reviews"]["pass"]  # 3 points, out of CI
+    assert t["c_fed_vs_fusion_loss"]["news"]["pass"]
+    assert not t["c_fed_vs_fusion_loss"]["reviews"]["pass"]  # 0.05 nats
+    assert t["d_fed_beats_other_standalone"]["news"]["pass"]  # 0.255 > 0.14
+    assert t["d_fed_beats_other_standalone"]["reviews"]["pass"]  # 0.27 > 0.15
