@@ -9,9 +9,12 @@ measures, on the same machine in the same run:
 * latency: one tensor at a time, send -> B has decoded it -> B's scalar ack;
 * scalar RTT: ping-pong of the scalar side channel (the per-frame floor).
 
-The baseline is a plain TCP socket moving the same raw fp32 bytes with
-``sendall``/``recv_into`` into one reused buffer (no framing beyond a length
-prefix, no copies, no allocation per message).
+Two baselines run in the same invocation: a plain TCP socket moving the same
+raw fp32 bytes, and "grpc raw bytes" -- gRPC streaming the link's pre-built
+4 MiB frames with identity serialisers and no link logic -- which shows how
+much of the gap to TCP is gRPC's own per-message cost. The TCP baseline uses
+``sendall``/``recv_into`` into one reused buffer (a length prefix, no copies,
+no allocation per message): an upper bound, not a fair peer.
 
 Every tensor the link receives is a fresh allocation the caller owns. With
 glibc's default malloc settings each multi-MiB allocation is a new mmap whose
@@ -28,16 +31,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import multiprocessing as mp
 import os
 import platform
+import queue
 import socket
 import statistics
 import struct
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -46,8 +52,13 @@ import torch
 
 from aisyn.link import DevCerts, GrpcLinkServer, ShapedProxy, connect, make_dev_certs
 from aisyn.link.codec import encode
+from aisyn.link.frames import MAX_MESSAGE_BYTES, FrameKey, tensor_frames
 
 TOKEN = "bench-token"
+RAW_GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
 TIMEOUT = 300.0
 MB = 1e6
 
@@ -135,6 +146,38 @@ def tcp_peer(conn: Connection, _certs_dir: str | None, plan: Plan) -> None:
             sock.sendall(b"\x01")
 
 
+def raw_grpc_peer(conn: Connection, _certs_dir: str | None, plan: Plan) -> None:
+    """gRPC with identity serialisers and no link logic: acks every tensor's
+    worth of bytes. Separates gRPC's own cost from the link's."""
+    if plan.tune_malloc:
+        tune_malloc()
+    tensor_bytes = 4 * math.prod(plan.shape)
+
+    def exchange(requests: Iterator[bytes], _context: grpc.ServicerContext):
+        got = 0
+        for message in requests:
+            got += len(message)
+            if got >= tensor_bytes:
+                got -= tensor_bytes
+                yield b"\x01"
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Raw",
+        {
+            "Exchange": grpc.stream_stream_rpc_method_handler(
+                exchange, request_deserializer=bytes, response_serializer=bytes
+            )
+        },
+    )
+    server = grpc.server(
+        ThreadPoolExecutor(2), handlers=[handler], options=RAW_GRPC_OPTIONS
+    )
+    conn.send(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    conn.recv()  # client done
+    server.stop(0)
+
+
 # ----------------------------------------------------------- client (party A)
 
 
@@ -142,14 +185,14 @@ def start_peer(
     target: Callable[[Connection, str | None, Plan], None],
     certs_dir: str | None,
     plan: Plan,
-) -> tuple[mp.process.BaseProcess, int]:
+) -> tuple[mp.process.BaseProcess, int, Connection]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, certs_dir, plan), daemon=True)
     proc.start()
     if not parent.poll(60):
         raise RuntimeError("benchmark peer did not start")
-    return proc, parent.recv()
+    return proc, parent.recv(), parent
 
 
 def via_proxy(port: int, args: argparse.Namespace) -> tuple[ShapedProxy | None, int]:
@@ -164,7 +207,7 @@ def via_proxy(port: int, args: argparse.Namespace) -> tuple[ShapedProxy | None, 
 def bench_grpc(
     codec: str, certs_dir: str | None, plan: Plan, args: argparse.Namespace
 ) -> Row:
-    proc, port = start_peer(grpc_peer, certs_dir, plan)
+    proc, port, _ = start_peer(grpc_peer, certs_dir, plan)
     proxy, port = via_proxy(port, args)
     tls = DevCerts.at(certs_dir).client_tls() if certs_dir else None
     link = connect(
@@ -208,8 +251,56 @@ def bench_grpc(
     )
 
 
+def bench_raw_grpc(plan: Plan, args: argparse.Namespace) -> Row:
+    proc, port, peer = start_peer(raw_grpc_peer, None, plan)
+    proxy, port = via_proxy(port, args)
+    x = torch.randn(plan.shape)
+    frames = list(tensor_frames(FrameKey("tensor", "act", 0, 0), encode(x), 4 << 20))
+    outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=RAW_GRPC_OPTIONS)
+    call = channel.stream_stream(
+        "/bench.Raw/Exchange", request_serializer=bytes, response_deserializer=bytes
+    )(iter(outbox.get, None))
+    acks = iter(call)
+
+    def one_tensor() -> None:
+        for frame in frames:  # prebuilt: gRPC's cost only
+            outbox.put(frame)
+
+    t0 = time.perf_counter()
+    for _ in range(plan.n):
+        one_tensor()
+    for _ in range(plan.n):
+        next(acks)
+    seconds = time.perf_counter() - t0
+    latencies = []
+    for _ in range(plan.m):
+        t1 = time.perf_counter()
+        one_tensor()
+        next(acks)
+        latencies.append(time.perf_counter() - t1)
+    outbox.put(None)
+    call.cancel()
+    channel.close()
+    peer.send(None)
+    proc.join(30)
+    if proxy:
+        proxy.stop()
+    wire = sum(map(len, frames)) / MB
+    return Row(
+        "grpc raw bytes" + (" shaped" if proxy else ""),
+        "none",
+        x.numel() * 4 / MB,
+        wire,
+        seconds,
+        plan.n,
+        statistics.median(latencies) * 1000,
+        float("nan"),
+    )
+
+
 def bench_tcp(plan: Plan, args: argparse.Namespace) -> Row:
-    proc, port = start_peer(tcp_peer, None, plan)
+    proc, port, _ = start_peer(tcp_peer, None, plan)
     proxy, port = via_proxy(port, args)
     x = torch.randn(plan.shape)
     payload = memoryview(encode(x).payload.numpy())
@@ -261,9 +352,10 @@ def print_table(rows: list[Row]) -> None:
     print("-" * len(head))
     for r in rows:
         rate, wire_rate = r.tensor_mb * r.n / r.seconds, r.wire_mb * r.n / r.seconds
+        rtt = f"{r.rtt_ms:>13.2f}" if math.isfinite(r.rtt_ms) else f"{'-':>13}"
         print(
             f"{r.transport:<20} {r.codec:<5} {r.tensor_mb:>9.1f} {r.wire_mb:>8.1f} "
-            f"{rate:>11.0f} {wire_rate:>9.0f} {r.latency_ms:>10.1f} {r.rtt_ms:>13.2f}"
+            f"{rate:>11.0f} {wire_rate:>9.0f} {r.latency_ms:>10.1f} {rtt}"
         )
 
 
@@ -298,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
             else ""
         )
     )
-    rows = [bench_tcp(plan, args)]
+    rows = [bench_tcp(plan, args), bench_raw_grpc(plan, args)]
     with tempfile.TemporaryDirectory() as tmp:
         make_dev_certs(tmp)
         for certs_dir in (None, tmp):

@@ -12,7 +12,16 @@ clipping). This package is that channel::
     total = local_sq_norm + link.recv_scalar("gnorm2", step=s, timeout=60)
 
 Implementations: :func:`memory_pair` (in-process; zero-copy with codec
-"none") and the gRPC pair :class:`GrpcLinkServer` / :func:`connect`.
+"none") and the gRPC pair :class:`GrpcLinkServer` (party B) /
+:func:`connect` (party A)::
+
+    # B                                        # A
+    server = GrpcLinkServer(                   link = connect(
+        "0.0.0.0:50051", token=tok,                "b.example.org:50051",
+        tls=TlsConfig.from_files(...),             token=tok, tls=...,
+        session=check_client_hello,                session=json.dumps(cfg),
+    ).start()                                      timeout=60)
+    link = server.accept(timeout=600)          reply = link.peer.session
 
 Design
 ------
