@@ -32,20 +32,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
-import multiprocessing as mp
 import os
 import platform
 import queue
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 import grpc
 import torch
@@ -95,14 +94,12 @@ def tune_malloc() -> None:
 # --------------------------------------------------------------- peer (party B)
 
 
-def grpc_peer(conn: Connection, certs_dir: str | None, plan: Plan) -> None:
-    if plan.tune_malloc:
-        tune_malloc()
+def grpc_peer(certs_dir: str | None, plan: Plan) -> None:
     tls = DevCerts.at(certs_dir).server_tls() if certs_dir else None
     server = GrpcLinkServer(
         "127.0.0.1:0", token=TOKEN, tls=tls, insecure=tls is None
     ).start()
-    conn.send(server.port)
+    print(server.port, flush=True)
     link = server.accept(timeout=TIMEOUT)
     for i in range(plan.n):
         link.recv("act", step=0, micro=i, timeout=TIMEOUT)
@@ -127,11 +124,9 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
-def tcp_peer(conn: Connection, _certs_dir: str | None, plan: Plan) -> None:
-    if plan.tune_malloc:
-        tune_malloc()
+def tcp_peer(_certs_dir: str | None, plan: Plan) -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        conn.send(listener.getsockname()[1])
+        print(listener.getsockname()[1], flush=True)
         sock, _ = listener.accept()
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -146,11 +141,9 @@ def tcp_peer(conn: Connection, _certs_dir: str | None, plan: Plan) -> None:
             sock.sendall(b"\x01")
 
 
-def raw_grpc_peer(conn: Connection, _certs_dir: str | None, plan: Plan) -> None:
+def raw_grpc_peer(_certs_dir: str | None, plan: Plan) -> None:
     """gRPC with identity serialisers and no link logic: acks every tensor's
     worth of bytes. Separates gRPC's own cost from the link's."""
-    if plan.tune_malloc:
-        tune_malloc()
     tensor_bytes = 4 * math.prod(plan.shape)
 
     def exchange(requests: Iterator[bytes], _context: grpc.ServicerContext):
@@ -172,27 +165,46 @@ def raw_grpc_peer(conn: Connection, _certs_dir: str | None, plan: Plan) -> None:
     server = grpc.server(
         ThreadPoolExecutor(2), handlers=[handler], options=RAW_GRPC_OPTIONS
     )
-    conn.send(server.add_insecure_port("127.0.0.1:0"))
+    port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    conn.recv()  # client done
+    print(port, flush=True)
+    sys.stdin.read()  # until the client closes our stdin
     server.stop(0)
 
 
 # ----------------------------------------------------------- client (party A)
 
 
+PEERS: dict[str, Callable[[str | None, Plan], None]] = {
+    "grpc": grpc_peer,
+    "tcp": tcp_peer,
+    "raw-grpc": raw_grpc_peer,
+}
+
+
 def start_peer(
-    target: Callable[[Connection, str | None, Plan], None],
-    certs_dir: str | None,
-    plan: Plan,
-) -> tuple[mp.process.BaseProcess, int, Connection]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, certs_dir, plan), daemon=True)
-    proc.start()
-    if not parent.poll(60):
-        raise RuntimeError("benchmark peer did not start")
-    return proc, parent.recv(), parent
+    kind: str, certs_dir: str | None, plan: Plan
+) -> tuple[subprocess.Popen[str], int]:
+    """Run party B as a fresh interpreter (plain argv/stdout, nothing pickled)."""
+    cmd = [sys.executable, __file__, "--peer", kind, "--shape"]
+    cmd += [",".join(map(str, plan.shape)), "--plan", f"{plan.n},{plan.m},{plan.k}"]
+    cmd += ["--certs-dir", certs_dir] if certs_dir else []
+    cmd += ["--tune-malloc"] if plan.tune_malloc else []
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.strip().isdigit():
+        proc.kill()
+        raise RuntimeError(f"benchmark peer {kind!r} did not start")
+    return proc, int(line)
+
+
+def stop_peer(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait(30)
 
 
 def via_proxy(port: int, args: argparse.Namespace) -> tuple[ShapedProxy | None, int]:
@@ -207,7 +219,7 @@ def via_proxy(port: int, args: argparse.Namespace) -> tuple[ShapedProxy | None, 
 def bench_grpc(
     codec: str, certs_dir: str | None, plan: Plan, args: argparse.Namespace
 ) -> Row:
-    proc, port, _ = start_peer(grpc_peer, certs_dir, plan)
+    proc, port = start_peer("grpc", certs_dir, plan)
     proxy, port = via_proxy(port, args)
     tls = DevCerts.at(certs_dir).client_tls() if certs_dir else None
     link = connect(
@@ -235,7 +247,7 @@ def bench_grpc(
         rtts.append(time.perf_counter() - t1)
     link.send("bye", torch.zeros(1), step=plan.m + plan.k + 1)
     link.close()
-    proc.join(30)
+    stop_peer(proc)
     if proxy:
         proxy.stop()
     name = ("grpc tls" if certs_dir else "grpc insecure") + (" shaped" if proxy else "")
@@ -252,7 +264,7 @@ def bench_grpc(
 
 
 def bench_raw_grpc(plan: Plan, args: argparse.Namespace) -> Row:
-    proc, port, peer = start_peer(raw_grpc_peer, None, plan)
+    proc, port = start_peer("raw-grpc", None, plan)
     proxy, port = via_proxy(port, args)
     x = torch.randn(plan.shape)
     frames = list(tensor_frames(FrameKey("tensor", "act", 0, 0), encode(x), 4 << 20))
@@ -282,8 +294,7 @@ def bench_raw_grpc(plan: Plan, args: argparse.Namespace) -> Row:
     outbox.put(None)
     call.cancel()
     channel.close()
-    peer.send(None)
-    proc.join(30)
+    stop_peer(proc)
     if proxy:
         proxy.stop()
     wire = sum(map(len, frames)) / MB
@@ -300,7 +311,7 @@ def bench_raw_grpc(plan: Plan, args: argparse.Namespace) -> Row:
 
 
 def bench_tcp(plan: Plan, args: argparse.Namespace) -> Row:
-    proc, port, _ = start_peer(tcp_peer, None, plan)
+    proc, port = start_peer("tcp", None, plan)
     proxy, port = via_proxy(port, args)
     x = torch.randn(plan.shape)
     payload = memoryview(encode(x).payload.numpy())
@@ -327,7 +338,7 @@ def bench_tcp(plan: Plan, args: argparse.Namespace) -> Row:
                 send_one(data)
                 _recv_exact(sock, memoryview(ack))
                 samples.append(time.perf_counter() - t1)
-    proc.join(30)
+    stop_peer(proc)
     if proxy:
         proxy.stop()
     size = len(payload) / MB
@@ -371,12 +382,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tune-malloc", action="store_true", help="raise glibc mmap/trim thresholds"
     )
+    parser.add_argument("--peer", choices=list(PEERS), help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument("--certs-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = tuple(int(d) for d in args.shape.split(","))
     n, m, k = (4, 3, 20) if args.quick else (16, 8, 200)
+    if args.plan:
+        n, m, k = (int(v) for v in args.plan.split(","))
     plan = Plan(shape, n, m, k, args.tune_malloc)
     if args.tune_malloc:
         tune_malloc()
+    if args.peer:
+        PEERS[args.peer](args.certs_dir, plan)
+        return
     print(
         f"link microbenchmark: shape {list(shape)} fp32, {plan.n} msgs/throughput run, "
         f"{plan.m} latency samples, {plan.k} scalar RTTs; python "

@@ -55,6 +55,14 @@ a shared bearer token compared in constant time. Plaintext needs
 A lost peer is detected by gRPC keepalive pings within about
 ``keepalive_s + keepalive_timeout_s`` (3 s by default) and surfaces as
 :class:`PeerLostError` from every pending and later call.
+
+Performance: a tensor is copied once on each side outside gRPC (into the
+outgoing frame, into the received tensor); int8 quantisation costs CPU on
+both ends (~1.5 passes over the data each). Every received tensor is a fresh
+allocation, and with glibc's default thresholds multi-MiB allocations are new
+mmaps that page-fault on first touch; deployments moving large activations
+should raise ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` or use
+jemalloc/tcmalloc (``bench/link_throughput.py --tune-malloc`` shows the gain).
 """
 
 from .base import MAX_CHUNK_BYTES, Link, LinkOptions, PeerHello
