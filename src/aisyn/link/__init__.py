@@ -57,8 +57,8 @@ A lost peer is detected by gRPC keepalive pings within about
 :class:`PeerLostError` from every pending and later call.
 
 Performance: a tensor is copied once on each side outside gRPC (into the
-outgoing frame, into the received tensor); int8 quantisation costs CPU on
-both ends (~1.5 passes over the data each). Every received tensor is a fresh
+outgoing frame, into the received tensor); int8 quantisation costs CPU time on
+both ends (see the benchmark). Every received tensor is a fresh
 allocation, and with glibc's default thresholds multi-MiB allocations are new
 mmaps that page-fault on first touch; deployments moving large activations
 should raise ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` or use
