@@ -118,3 +118,15 @@ def test_unknown_codec_and_dtype():
         encode(torch.zeros(2), "zstd")
     with pytest.raises(ValueError, match="cannot be sent"):
         encode(torch.zeros(2, dtype=torch.complex64))
+
+
+def test_int8_multi_pass_matches_single_pass(monkeypatch):
+    """Slabbing is an implementation detail: results must not depend on it."""
+    from aisyn.link.codec import _CODECS
+
+    x = torch.randn(64 * 1000 + 17).to(torch.bfloat16)
+    one = encode(x, "int8")
+    monkeypatch.setattr(_CODECS["int8"], "min_slab", 64 * 3)  # many passes
+    many = encode(x, "int8")
+    assert torch.equal(one.side, many.side) and torch.equal(one.payload, many.payload)
+    assert torch.equal(decode(many), decode(one))

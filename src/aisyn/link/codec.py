@@ -155,30 +155,34 @@ class _Int8Blockwise(_Codec):
 
     name = "int8"
     block = 64
-    #: Values per pass (a multiple of ``block``). Passes reuse one 4 MiB fp32
-    #: scratch instead of allocating tensor-sized temporaries, and each pass
-    #: still gives every op enough work that intra-op thread start-up (costly
-    #: when the cores are busy with training) stays negligible.
-    slab = 1 << 20
+    #: The tensor is processed in at most ``max_passes`` slabs of at least
+    #: ``min_slab`` values, through one reused fp32 scratch: temporaries stay
+    #: at ~1/4 of the tensor instead of several tensor-sized copies, while the
+    #: number of torch ops -- each a parallel region that can stall for a
+    #: scheduler tick when training threads occupy the cores -- stays small.
+    min_slab = 1 << 20
+    max_passes = 4
 
     def sizes(self, numel: int, dtype: torch.dtype) -> tuple[int, int]:
         return 4 * -(-numel // self.block), numel
 
-    def _slabs(self, n: int) -> list[tuple[int, int, int]]:
-        """(start, end, rows) passes over n values; the ragged tail is its own
-        short block rather than padding the input, which would copy it all."""
+    def _slabs(self, n: int) -> tuple[int, list[tuple[int, int, int]]]:
+        """Slab size and (start, end, rows) passes over n values; the ragged
+        tail is its own short block rather than padding (copying) the input."""
         b, full = self.block, n - n % self.block
-        passes = [(s, min(full, s + self.slab), 0) for s in range(0, full, self.slab)]
+        slab = max(self.min_slab, -(-n // (self.max_passes * b)) * b)
+        passes = [(s, min(full, s + slab), 0) for s in range(0, full, slab)]
         if full < n:
             passes.append((full, n, 1))
-        return [(s, e, rows or (e - s) // b) for s, e, rows in passes]
+        return slab, [(s, e, rows or (e - s) // b) for s, e, rows in passes]
 
     def encode(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, b, dev = flat.numel(), self.block, flat.device
         scale = torch.empty(-(-n // b), dtype=torch.float32, device=dev)
         q = torch.empty(n, dtype=torch.int8, device=dev)
-        scratch = torch.empty(min(n, self.slab), dtype=torch.float32, device=dev)
-        for start, end, rows in self._slabs(n):
+        slab, passes = self._slabs(n)
+        scratch = torch.empty(min(n, slab), dtype=torch.float32, device=dev)
+        for start, end, rows in passes:
             y = scratch[: end - start].view(rows, -1)
             y.copy_(flat[start:end].view(rows, -1))  # also casts bf16/fp16 to fp32
             first = start // b
@@ -208,9 +212,9 @@ class _Int8Blockwise(_Codec):
     ) -> torch.Tensor:
         scale, q, b = side.view(torch.float32), payload.view(torch.int8), self.block
         out = torch.empty(numel, dtype=dtype)
-        direct = dtype is torch.float32
-        scratch = None if direct else torch.empty(min(numel, self.slab))
-        for start, end, rows in self._slabs(numel):
+        slab, passes = self._slabs(numel)
+        scratch = None if dtype is torch.float32 else torch.empty(min(numel, slab))
+        for start, end, rows in passes:
             target = out[start:end].view(rows, -1)
             y = target if scratch is None else scratch[: end - start].view(rows, -1)
             y.copy_(q[start:end].view(rows, -1))
