@@ -56,5 +56,5 @@ def run_demo(
     )
     summary = train(model, [data], run, cfg)
     log.info("[3/3] evaluating on the news test split")
-    result = evaluate_run(run, data_dir=data, per_document=3)
+    result = evaluate_run(run, data_dir=data, per_document=1)
     return {"train": summary, "eval": result, "plot": summary["plot"]}
