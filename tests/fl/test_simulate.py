@@ -117,3 +117,28 @@ def test_cli_reports_a_client_without_data_in_one_line(base_run, tmp_path):
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("aisyn: error: client acme:") and "not found" in line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_run_over_tls(base_run, sft_dirs, tmp_path):
+    from aisyn.fl.runtime import ServerTls
+    from aisyn.link import make_dev_certs
+
+    # Prepare: a throwaway CA and a server certificate for 127.0.0.1
+    certs = make_dev_certs(tmp_path / "certs")
+    tls = ServerTls(certs.server_cert, certs.server_key, certs.ca_cert)
+    settings = FLSettings(
+        rounds=2,
+        local_steps=2,
+        batch_size=8,
+        lr=3e-3,
+        warmup=1,
+        eval_items=16,
+        min_clients=2,
+    )
+    # Execute
+    result = simulate(base_run, sft_dirs, tmp_path / "run", settings, tls=tls)
+    # Assert
+    assert [h["accepted"] for h in result["history"]] == [2, 2]
+    log = (tmp_path / "run" / "runtime" / "superlink" / "superlink.log").read_text()
+    assert "https" in log.lower() or "ssl" in log.lower() or "tls" in log.lower()

@@ -196,15 +196,26 @@ def _final_loss(metrics_path: Path, key: str = "loss", last: int = 10) -> float 
 # --- the comparison ---------------------------------------------------------------
 
 
-def run_compare(
-    domains: Sequence[str],
-    preset: Preset,
-    out: str | Path,
-    *,
-    device: str = "auto",
-    echo: bool = False,
-) -> dict:
-    t_start = time.perf_counter()
+@dataclass
+class Inputs:
+    """Everything the regimes share: domains, cached base and data, evaluator."""
+
+    names: list[str]
+    base: Path
+    base_build_s: float
+    shards: dict[str, Path]
+    sft: dict[str, Path]
+    evaluate: Evaluator
+    device: torch.device
+
+    @property
+    def device_label(self) -> str:
+        if self.device.type == "cpu":
+            return f"CPU ({torch.get_num_threads()} threads)"
+        return torch.cuda.get_device_name(self.device)
+
+
+def prepare_inputs(domains: Sequence[str], preset: Preset, device: str) -> Inputs:
     domains = list(domains)
     if len(domains) < 2 or len(set(domains)) != len(domains):
         raise ValueError(f"--domains needs two or more distinct domains, got {domains}")
@@ -212,16 +223,8 @@ def run_compare(
         if d not in BUILTIN_CORPORA and not Path(d).is_file():
             raise ValueError(f"domain {d!r}: not a built-in corpus nor a file")
     names = [Path(d).stem for d in domains]
-    out = Path(out)
-    if (out / REPORT_JSON).exists() or (out / "runs").exists():
-        raise FileExistsError(
-            f"{out}: holds an earlier comparison; choose another --out"
-        )
-    runs = out / "runs"
-    runs.mkdir(parents=True)
     dev = resolve_device(device)
     tok = PanguTokenizer.load()
-
     shards = {
         n: cached_shards(d, tok, preset) for n, d in zip(names, domains, strict=True)
     }
@@ -232,11 +235,58 @@ def run_compare(
     evaluate = Evaluator(
         names, sft, shards, tok, preset.seq_len, preset.max_test_items, dev
     )
-    device_label = (
-        f"{dev.type.upper()} ({torch.get_num_threads()} threads)"
-        if dev.type == "cpu"
-        else torch.cuda.get_device_name(dev)
+    return Inputs(names, base, base_build_s, shards, sft, evaluate, dev)
+
+
+def federated_settings(
+    preset: Preset, clients: int, device: str, **overrides
+) -> FLSettings:
+    """The preset's federated settings (equal step budget), then ``overrides``."""
+    d = dict(
+        rounds=preset.rounds,
+        local_steps=preset.local_steps(clients),
+        batch_size=preset.batch_size,
+        lr=preset.lr,
+        min_lr=-1.0 if preset.min_lr is None else preset.min_lr,
+        warmup=preset.warmup,
+        weight_decay=preset.weight_decay,
+        seed=preset.seed,
+        schedule=preset.schedule,
+        method=preset.method,
+        strategy=preset.strategy,
+        proximal_mu=preset.proximal_mu,
+        server_momentum=preset.server_momentum,
+        eta=preset.eta,
+        min_clients=clients,
+        eval_items=preset.eval_items,
+        device=device,
     )
+    d.update(overrides)
+    if "rounds" in overrides and "local_steps" not in overrides:
+        d["local_steps"] = preset.finetune_steps // clients // d["rounds"]
+    return FLSettings(**d)
+
+
+def run_compare(
+    domains: Sequence[str],
+    preset: Preset,
+    out: str | Path,
+    *,
+    device: str = "auto",
+    echo: bool = False,
+) -> dict:
+    t_start = time.perf_counter()
+    out = Path(out)
+    if (out / REPORT_JSON).exists() or (out / "runs").exists():
+        raise FileExistsError(
+            f"{out}: holds an earlier comparison; choose another --out"
+        )
+    inputs = prepare_inputs(domains, preset, device)
+    names, base, sft = inputs.names, inputs.base, inputs.sft
+    runs = out / "runs"
+    runs.mkdir(parents=True)
+    dev, evaluate, device_label = inputs.device, inputs.evaluate, inputs.device_label
+    base_build_s = inputs.base_build_s
     rows: list[dict] = []
 
     def add_row(regime: str, model: PanguAlpha, fmt: str, **info) -> None:
@@ -296,25 +346,7 @@ def run_compare(
 
     from aisyn.fl.launch import simulate
 
-    settings = FLSettings(
-        rounds=preset.rounds,
-        local_steps=preset.local_steps(len(names)),
-        batch_size=preset.batch_size,
-        lr=preset.lr,
-        min_lr=-1.0 if preset.min_lr is None else preset.min_lr,
-        warmup=preset.warmup,
-        weight_decay=preset.weight_decay,
-        seed=preset.seed,
-        schedule=preset.schedule,
-        method=preset.method,
-        strategy=preset.strategy,
-        proximal_mu=preset.proximal_mu,
-        server_momentum=preset.server_momentum,
-        eta=preset.eta,
-        min_clients=len(names),
-        eval_items=preset.eval_items,
-        device=device,
-    )
+    settings = federated_settings(preset, len(names), device)
     fed = simulate(
         base, {n: sft[n] for n in names}, runs / "federated", settings, echo=echo
     )

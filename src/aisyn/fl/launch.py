@@ -98,11 +98,13 @@ def simulate(
     *,
     echo: bool = False,
     validate: bool = True,
+    tls: runtime.ServerTls | None = None,
 ) -> dict:
     """All parties on this machine (loopback), each in its own processes.
 
-    ``validate=False`` skips the up-front check of the clients' data (tests use
-    it to put a failing party into a run).
+    With ``tls`` the SuperLink serves HTTPS and clients verify it with the CA
+    (as across machines). ``validate=False`` skips the up-front check of the
+    clients' data (tests use it to put a failing party into a run).
     """
     base, out = Path(base).resolve(), Path(out).resolve()
     if len(clients) < settings.min_clients:
@@ -120,10 +122,11 @@ def simulate(
         port = runtime.free_port()
         address = f"127.0.0.1:{port}"
         superlink = runtime.start_superlink(
-            "127.0.0.1", port, out / "runtime" / "superlink"
+            "127.0.0.1", port, out / "runtime" / "superlink", tls
         )
         procs.append(superlink)
-        runtime.wait_ready(superlink, address, None)
+        ca = tls.ca_certfile if tls else None
+        runtime.wait_ready(superlink, address, ca)
         for name, data in clients.items():
             procs.append(
                 runtime.start_supernode(
@@ -135,10 +138,11 @@ def simulate(
                         "out": str(out / "clients" / name),
                     },
                     out / "runtime" / f"client-{name}",
+                    root_certificates=ca,
                     threads=threads,
                 )
             )
-        result = run_server_side(base, out, settings, superlink, address, None, echo)
+        result = run_server_side(base, out, settings, superlink, address, ca, echo)
     finally:
         for p in reversed(procs):
             p.stop()

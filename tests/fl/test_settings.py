@@ -1,0 +1,64 @@
+"""Federated settings: shipped scenarios load, bad values are refused clearly."""
+
+from __future__ import annotations
+
+import pytest
+
+from aisyn.fl.settings import FLSettings, load_settings, shipped_configs
+
+
+def test_shipped_scenarios_load_and_flags_override():
+    assert {"scenario3", "scenario4"} <= set(shipped_configs())
+    s3 = load_settings("scenario3")
+    s4 = load_settings("scenario4", rounds=4, strategy="fedprox")
+    assert s3.rounds <= 10 and s3.min_clients == 2
+    assert s4.rounds == 4 and s4.strategy == "fedprox"
+    assert FLSettings.from_run_config(s3.to_run_config()) == s3
+
+
+def test_schedule_continues_across_rounds_or_restarts():
+    cont = FLSettings(rounds=4, local_steps=10, warmup=0, lr=1.0, schedule="continue")
+    rest = FLSettings(rounds=4, local_steps=10, warmup=0, lr=1.0, schedule="restart")
+    # continue: round 3 picks up the one cosine where round 2 left it
+    assert cont.lr_at(3, 20) < cont.lr_at(2, 19) < cont.lr_at(1, 0)
+    # restart: every round starts again at the peak
+    assert rest.lr_at(3, 20) == rest.lr_at(1, 0) == 1.0
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('rounds = "ten"', "rounds must be a int"),
+        ("strategy = 'fedsgd'", "unknown strategy"),
+        ("lr = -1.0", "lr must be positive"),
+        ("colour = 'red'", "unknown federated settings"),
+        ("rounds = [", "not valid TOML"),
+    ],
+)
+def test_bad_settings_file_gives_a_clear_error(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(f"[federated]\n{text}\n")
+    with pytest.raises(ValueError, match=message):
+        load_settings(path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["fl", "simulate"],
+        ["fl", "server"],
+        ["fl", "client"],
+        ["fl", "partition"],
+        ["experiment", "compare"],
+        ["prepare-sft"],
+        ["finetune"],
+    ],
+)
+def test_every_fl_and_experiment_command_has_help(argv, capsys):
+    from aisyn.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([*argv, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out and len(out) > 300
