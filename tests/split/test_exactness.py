@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import CUT, losses, start_server, train_cfg
 
 from aisyn.split.train import SplitOptions, split_train
@@ -89,3 +90,42 @@ def test_compressed_cut_stays_close(
     assert got != baseline  # the codec really was applied
     sent = read_metrics(out / "metrics.jsonl")[-1]["bytes_sent"]
     assert sent < 4 * 2 * (2 * 32 * 32 * 4) * (0.6 if codec == "bf16" else 0.35)
+
+
+def test_eod_reset_is_exact_without_sending_tokens(
+    tmp_path, news_data, split_config, monkeypatch
+):
+    """With --eod-reset B gets per-position document indices (int32), never
+    tokens, and the run still matches aisyn train step for step."""
+    from aisyn.link.memory import MemoryLink
+    from aisyn.train.loop import train
+
+    # Prepare: record every tensor A sends
+    sent: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    original = MemoryLink.send
+
+    def spy(self, tag, tensor, **kw):
+        if self.peer.role == "B":  # the data party's end
+            sent.append((tag, tensor.dtype, tuple(tensor.shape)))
+        return original(self, tag, tensor, **kw)
+
+    monkeypatch.setattr(MemoryLink, "send", spy)
+    cfg = train_cfg(steps=6, eod_reset=True)
+    train(split_config, [news_data], tmp_path / "base", cfg, progress=False)
+    # Execute
+    split_train(
+        split_config,
+        [news_data],
+        tmp_path / "split",
+        cfg,
+        SplitOptions(cut=CUT, mode="local", window=2),
+        progress=False,
+    )
+    # Assert
+    want, got = losses(tmp_path / "base"), losses(tmp_path / "split")
+    assert len(got) == 6
+    assert max(abs(g - w) / w for g, w in zip(got, want, strict=True)) <= REL
+    tags = {tag for tag, _, _ in sent}
+    assert tags == {"ctl", "act", "doc", "gout"}
+    assert {(d, s) for tag, d, s in sent if tag == "doc"} == {(torch.int32, (2, 32))}
+    assert all(d == torch.float32 for tag, d, _ in sent if tag in ("act", "gout"))

@@ -240,3 +240,22 @@ def test_kill_9_over_grpc_then_resume(
         for p in (a, server):
             if p.poll() is None:
                 kill9(p)
+
+
+def test_damaged_compute_checkpoint_is_refused_with_the_reason(
+    tmp_path, news_data, split_config
+):
+    from aisyn.link.errors import HandshakeError
+
+    out = tmp_path / "run"
+    cfg = train_cfg(steps=4, ckpt_every=2)
+    opts = SplitOptions(cut=CUT, mode="local")
+    split_train(split_config, [news_data], out, cfg, opts, progress=False)
+    (b_run,) = (out / "compute").iterdir()
+    (b_run / "checkpoints" / "step_00000004" / "model.safetensors").unlink()
+    with pytest.raises(HandshakeError, match="model.safetensors: missing"):
+        split_train(
+            split_config, [news_data], out, cfg, opts, resume=True, progress=False
+        )
+    # A's half of the run is untouched by the refused attempt
+    assert losses(out) and (out / "checkpoints" / "step_00000004").is_dir()

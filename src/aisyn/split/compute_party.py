@@ -30,7 +30,7 @@ from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import PartyState, checkpoint_folder, checkpoint_steps
 from aisyn.train import checkpoint as ckpt
-from aisyn.train.loop import TrainConfig, resolve_device
+from aisyn.train.loop import TrainConfig, autocast_for, resolve_device
 from aisyn.train.run import RunDir
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class ComputeParty:
         with a one-line reason to refuse (B stays up either way)."""
         try:
             return self._negotiate(hello_text)
-        except (ValueError, OSError) as e:  # ProtocolError is a ValueError
+        except (ValueError, TypeError, OSError) as e:  # ProtocolError: ValueError
             raise HandshakeError(f"compute party refused the session: {e}") from None
 
     def _negotiate(self, hello_text: str) -> tuple[str, Session]:
@@ -154,6 +154,16 @@ class ComputeParty:
                     f"run {run_id}: no checkpoint step both parties have (data "
                     f"party {a_steps or 'none'}, compute party {b_steps or 'none'})"
                 )
+        if start:
+            # Fail the handshake, with the reason, rather than the first round.
+            assert run is not None
+            folder = checkpoint_folder(run.checkpoints, start)
+            state = ckpt.read_state(folder)
+            for name in (ckpt.MODEL_FILE, ckpt.OPTIM_FILE):
+                if not (folder / name).is_file():
+                    raise ckpt.CheckpointError(f"{folder / name}: missing")
+            if state.get("run_id") != run_id:
+                raise ckpt.CheckpointError(f"{folder}: belongs to another run")
         if run is not None and purpose == "train":
             config = {
                 "kind": "split-compute",
@@ -248,7 +258,8 @@ class _Rounds:
             if kind == "F":
                 x, mask = self._recv_act(r, i, c)
                 x.requires_grad_()
-                y = self.middle(x, mask)
+                with autocast_for(self.state.device):  # as aisyn train
+                    y = self.middle(x, mask)
                 self.link.send("out", y, step=r, micro=i, codec=self.session.codec)
                 inflight[i] = (x, y)
             else:
@@ -275,7 +286,9 @@ class _Rounds:
     def _eval(self, r: int, c: proto.Control) -> None:
         self.state.train(False)
         x, mask = self._recv_act(r, 0, c)
-        self.link.send("out", self.middle(x, mask), step=r, codec=self.session.codec)
+        with autocast_for(self.state.device):
+            y = self.middle(x, mask)
+        self.link.send("out", y, step=r, codec=self.session.codec)
 
     def _save(self, r: int, c: proto.Control) -> None:
         if self.session.purpose != "train":

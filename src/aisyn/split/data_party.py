@@ -23,11 +23,12 @@ from aisyn.model.segments import document_index
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import PartyState
-from aisyn.train.loop import micro_batches
+from aisyn.train.loop import autocast_for, micro_batches
 
 
-class SplitError(RuntimeError):
-    """The compute party could not do what the data party asked."""
+class SplitError(OSError):
+    """The compute party could not do what the data party asked (e.g. write a
+    checkpoint); an environment problem on its side, reported in one line."""
 
 
 class DataSession:
@@ -79,7 +80,8 @@ class DataSession:
         for kind, i in schedule.make(len(micro), self.window).a:
             inputs, targets, mask, pos = micro[i]
             if kind == "F":
-                h = self.front(inputs, mask, pos)
+                with autocast_for(device):  # as aisyn train (bf16 on CUDA)
+                    h = self.front(inputs, mask, pos)
                 self._send_act(r, i, h, inputs)
                 fronts[i] = h
             elif kind == "L":
@@ -87,8 +89,9 @@ class DataSession:
                     "out", step=r, micro=i, shape=shape, dtype=torch.float32
                 )
                 y = y.to(device).requires_grad_()
-                logits = self.back.logits(self.back(y, mask, pos))
-                loss = lm_loss(logits, targets) / cfg.grad_accum
+                with autocast_for(device):
+                    logits = self.back.logits(self.back(y, mask, pos))
+                    loss = lm_loss(logits, targets) / cfg.grad_accum
                 loss.backward()
                 self.link.send("gout", y.grad, step=r, micro=i)
                 losses[i] = loss.item()
@@ -130,7 +133,9 @@ class DataSession:
         B, T = tokens.shape
         flags = proto.FLAG_EOD if eod else 0
         r = self._open_round(proto.Control(proto.EVAL, 0, 1, B, T, 0, flags))
-        h = self.front(tokens, attn_mask, position_ids)
+        device = self.state.device
+        with autocast_for(device):
+            h = self.front(tokens, attn_mask, position_ids)
         self.link.send("act", h, step=r)
         if eod:
             doc = document_index(tokens, self.eod_id).to(torch.int32)
@@ -138,7 +143,8 @@ class DataSession:
         y = self.link.recv(
             "out", step=r, shape=(B, T, self.hidden_size), dtype=torch.float32
         )
-        return self.back(y.to(self.state.device), attn_mask, position_ids)
+        with autocast_for(device):
+            return self.back(y.to(device), attn_mask, position_ids)
 
     def save_remote(self, step: int) -> None:
         """Ask B to checkpoint ``step``; returns once it is on B's disk."""

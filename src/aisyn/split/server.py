@@ -95,7 +95,7 @@ class SplitServer:
             # The link is already ending the call with the reason; closing it at
             # once can cancel the call before that status reaches the peer.
             time.sleep(_ABORT_GRACE_S)
-        except LinkError as e:
+        except (LinkError, ValueError) as e:  # incl. ProtocolError, CheckpointError
             log.warning("session for run %s failed: %s", session.run_id, e)
         except Exception:  # a broken session must never take the server down
             log.exception("session for run %s failed", session.run_id)

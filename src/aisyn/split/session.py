@@ -215,7 +215,7 @@ def spawn_compute_party(
     while not port_file.is_file():
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-1:]
-            raise RuntimeError(
+            raise OSError(
                 f"the spawned compute party exited with status {proc.returncode}: "
                 f"{tail[0] if tail else '(no output)'} (log: {log_path})"
             )

@@ -1,0 +1,538 @@
+"""Split-training efficiency: the reference's table, reproduced in one run.
+
+Unsplit training (``train.loop.train_step``) against split training of the same
+model on the same batches, with the same seed and micro-batching:
+
+* in-process (both parties in this process, in-memory link);
+* over gRPC on loopback (the compute party is a separate ``aisyn split serve``
+  process, mutual TLS), lockstep and pipelined, each cut-layer codec;
+* the same through a shaped link (``ShapedProxy``: added round-trip latency and
+  a bandwidth cap per direction), where pipelining and compression must win
+  back most of the time lockstep loses.
+
+Per configuration: median step time, tokens/s, ratio to the unsplit baseline,
+and bytes on the wire per step. Also the effect of int8 compression on the
+loss curve (same init, same batches), and the transport microbenchmark
+(``bench/link_throughput.py``: link vs plain socket, same tensor shape).
+
+The baseline is measured at the start and again at the end; ratios use the
+median of all its steps, and both medians are printed, so a busy machine shows
+up as disagreement between them rather than as a silent bias.
+
+    python bench/split_efficiency.py --quick          # ~10 min on 2 cores
+    python bench/split_efficiency.py                  # the docs/split.md table
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from aisyn.data.corpora import load_corpus
+from aisyn.data.shards import open_many, prepare
+from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.link import ShapedProxy
+from aisyn.link.memory import memory_pair
+from aisyn.model.pangu import build_model, load_config
+from aisyn.model.segments import DATA_PARTY, parse_partition
+from aisyn.split import protocol as proto
+from aisyn.split.compute_party import ComputeParty
+from aisyn.split.data_party import DataSession
+from aisyn.split.party import PartyState
+from aisyn.split.session import open_grpc, spawn_compute_party
+from aisyn.split.transport import link_options
+from aisyn.train.loop import TrainConfig, make_optimizer, train_step
+from aisyn.train.sampler import BatchSampler
+
+CODECS = ("none", "fp16", "bf16", "int8")
+
+
+@dataclass
+class Result:
+    name: str
+    link: str
+    schedule: str
+    codec: str
+    step_times: list[float]
+    sent: float = 0.0  # wire bytes per step A->B
+    received: float = 0.0  # B->A
+    losses: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # CPU s/step, both parties
+    base_times: list[float] = field(default_factory=list)  # paired baseline steps
+    base_cpu: list[float] = field(default_factory=list)
+    base_losses: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.step_times)
+
+    @property
+    def ratio(self) -> float:
+        """Step time over the paired baseline's (median over step pairs)."""
+        if not self.base_times:
+            return 1.0
+        return statistics.median(
+            t / b for t, b in zip(self.step_times, self.base_times, strict=True)
+        )
+
+    @property
+    def cpu_ratio(self) -> float:
+        """CPU seconds per step (both parties) over the paired baseline's: the
+        work split training adds, which other processes' load hardly moves."""
+        return statistics.median(
+            t / b for t, b in zip(self.cpu, self.base_cpu, strict=True)
+        )
+
+
+def prepare_data(seq_len: int, max_docs: int) -> Path:
+    root = Path(os.environ.get("AISYN_CACHE", Path.home() / ".cache" / "aisyn"))
+    out = root / "bench" / f"news-{seq_len}-{max_docs}"
+    if not (out / "manifest.json").is_file():
+        tok = PanguTokenizer.load()
+        prepare(
+            load_corpus("news"),
+            tok,
+            seq_len,
+            out,
+            max_documents=max_docs,
+            corpus_specs=["news"],
+        )
+    return out
+
+
+def fixed_batches(data: Path, n: int, batch_size: int, seed: int) -> list[torch.Tensor]:
+    sampler = BatchSampler(open_many([data], "train"), seed=seed)
+    return [sampler.next_batch(batch_size) for _ in range(n)]
+
+
+class Baseline:
+    """The unsplit model, stepped between the split configuration's steps."""
+
+    def __init__(self, cfg, tcfg) -> None:
+        self.tcfg = tcfg
+        self.model = build_model(cfg, seed=tcfg.seed)
+        self.opt = make_optimizer(list(self.model.named_parameters()), tcfg)
+        self.model.train()
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, batch: torch.Tensor, step: int) -> None:
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = train_step(self.model, self.opt, batch, step, self.tcfg, None)
+        self.times.append(time.perf_counter() - t0)
+        self.cpu.append(time.process_time() - c0)
+        self.losses.append(res["loss"])
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """CPU time (user + system) of this process, plus ``pid``'s if given."""
+    total = time.process_time()
+    if pid is not None:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def run_session(
+    name,
+    link_name,
+    link,
+    cfg,
+    part,
+    tcfg,
+    batches,
+    window,
+    codec,
+    warmup,
+    paired=True,
+    peer_pid=None,
+):
+    """Steps the split model, each step right after a baseline step on the same
+    batch (paired: load from other processes hits both alike)."""
+    state = PartyState(cfg, part, DATA_PARTY, tcfg, torch.device("cpu"))
+    session = DataSession(state, link, eod_id=None, window=window)
+    base = Baseline(cfg, tcfg) if paired else None
+    times, cpu, sent, recv, losses = [], [], [], [], []
+    for step, batch in enumerate(batches):
+        if base is not None:
+            base.step(batch, step)
+        s0, r0 = link.bytes_sent, link.bytes_received
+        t0, c0 = time.perf_counter(), cpu_seconds(peer_pid)
+        res = session.train_step(batch, step)
+        link.flush()
+        times.append(time.perf_counter() - t0)
+        cpu.append(cpu_seconds(peer_pid) - c0)
+        sent.append(link.bytes_sent - s0)
+        recv.append(link.bytes_received - r0)
+        losses.append(res["loss"])
+    sched = "lockstep" if window == 0 else f"pipelined ({window} in flight)"
+    w = warmup
+    r = Result(
+        name,
+        link_name,
+        sched,
+        codec,
+        times[w:],
+        statistics.mean(sent[w:]),
+        statistics.mean(recv[w:]),
+        losses,
+        cpu[w:],
+    )
+    if base is not None:
+        r.base_times = base.times[w:]
+        r.base_cpu = base.cpu[w:]
+        r.base_losses = base.losses
+    return r
+
+
+def hello(cfg, part, tcfg, codec) -> dict:
+    return proto.hello(
+        purpose="train",
+        run_id="bench-" + secrets.token_hex(6),
+        model=cfg.to_dict(),
+        partition=part.to_dict(),
+        train=tcfg.to_dict(),
+        codec=codec,
+    )
+
+
+def run_in_process(
+    cfg, part, tcfg, batches, window, codec, warmup, paired=True
+) -> Result:
+    party = ComputeParty(cfg, part, None, device="cpu")
+    _, b_session = party.negotiate(proto.encode_json(hello(cfg, part, tcfg, codec)))
+    link_a, link_b = memory_pair(codec, options=link_options(codec))
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            party.serve_session(link_b, b_session)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            link_b.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        return run_session(
+            "split, in-process",
+            "memory",
+            link_a,
+            cfg,
+            part,
+            tcfg,
+            batches,
+            window,
+            codec,
+            warmup,
+            paired,
+        )
+    finally:
+        link_a.close()
+        thread.join(30)
+        if errors:
+            raise errors[0]
+
+
+def run_grpc(
+    settings, name, link_name, cfg, part, tcfg, batches, window, codec, warmup, pid
+) -> Result:
+    with open_grpc(
+        settings, hello(cfg, part, tcfg, codec), codec=codec, connect_timeout_s=60
+    ) as opened:
+        return run_session(
+            name,
+            link_name,
+            opened.link,
+            cfg,
+            part,
+            tcfg,
+            batches,
+            window,
+            codec,
+            warmup,
+            peer_pid=pid,
+        )
+
+
+def transport_microbench(shape: tuple[int, ...], quick: bool) -> str:
+    script = Path(__file__).with_name("link_throughput.py")
+    if not script.is_file():
+        return "(bench/link_throughput.py not found)"
+    args = [sys.executable, str(script), "--shape", ",".join(map(str, shape))]
+    args += ["--codecs", "none,int8"] + (["--quick"] if quick else [])
+    res = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    if res.returncode:
+        return f"(link_throughput.py failed: {res.stderr.strip().splitlines()[-1:]})"
+    return res.stdout.strip()
+
+
+def table(rows: list[Result], base: float, tokens: int) -> str:
+    out = [
+        "| configuration | link | schedule | codec | step time (s) | paired "
+        "unsplit (s) | tokens/s | × baseline | CPU × baseline | wire MB/step A→B "
+        "| wire MB/step B→A |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| unsplit baseline | - | - | - | {base:.3f} | - | {tokens / base:,.0f} "
+        "| 1 | 1 | - | - |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.name} | {r.link} | {r.schedule} | {r.codec} | {r.median:.3f} "
+            f"| {statistics.median(r.base_times):.3f} | {tokens / r.median:,.0f} "
+            f"| {r.ratio:.3f} | {r.cpu_ratio:.3f} "
+            f"| {r.sent / 1e6:.2f} | {r.received / 1e6:.2f} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps, fewer configs")
+    ap.add_argument("--model", default="small", help="preset or JSON config")
+    ap.add_argument("--cut", default="u:1,1")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--window", type=int, default=2, help="pipelined: in flight")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps/config")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per party process (and for the baseline)",
+    )
+    ap.add_argument("--rtt-ms", type=float, default=20.0)
+    ap.add_argument("--mbit", type=float, default=1000.0)
+    ap.add_argument("--loss-steps", type=int, default=None, help="int8 loss curve")
+    ap.add_argument("--json", default=None, help="also write results here")
+    args = ap.parse_args(argv)
+    steps = args.steps or (4 if args.quick else 10)
+    loss_steps = args.loss_steps or (20 if args.quick else 60)
+    torch.set_num_threads(args.threads)
+
+    cfg = load_config(args.model)
+    part = parse_partition(args.cut, cfg)
+    data = prepare_data(cfg.seq_len, 3000)
+    n = args.warmup + steps
+    tcfg = TrainConfig(
+        steps=max(n, loss_steps),
+        batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
+        lr=1e-3,
+        warmup_steps=5,
+        seed=1234,
+        device="cpu",
+    )
+    batches = fixed_batches(data, max(n, loss_steps), args.batch_size, tcfg.seed)
+    tokens = args.batch_size * cfg.seq_len
+    params = build_model(cfg, device="meta").num_parameters()
+    print(
+        f"# split efficiency: model {args.model} ({params:,} params, seq "
+        f"{cfg.seq_len}), cut {part.spec} ({part.describe()}), batch "
+        f"{args.batch_size} = {tcfg.grad_accum} x micro-batch {tcfg.micro}; "
+        f"{steps} measured steps per configuration after {args.warmup} warm-up, "
+        f"each paired with an unsplit step on the same batch; torch "
+        f"{torch.__version__}, {args.threads} thread(s) per process, "
+        f"{os.cpu_count()} CPUs",
+        flush=True,
+    )
+
+    def log(r: Result) -> None:
+        print(
+            f"  {r.name:<18} {r.link:<30} {r.schedule:<24} {r.codec:<5} "
+            f"{r.median:.3f} s/step, x{r.ratio:.3f} of paired baseline "
+            f"({statistics.median(r.base_times):.3f} s), CPU x{r.cpu_ratio:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    rows: list[Result] = []
+    for window in (0, args.window):
+        rows.append(
+            run_in_process(cfg, part, tcfg, batches[:n], window, "none", args.warmup)
+        )
+        log(rows[-1])
+
+    shaped_rows: list[Result] = []
+    env = {"OMP_NUM_THREADS": str(args.threads)}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = spawn_compute_party(
+            Path(tmp) / "b", cfg, part, Path(tmp) / "b-runs", device="cpu", env=env
+        )
+        try:
+            grpc_codecs = ("none", "int8") if args.quick else CODECS
+            for window in (0, args.window):
+                for codec in grpc_codecs if window else ("none",):
+                    rows.append(
+                        run_grpc(
+                            server.settings,
+                            "split, gRPC",
+                            "loopback, mTLS",
+                            cfg,
+                            part,
+                            tcfg,
+                            batches[:n],
+                            window,
+                            codec,
+                            args.warmup,
+                            server.proc.pid,
+                        )
+                    )
+                    log(rows[-1])
+            # Lockstep pays the link's per-message latency 4x per micro-batch;
+            # with one micro-batch per step (no accumulation) it pays it 4x per
+            # step. Same workload for the paired baseline.
+            whole = dataclasses.replace(tcfg, micro_batch_size=args.batch_size)
+            r = run_grpc(
+                server.settings,
+                "split, gRPC",
+                "loopback, mTLS",
+                cfg,
+                part,
+                whole,
+                batches[:n],
+                0,
+                "none",
+                args.warmup,
+                server.proc.pid,
+            )
+            r.schedule = f"lockstep, 1 x micro-batch {args.batch_size}"
+            rows.append(r)
+            log(r)
+            port = int(server.settings.address.rpartition(":")[2])
+            with ShapedProxy(
+                0,
+                "127.0.0.1",
+                port,
+                latency_ms_rtt=args.rtt_ms,
+                bandwidth_bits_per_s=args.mbit * 1e6,
+            ) as proxy:
+                shaped = dataclasses.replace(
+                    server.settings, address=f"127.0.0.1:{proxy.port}"
+                )
+                link_name = f"shaped {args.rtt_ms:g} ms RTT, {args.mbit:g} Mbit/s"
+                configs = [(0, "none"), (0, "int8")]
+                configs += [(args.window, c) for c in grpc_codecs]
+                for window, codec in configs:
+                    shaped_rows.append(
+                        run_grpc(
+                            shaped,
+                            "split, gRPC",
+                            link_name,
+                            cfg,
+                            part,
+                            tcfg,
+                            batches[:n],
+                            window,
+                            codec,
+                            args.warmup,
+                            server.proc.pid,
+                        )
+                    )
+                    log(shaped_rows[-1])
+        finally:
+            server.stop()
+
+    everything = rows + shaped_rows
+    base = statistics.median(t for r in everything for t in r.base_times)
+    print()
+    print(table(everything, base, tokens))
+    print()
+    print(
+        f"baseline: median {base:.3f} s/step over all {len(everything)} pairings "
+        f"(per pairing {min(statistics.median(r.base_times) for r in everything):.3f}"
+        f"-{max(statistics.median(r.base_times) for r in everything):.3f} s); "
+        "'x baseline' is the median over steps of split/paired-unsplit step time; "
+        "'CPU x baseline' the same for CPU seconds of both parties' processes"
+    )
+
+    # Targets
+    in_proc = rows[0].ratio
+    loopback = [r for r in rows if r.link.startswith("loopback")]
+    grpc_lock = next(r for r in loopback if r.schedule == "lockstep").ratio
+    grpc_whole = next(r for r in loopback if r.schedule.startswith("lockstep, 1"))
+    grpc_exact = min(
+        r.ratio for r in loopback if r.codec == "none" and r is not grpc_whole
+    )
+    lock = shaped_rows[0].ratio
+
+    def won_back(r: Result) -> float:
+        return (lock - r.ratio) / (lock - 1) if lock > 1 else math.nan
+
+    plain = next(r for r in shaped_rows[2:] if r.codec == "none")
+    best = max((r for r in shaped_rows[2:] if r.codec != "none"), key=won_back)
+    print(
+        f"in-process lockstep: x{in_proc:.3f} of baseline (target <= 1.03)\n"
+        f"gRPC loopback lockstep: x{grpc_lock:.3f} ({tcfg.grad_accum} micro-batches"
+        f"), x{grpc_whole.ratio:.3f} (1 micro-batch); best exact (codec none) "
+        f"with {tcfg.grad_accum} micro-batches: x{grpc_exact:.3f} (target <= 1.10)\n"
+        f"shaped link: lockstep x{lock:.3f}, i.e. it loses {100 * (lock - 1):.0f}% "
+        f"of a step; pipelined alone (x{plain.ratio:.3f}) wins back "
+        f"{100 * won_back(plain):.0f}% of that, pipelined + {best.codec} "
+        f"(x{best.ratio:.3f}) {100 * won_back(best):.0f}% (target >= 80%)"
+    )
+
+    # Exactness on the way: lossless configurations match the unsplit losses
+    # (same init, same batches).
+    exact = [r for r in everything if r.codec == "none"]
+    worst = max(
+        abs(a - b) / abs(b)
+        for r in exact
+        for a, b in zip(r.losses, r.base_losses, strict=True)
+    )
+    print(f"lossless configurations: max relative loss difference {worst:.2e}")
+
+    # int8's effect on the loss curve, in-process (same init and batches).
+    loss_batches = batches[:loss_steps]
+    none, int8 = (
+        run_in_process(cfg, part, tcfg, loss_batches, args.window, c, 0, paired=False)
+        for c in ("none", "int8")
+    )
+    diffs = [abs(a - b) for a, b in zip(int8.losses, none.losses, strict=True)]
+    print(
+        f"int8 cut compression over {loss_steps} steps: loss {none.losses[0]:.4f} -> "
+        f"{none.losses[-1]:.4f} lossless vs {int8.losses[0]:.4f} -> "
+        f"{int8.losses[-1]:.4f} int8; max |diff| {max(diffs):.4f}, mean |diff| "
+        f"{statistics.mean(diffs):.4f}, final diff "
+        f"{int8.losses[-1] - none.losses[-1]:+.4f} nats"
+    )
+
+    micro_shape = (tcfg.micro, cfg.seq_len, cfg.hidden_size)
+    print()
+    print(f"transport microbenchmark (one cut tensor, {list(micro_shape)} fp32):")
+    print(transport_microbench(micro_shape, args.quick))
+
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "baseline": base,
+                    "rows": [r.__dict__ for r in everything],
+                    "int8_losses": int8.losses,
+                    "none_losses": none.losses,
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
