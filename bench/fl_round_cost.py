@@ -144,20 +144,48 @@ def per_gb_costs(mb: int = 256, clients: int = 2) -> dict:
     }
 
 
+def load_cost_per_gb(mb: int = 256) -> float:
+    """Seconds per GB to read a safetensors checkpoint (from the page cache, as
+    every round after the first does) and copy it into a model's tensors."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    n = mb * (1 << 20) // 4
+    tensors = {f"t{i}": torch.randn(n // 8) for i in range(8)}
+    targets = {k: torch.empty_like(v) for k, v in tensors.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "w.safetensors"
+        save_file(tensors, str(path))
+        ckpt.read_tensors(path)  # warm the page cache
+        t = time.perf_counter()
+        loaded = ckpt.read_tensors(path)
+        for k, v in loaded.items():
+            targets[k].copy_(v)
+        return (time.perf_counter() - t) / (n * 4 / 1e9)
+
+
 def extrapolate(measured: dict, costs: dict, link_gbps: list[float], rank: int) -> list:
     """Per-round non-training time for 2.6B, two clients, server link shared."""
     cfg = PanguConfig(**{**CONFIGS["2.6B"]})
+    # polling, process start, imports: independent of the model's size
     fixed = statistics.median(
         r["non_training_s"] - r["client_load_s"]
         for m in measured.values()
         for r in m["rounds"]
-    )  # polling, process start, imports: independent of size
-    load_rate = statistics.median(
-        m["ckpt_bytes"] / r["client_load_s"]
-        for m in measured.values()
-        for r in m["rounds"]
-        if r["client_load_s"] > 0
     )
+    # what loading costs besides reading weights (peft import, data, checks)
+    load_fixed = {
+        method: statistics.median(
+            max(
+                0.0, r["client_load_s"] - m["ckpt_bytes"] / 1e9 * costs["load_s_per_gb"]
+            )
+            for m in measured.values()
+            if m["method"] == method
+            for r in m["rounds"]
+        )
+        for method in ("full", "lora")
+    }
     out = []
     for method, params in (
         ("full", full_params(cfg)),
@@ -165,7 +193,7 @@ def extrapolate(measured: dict, costs: dict, link_gbps: list[float], rank: int) 
     ):
         payload = params * 4  # fp32 on the wire
         gb = payload / 1e9
-        base_bytes = full_params(cfg) * 2  # bf16 base checkpoint each client loads
+        base_gb = full_params(cfg) * 4 / 1e9  # fp32 base checkpoint, every round
         for gbps in link_gbps:
             transfer = 2 * 2 * payload * 8 / (gbps * 1e9)  # down + up, 2 clients
             compute = (
@@ -173,7 +201,7 @@ def extrapolate(measured: dict, costs: dict, link_gbps: list[float], rank: int) 
                 + gb * costs["decode_check_s_per_gb"] * 2  # client in, server check
                 + gb * costs["fedavg_s_per_gb_all_clients"]
             )
-            load = base_bytes / load_rate
+            load = load_fixed[method] + base_gb * costs["load_s_per_gb"]
             total = fixed + load + transfer + compute
             out.append(
                 {
@@ -228,7 +256,7 @@ def main(argv=None) -> int:
                 "ckpt_bytes": ckpt_bytes,
                 "params": full_params(cfg),
             }
-    costs = per_gb_costs()
+    costs = {**per_gb_costs(), "load_s_per_gb": load_cost_per_gb()}
     extra = extrapolate(
         measured, costs, [float(x) for x in args.link_gbps.split(",")], args.lora_rank
     )

@@ -17,7 +17,7 @@ def _check_run(result: dict, run, clients: list[str]) -> None:
     hist = result["history"]
     assert [h["round"] for h in hist] == [1, 2]
     # the global model's validation loss drops: base (before round 1) -> final
-    assert result["final_global_valid_loss"] < hist[0]["global_valid_loss"] - 0.5
+    assert result["final_global_valid_loss"] < hist[0]["global_valid_loss"] - 0.3
     # per-node run folders: metrics with bytes, loss curves, checkpoints
     server = run / "server"
     assert (server / "loss.png").is_file() and (
@@ -39,7 +39,7 @@ def test_two_clients_two_rounds_loopback_run_completes_and_loss_drops(
     # Prepare
     settings = FLSettings(
         rounds=2,
-        local_steps=3,
+        local_steps=4,
         batch_size=8,
         lr=3e-3,
         warmup=1,
@@ -142,3 +142,69 @@ def test_run_over_tls(base_run, sft_dirs, tmp_path):
     assert [h["accepted"] for h in result["history"]] == [2, 2]
     log = (tmp_path / "run" / "runtime" / "superlink" / "superlink.log").read_text()
     assert "https" in log.lower() or "ssl" in log.lower() or "tls" in log.lower()
+
+
+def _pids_with(text: str) -> list[int]:
+    """Our own processes whose command line mentions ``text`` (a unique tmp path)."""
+    import os
+    from pathlib import Path
+
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd and int(proc.name) != os.getpid():
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_client_that_drops_out_mid_round_does_not_stop_the_server(
+    base_run, sft_dirs, tmp_path
+):
+    import os
+    import signal
+    import threading
+    import time
+
+    # Prepare: one client is killed (its whole process group) while training round 1
+    settings = FLSettings(
+        rounds=2,
+        local_steps=60,
+        batch_size=8,
+        lr=1e-3,
+        warmup=1,
+        eval_items=16,
+        min_clients=1,
+        round_timeout=150,
+    )
+    result: dict = {}
+
+    def run() -> None:
+        result.update(simulate(base_run, sft_dirs, tmp_path / "run", settings))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    metrics = tmp_path / "run" / "clients" / "reviews" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not metrics.is_file() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    node_config = str(tmp_path / "run" / "runtime" / "client-reviews")
+    # Execute
+    for pid in _pids_with(node_config):  # the reviews SuperNode, started by this test
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    worker.join(900)
+    # Assert: the run finished; round 1 aggregated the update that arrived
+    assert not worker.is_alive()
+    hist = result["history"]
+    assert [h["round"] for h in hist] == [1, 2]
+    assert hist[0]["accepted"] == 1
+    assert hist[1]["accepted"] == 1 and hist[1]["clients"] == 1
+    assert result["final_global_valid_loss"] is not None

@@ -54,7 +54,7 @@ class Preset:
             batch_size=self.pretrain_batch,
             lr=self.pretrain_lr,
             warmup_steps=self.pretrain_warmup,
-            log_every=max(1, self.pretrain_steps // 50),
+            log_every=max(1, self.pretrain_steps // 250),
             seed=self.seed,
         )
 
@@ -123,7 +123,7 @@ PRESETS: dict[str, Preset] = {
         pretrain_warmup=100,
         per_document=5,
         test_per_document=5,
-        finetune_steps=1200,
+        finetune_steps=1600,
         batch_size=16,
         lr=1e-3,
         warmup=30,
