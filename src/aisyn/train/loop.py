@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -31,6 +32,7 @@ from aisyn.model.pangu import (
     load_config,
 )
 from aisyn.train import checkpoint as ckpt
+from aisyn.train import distributed
 from aisyn.train.run import RunDir
 from aisyn.train.sampler import BatchSampler
 from aisyn.train.schedule import lr_at
@@ -149,14 +151,22 @@ def micro_batches(batch: torch.Tensor, micro: int, eod_id: int | None):
 
 
 def forward_backward(
-    model: PanguAlpha, batch: torch.Tensor, cfg: TrainConfig, eod_id: int | None
+    model: nn.Module, batch: torch.Tensor, cfg: TrainConfig, eod_id: int | None
 ) -> float:
-    """Accumulate gradients over micro-batches; returns the step's mean loss."""
+    """Accumulate gradients over micro-batches; returns the step's mean loss.
+
+    ``batch`` is this process's share of the step's samples (all of them unless
+    data-parallel); under DDP gradients are synchronised on the last micro-batch
+    only.
+    """
+    micro = list(micro_batches(batch, cfg.micro, eod_id))
     total = 0.0
     with autocast_for(batch.device):
-        for inputs, targets, mask, pos in micro_batches(batch, cfg.micro, eod_id):
-            loss = lm_loss(model(inputs, mask, pos), targets) / cfg.grad_accum
-            loss.backward()
+        for i, (inputs, targets, mask, pos) in enumerate(micro):
+            sync = i == len(micro) - 1 or not isinstance(model, DDP)
+            with nullcontext() if sync else model.no_sync():
+                loss = lm_loss(model(inputs, mask, pos), targets) / len(micro)
+                loss.backward()
             total += loss.item()
     return total
 
@@ -259,7 +269,13 @@ def train(
         raise ValueError(
             f"data seq_len {sources[0].seq_len} exceeds the model's {mcfg.seq_len}"
         )
-    device = resolve_device(cfg.device)
+    world = distributed.world_size()
+    if cfg.batch_size % (world * cfg.micro):
+        raise ValueError(
+            f"batch_size {cfg.batch_size} must split into {world} ranks x "
+            f"micro-batches of {cfg.micro}"
+        )
+    ctx, device = distributed.setup(resolve_device(cfg.device))
     run = RunDir(out)
     config = {
         "kind": "train",
@@ -270,14 +286,18 @@ def train(
         "seq_len": sources[0].seq_len,
         "init_from": str(init_from) if init_from else None,
     }
-    run.create(config, resume=resume)
-    run.copy_tokenizer(sources[0].data_dir / sources[0].tokenizer_info["file"])
+    if ctx.is_main:
+        run.create(config, resume=resume)
+        run.copy_tokenizer(sources[0].data_dir / sources[0].tokenizer_info["file"])
+    ctx.barrier()
 
     model = build_model(mcfg, seed=cfg.seed).to(device)
     if init_from:
         load_model_checkpoint(model, init_from)
     named = list(model.named_parameters())
     optimizer = make_optimizer(named, cfg)
+    # DDP wraps after the optimizer and checkpoints are set up on plain names.
+    net: nn.Module = DDP(model) if ctx.enabled else model
     sampler = BatchSampler(sources, seed=cfg.seed)
     eod_id = tok["eod_id"] if cfg.eod_reset else None
     valid = None
@@ -297,7 +317,8 @@ def train(
             state["elapsed_s"],
             state["tokens"],
         )
-        run.truncate_metrics(start_step)
+        if ctx.is_main:
+            run.truncate_metrics(start_step)
         log.info("resumed from %s (step %d)", last, start_step)
     elif resume:
         log.info("%s: no checkpoint yet; starting from step 0", run.path)
@@ -332,7 +353,7 @@ def train(
     bar = tqdm(
         total=cfg.steps,
         initial=start_step,
-        disable=not progress or None,
+        disable=not (progress and ctx.is_main) or None,
         desc="train",
         unit="step",
         dynamic_ncols=True,
@@ -340,12 +361,15 @@ def train(
     try:
         with logging_redirect_tqdm():
             for step in range(start_step, cfg.steps):
-                batch = sampler.next_batch(cfg.batch_size).to(device)
-                result = train_step(model, optimizer, batch, step, cfg, eod_id)
+                batch = ctx.shard(sampler.next_batch(cfg.batch_size)).to(device)
+                result = train_step(net, optimizer, batch, step, cfg, eod_id)
+                result["loss"] = ctx.mean(result["loss"], device)
                 tokens += tokens_per_step
                 done = step + 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{result['loss']:.4f}")
+                if not ctx.is_main:
+                    continue  # rank 0 alone logs, evaluates and checkpoints
                 record = None
                 if done % cfg.log_every == 0 or done == cfg.steps or done == 1:
                     record = {
@@ -385,8 +409,9 @@ def train(
                     run.plot()
     finally:
         bar.close()
+        distributed.teardown(ctx)
     elapsed = time.perf_counter() - t0
-    plot = run.plot()
+    plot = run.plot() if ctx.is_main else None
     return {
         "run": str(run.path),
         "steps": cfg.steps,

@@ -1,0 +1,76 @@
+"""Data-parallel scale-out within one party, via ``torchrun`` and DDP.
+
+``torchrun --nproc-per-node N -m aisyn.cli train ...`` (or across machines with
+``--nnodes``/``--rdzv-endpoint``) runs N ranks. Every rank draws the same global
+batch from the seeded sampler and keeps its own contiguous share of the rows;
+DDP averages gradients, so a step computes what one process would on the whole
+batch (equal shares, mean of means). Rank 0 alone writes logs, metrics,
+plots and checkpoints. Without ``WORLD_SIZE`` > 1 nothing here does anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous share of a global batch."""
+        if not self.enabled:
+            return batch
+        per = len(batch) // self.world
+        return batch[self.rank * per : (self.rank + 1) * per]
+
+    def mean(self, value: float, device: torch.device) -> float:
+        """Average a scalar over ranks (e.g. the logged loss)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+def world_size() -> int:
+    """Ranks torchrun started (1 when not run under torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup(device: torch.device) -> tuple[DistContext, torch.device]:
+    """Join the process group torchrun describes; pick this rank's device."""
+    world = world_size()
+    if world <= 1:
+        return DistContext(), device
+    rank = int(os.environ["RANK"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return DistContext(rank, world, local), device
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()

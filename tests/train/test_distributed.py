@@ -1,0 +1,101 @@
+"""Data-parallel training with torchrun equals single-process training."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from aisyn.train.loop import TrainConfig, train
+from aisyn.train.run import read_metrics
+
+
+def test_two_ranks_match_one_process(tmp_path, news_data):
+    model = tmp_path / "m.json"
+    model.write_text(
+        json.dumps(
+            {
+                "vocab_size": 8000,
+                "hidden_size": 32,
+                "num_layers": 2,
+                "num_heads": 2,
+                "ffn_size": 64,
+                "seq_len": 32,
+            }
+        )
+    )
+    args = [
+        "--steps",
+        "6",
+        "--batch-size",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "2",
+        "--log-every",
+        "1",
+        "--seed",
+        "3",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "aisyn.cli",
+            "train",
+            "--model",
+            str(model),
+            "--data",
+            str(news_data),
+            "--out",
+            str(tmp_path / "ddp"),
+            "--quiet",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = TrainConfig(
+        steps=6,
+        batch_size=4,
+        micro_batch_size=1,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        seed=3,
+    )
+    train(str(model), [news_data], tmp_path / "single", cfg, progress=False)
+
+    ddp = [r["loss"] for r in read_metrics(tmp_path / "ddp" / "metrics.jsonl")]
+    single = [r["loss"] for r in read_metrics(tmp_path / "single" / "metrics.jsonl")]
+    assert len(ddp) == 6
+    assert ddp == pytest.approx(single, rel=1e-5)
+    assert (tmp_path / "ddp" / "checkpoints" / "latest").is_file()
+
+
+def test_batch_must_split_over_ranks(monkeypatch, tmp_path, news_data):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+
+    with pytest.raises(ValueError, match="must split into 3 ranks"):
+        train(
+            "tiny",
+            [news_data],
+            tmp_path / "r",
+            TrainConfig(steps=1, batch_size=4),
+            progress=False,
+        )
