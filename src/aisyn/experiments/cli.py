@@ -14,6 +14,7 @@ def cmd_compare(args) -> None:
         strategy=args.strategy,
         method=args.method,
         finetune_steps=args.steps,
+        lr=args.lr,
     )
     report = run_compare(
         [d.strip() for d in args.domains.split(",") if d.strip()],
@@ -102,6 +103,7 @@ def register(sub) -> None:
     )
     c.add_argument("--method", choices=["full", "lora"], default=None)
     c.add_argument("--steps", type=int, default=None, help="override the step budget")
+    c.add_argument("--lr", type=float, default=None, help="override the fine-tuning lr")
     c.add_argument("--echo", action="store_true", help="stream the Flower server log")
     c.set_defaults(func=cmd_compare)
 

@@ -211,7 +211,8 @@ class Inputs:
     @property
     def device_label(self) -> str:
         if self.device.type == "cpu":
-            return f"CPU ({torch.get_num_threads()} threads)"
+            n = torch.get_num_threads()
+            return f"CPU ({n} thread{'s' if n != 1 else ''})"
         return torch.cuda.get_device_name(self.device)
 
 

@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -240,7 +241,11 @@ def wait_ready(
     host, port = split_address(address)
     scheme = "https" if root_certificates else "http"
     url = f"{scheme}://{host if ':' not in host else f'[{host}]'}:{port}/health"
-    verify = str(root_certificates) if root_certificates else False
+    verify = (
+        ssl.create_default_context(cafile=str(root_certificates))
+        if root_certificates
+        else False
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not proc.alive():
