@@ -53,7 +53,7 @@ from aisyn.train.finetune import (
     train_steps,
 )
 from aisyn.train.loop import make_optimizer, resolve_device
-from aisyn.train.run import TOKENIZER, RunDir, plot_loss, write_json_atomic
+from aisyn.train.run import TOKENIZER, RunDir, write_json_atomic
 
 log = logging.getLogger("aisyn.fl")
 
@@ -276,6 +276,39 @@ def client_evaluate(
 # --- server ---------------------------------------------------------------------------
 
 
+def plot_global(history: list[dict], final: float | None, png: Path) -> None:
+    """The global model's validation loss (clients' weighted mean) after each
+    number of completed rounds: round r's clients score the model of round r-1."""
+    points = [
+        (h["round"] - 1, h["global_valid_loss"])
+        for h in history
+        if h.get("global_valid_loss") is not None
+    ]
+    if final is not None and history:
+        points.append((history[-1]["round"], final))
+    if not points:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot(
+        *zip(*points, strict=True), "o-", label="global model, clients' valid items"
+    )
+    ax.set_xlabel("rounds completed")
+    ax.set_ylabel("loss (nats/answer token)")
+    ax.set_title("federated global model")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png.with_name(png.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png)
+
+
 @dataclass
 class ServerNode:
     base: Path
@@ -334,13 +367,7 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         entry["elapsed_s"] = time.perf_counter() - t_start
         history.append(entry)
         run.log_metrics(entry)
-        plot_loss(
-            run.metrics_path,
-            run.path / "loss.png",
-            "federated global model",
-            key="global_valid_loss",
-            x="round",
-        )
+        plot_global(history, None, run.path / "loss.png")
         return None
 
     result = strategy.start(
@@ -373,6 +400,7 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
                 "final_global_valid_loss": summary["final_global_valid_loss"],
             }
         )
+        plot_global(history, summary["final_global_valid_loss"], run.path / "loss.png")
     write_json_atomic(run.path / RESULT_FILE, summary)
     log.info(
         "federated run finished: %s",
