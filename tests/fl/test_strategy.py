@@ -147,3 +147,19 @@ def test_bf16_tensors_travel_as_float32():
     rec = tensors_to_record({"x": torch.ones(3, dtype=torch.bfloat16)})
     assert rec["x"].dtype == "float32"
     np.testing.assert_array_equal(rec["x"].numpy(), np.ones(3, dtype=np.float32))
+
+
+def test_fedadam_global_model_stays_float32_and_moves_toward_the_clients():
+    from aisyn.fl.records import decode_checked, expected_spec
+
+    # Prepare
+    strategy = make_strategy(FLSettings(strategy="fedadam", eta=0.1, min_clients=1))
+    sent = configured(strategy, {"w": [0.0, 0.0]}, nodes=(1,))
+    # Execute
+    arrays, _ = strategy.aggregate_train(
+        1, [reply_to(sent[1], {"w": [1.0, -1.0]}, n=2)]
+    )
+    # Assert: float32 (servers optimisers compute in float64), checked like an update
+    assert arrays["w"].dtype == "float32"
+    w = decode_checked(arrays, expected_spec(arrays))["w"]
+    assert w[0] > 0 > w[1]

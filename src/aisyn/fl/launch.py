@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,12 +52,14 @@ def _result(server_out: Path, log_path: Path, rc: int) -> dict:
     result_file = server_out / RESULT_FILE
     if result_file.is_file():
         return json.loads(result_file.read_text())
+    # the last exception line of a traceback, e.g. "pkg.SomeError: what happened"
+    exc = re.compile(r"^[\w.]*(Error|Exception|Rejected|Exit)\w*: .+")
     lines = []
     if log_path.is_file():
         lines = [
             ln.strip()
             for ln in log_path.read_text(errors="replace").splitlines()
-            if "Error" in ln or "error" in ln or "Exception" in ln
+            if exc.match(ln.strip())
         ]
     hint = lines[-1] if lines else f"flwr run exited with {rc}"
     raise FederatedRunError(f"federated run failed ({hint}); see {log_path}")

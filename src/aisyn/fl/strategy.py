@@ -21,12 +21,13 @@ import time
 from collections.abc import Iterable
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, Strategy
 
 from aisyn.fl.records import (
     WEIGHT_KEY,
+    WIRE_DTYPE,
     UpdateRejected,
     check_reply,
     expected_spec,
@@ -35,6 +36,16 @@ from aisyn.fl.records import (
 from aisyn.fl.settings import FLSettings
 
 log = logging.getLogger("aisyn.fl.server")
+
+
+def as_wire_dtype(arrays: ArrayRecord) -> ArrayRecord:
+    """Server optimisers compute in float64 (numpy scalars upcast); the global
+    model travels, and is checked, as float32."""
+    if all(a.dtype == WIRE_DTYPE for a in arrays.values()):
+        return arrays
+    return ArrayRecord(
+        {k: Array(a.numpy().astype(np.float32)) for k, a in arrays.items()}
+    )
 
 
 class UpdateGuard:
@@ -105,6 +116,8 @@ class UpdateGuard:
             return None, None
         t0 = time.perf_counter()
         arrays, agg_metrics = super().aggregate_train(server_round, good)
+        if arrays is not None:
+            arrays = as_wire_dtype(arrays)
         entry["aggregate_s"] = time.perf_counter() - t0
         if arrays is not None and not all(
             np.isfinite(a.numpy()).all() for a in arrays.values()
