@@ -271,13 +271,14 @@ def run_grpc(
         )
 
 
-def transport_microbench(shape: tuple[int, ...], quick: bool) -> str:
+def transport_microbench(shape: tuple[int, ...], quick: bool, threads: int) -> str:
     script = Path(__file__).with_name("link_throughput.py")
     if not script.is_file():
         return "(bench/link_throughput.py not found)"
     args = [sys.executable, str(script), "--shape", ",".join(map(str, shape))]
     args += ["--codecs", "none,int8"] + (["--quick"] if quick else [])
-    res = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # as the parties run
+    res = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
     if res.returncode:
         return f"(link_throughput.py failed: {res.stderr.strip().splitlines()[-1:]})"
     return res.stdout.strip()
@@ -302,10 +303,29 @@ def table(rows: list[Result], base: float, tokens: int) -> str:
     return "\n".join(out)
 
 
+SECTIONS = ("in-process", "loopback", "shaped", "loss", "transport")
+
+
+def parse_overrides(text: str | None) -> dict:
+    """``hidden_size=512,ffn_size=2048`` -> model config overrides (ints)."""
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--override {item!r}: expected KEY=VALUE")
+        out[key.strip()] = int(value)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps, fewer configs")
     ap.add_argument("--model", default="small", help="preset or JSON config")
+    ap.add_argument(
+        "--override",
+        default=None,
+        help="model config overrides, e.g. hidden_size=512,ffn_size=2048",
+    )
     ap.add_argument("--cut", default="u:1,1")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--micro-batch-size", type=int, default=1)
@@ -318,16 +338,35 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="torch threads per party process (and for the baseline)",
     )
+    ap.add_argument(
+        "--cpus",
+        type=int,
+        default=None,
+        help="pin this benchmark and the compute party to the first N CPUs "
+        "(1: both parties and the baseline share one core, so pipelining can only "
+        "hide link waits, not add a second core)",
+    )
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--mbit", type=float, default=1000.0)
     ap.add_argument("--loss-steps", type=int, default=None, help="int8 loss curve")
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {', '.join(SECTIONS)}",
+    )
     ap.add_argument("--json", default=None, help="also write results here")
     args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if sections - set(SECTIONS):
+        raise SystemExit(f"--sections: unknown {sorted(sections - set(SECTIONS))}")
     steps = args.steps or (4 if args.quick else 10)
     loss_steps = args.loss_steps or (20 if args.quick else 60)
     torch.set_num_threads(args.threads)
+    if args.cpus:
+        # Inherited by the spawned compute party.
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
 
-    cfg = load_config(args.model)
+    cfg = load_config(args.model, **parse_overrides(args.override))
     part = parse_partition(args.cut, cfg)
     data = prepare_data(cfg.seq_len, 3000)
     n = args.warmup + steps
@@ -344,13 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch_size * cfg.seq_len
     params = build_model(cfg, device="meta").num_parameters()
     print(
-        f"# split efficiency: model {args.model} ({params:,} params, seq "
-        f"{cfg.seq_len}), cut {part.spec} ({part.describe()}), batch "
-        f"{args.batch_size} = {tcfg.grad_accum} x micro-batch {tcfg.micro}; "
-        f"{steps} measured steps per configuration after {args.warmup} warm-up, "
-        f"each paired with an unsplit step on the same batch; torch "
-        f"{torch.__version__}, {args.threads} thread(s) per process, "
-        f"{os.cpu_count()} CPUs",
+        f"# split efficiency: model {args.model}"
+        f"{' + ' + args.override if args.override else ''} ({params:,} params, "
+        f"hidden {cfg.hidden_size}, seq {cfg.seq_len}), cut {part.spec} "
+        f"({part.describe()}), batch {args.batch_size} = {tcfg.grad_accum} x "
+        f"micro-batch {tcfg.micro}; {steps} measured steps per configuration after "
+        f"{args.warmup} warm-up, each paired with an unsplit step on the same "
+        f"batch; torch {torch.__version__}, {args.threads} thread(s) per process, "
+        f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs",
         flush=True,
     )
 
@@ -363,175 +403,167 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    rows: list[Result] = []
-    for window in (0, args.window):
-        rows.append(
-            run_in_process(cfg, part, tcfg, batches[:n], window, "none", args.warmup)
-        )
-        log(rows[-1])
-
+    grpc_codecs = ("none", "int8") if args.quick else CODECS
+    rows: list[Result] = []  # in-process and loopback
     shaped_rows: list[Result] = []
-    env = {"OMP_NUM_THREADS": str(args.threads)}
-    with tempfile.TemporaryDirectory() as tmp:
-        server = spawn_compute_party(
-            Path(tmp) / "b", cfg, part, Path(tmp) / "b-runs", device="cpu", env=env
-        )
-        try:
-            grpc_codecs = ("none", "int8") if args.quick else CODECS
-            for window in (0, args.window):
-                for codec in grpc_codecs if window else ("none",):
-                    rows.append(
-                        run_grpc(
-                            server.settings,
-                            "split, gRPC",
-                            "loopback, mTLS",
-                            cfg,
-                            part,
-                            tcfg,
-                            batches[:n],
-                            window,
-                            codec,
-                            args.warmup,
-                            server.proc.pid,
-                        )
-                    )
-                    log(rows[-1])
-            # Lockstep pays the link's per-message latency 4x per micro-batch;
-            # with one micro-batch per step (no accumulation) it pays it 4x per
-            # step. Same workload for the paired baseline.
-            whole = dataclasses.replace(tcfg, micro_batch_size=args.batch_size)
-            r = run_grpc(
-                server.settings,
-                "split, gRPC",
-                "loopback, mTLS",
-                cfg,
-                part,
-                whole,
-                batches[:n],
-                0,
-                "none",
-                args.warmup,
-                server.proc.pid,
-            )
-            r.schedule = f"lockstep, 1 x micro-batch {args.batch_size}"
-            rows.append(r)
-            log(r)
-            port = int(server.settings.address.rpartition(":")[2])
-            with ShapedProxy(
-                0,
-                "127.0.0.1",
-                port,
-                latency_ms_rtt=args.rtt_ms,
-                bandwidth_bits_per_s=args.mbit * 1e6,
-            ) as proxy:
-                shaped = dataclasses.replace(
-                    server.settings, address=f"127.0.0.1:{proxy.port}"
+
+    if "in-process" in sections:
+        for window in (0, args.window):
+            rows.append(
+                run_in_process(
+                    cfg, part, tcfg, batches[:n], window, "none", args.warmup
                 )
-                link_name = f"shaped {args.rtt_ms:g} ms RTT, {args.mbit:g} Mbit/s"
-                configs = [(0, "none"), (0, "int8")]
-                configs += [(args.window, c) for c in grpc_codecs]
-                for window, codec in configs:
-                    shaped_rows.append(
-                        run_grpc(
-                            shaped,
-                            "split, gRPC",
-                            link_name,
-                            cfg,
-                            part,
-                            tcfg,
-                            batches[:n],
-                            window,
-                            codec,
-                            args.warmup,
-                            server.proc.pid,
+            )
+            log(rows[-1])
+
+    if sections & {"loopback", "shaped"}:
+        env = {"OMP_NUM_THREADS": str(args.threads)}
+        with tempfile.TemporaryDirectory() as tmp:
+            server = spawn_compute_party(
+                Path(tmp) / "b", cfg, part, Path(tmp) / "b-runs", device="cpu", env=env
+            )
+
+            def grpc(settings, link_name, window, codec, tc=tcfg) -> Result:
+                r = run_grpc(
+                    settings,
+                    "split, gRPC",
+                    link_name,
+                    cfg,
+                    part,
+                    tc,
+                    batches[:n],
+                    window,
+                    codec,
+                    args.warmup,
+                    server.proc.pid,
+                )
+                log(r)
+                return r
+
+            try:
+                if "loopback" in sections:
+                    for window in (0, args.window):
+                        for codec in grpc_codecs if window else ("none",):
+                            rows.append(
+                                grpc(server.settings, "loopback, mTLS", window, codec)
+                            )
+                    # Lockstep pays the link's per-message cost 4x per micro-batch;
+                    # with one micro-batch per step, 4x per step (the paired
+                    # baseline then runs the same single micro-batch).
+                    whole = dataclasses.replace(tcfg, micro_batch_size=args.batch_size)
+                    r = grpc(server.settings, "loopback, mTLS", 0, "none", whole)
+                    r.schedule = f"lockstep, 1 x micro-batch {args.batch_size}"
+                    rows.append(r)
+                if "shaped" in sections:
+                    port = int(server.settings.address.rpartition(":")[2])
+                    with ShapedProxy(
+                        0,
+                        "127.0.0.1",
+                        port,
+                        latency_ms_rtt=args.rtt_ms,
+                        bandwidth_bits_per_s=args.mbit * 1e6,
+                    ) as proxy:
+                        shaped = dataclasses.replace(
+                            server.settings, address=f"127.0.0.1:{proxy.port}"
                         )
-                    )
-                    log(shaped_rows[-1])
-        finally:
-            server.stop()
+                        name = f"shaped {args.rtt_ms:g} ms RTT, {args.mbit:g} Mbit/s"
+                        configs = [(0, "none"), (0, "int8")]
+                        configs += [(args.window, c) for c in grpc_codecs]
+                        for window, codec in configs:
+                            shaped_rows.append(grpc(shaped, name, window, codec))
+            finally:
+                server.stop()
 
     everything = rows + shaped_rows
-    base = statistics.median(t for r in everything for t in r.base_times)
-    print()
-    print(table(everything, base, tokens))
-    print()
-    print(
-        f"baseline: median {base:.3f} s/step over all {len(everything)} pairings "
-        f"(per pairing {min(statistics.median(r.base_times) for r in everything):.3f}"
-        f"-{max(statistics.median(r.base_times) for r in everything):.3f} s); "
-        "'x baseline' is the median over steps of split/paired-unsplit step time; "
-        "'CPU x baseline' the same for CPU seconds of both parties' processes"
-    )
+    result: dict = {"rows": [r.__dict__ for r in everything]}
+    if everything:
+        base = statistics.median(t for r in everything for t in r.base_times)
+        result["baseline"] = base
+        medians = [statistics.median(r.base_times) for r in everything]
+        print()
+        print(table(everything, base, tokens))
+        print()
+        print(
+            f"baseline: median {base:.3f} s/step over all {len(everything)} "
+            f"pairings (per pairing {min(medians):.3f}-{max(medians):.3f} s); "
+            "'x baseline' is the median over steps of split/paired-unsplit step "
+            "time; 'CPU x baseline' the same for CPU seconds of both parties' "
+            "processes"
+        )
+        print_targets(rows, shaped_rows, tcfg)
+        # Exactness on the way: lossless configurations match the unsplit
+        # losses (same init, same batches).
+        worst = max(
+            abs(a - b) / abs(b)
+            for r in everything
+            if r.codec == "none"
+            for a, b in zip(r.losses, r.base_losses, strict=True)
+        )
+        print(f"lossless configurations: max relative loss difference {worst:.2e}")
 
-    # Targets
-    in_proc = rows[0].ratio
-    loopback = [r for r in rows if r.link.startswith("loopback")]
-    grpc_lock = next(r for r in loopback if r.schedule == "lockstep").ratio
-    grpc_whole = next(r for r in loopback if r.schedule.startswith("lockstep, 1"))
-    grpc_exact = min(
-        r.ratio for r in loopback if r.codec == "none" and r is not grpc_whole
-    )
-    lock = shaped_rows[0].ratio
+    if "loss" in sections:
+        # int8's effect on the loss curve, in-process (same init and batches).
+        loss_batches = batches[:loss_steps]
+        none, int8 = (
+            run_in_process(
+                cfg, part, tcfg, loss_batches, args.window, c, 0, paired=False
+            )
+            for c in ("none", "int8")
+        )
+        diffs = [abs(a - b) for a, b in zip(int8.losses, none.losses, strict=True)]
+        print(
+            f"int8 cut compression over {loss_steps} steps: loss "
+            f"{none.losses[0]:.4f} -> {none.losses[-1]:.4f} lossless vs "
+            f"{int8.losses[0]:.4f} -> {int8.losses[-1]:.4f} int8; max |diff| "
+            f"{max(diffs):.4f}, mean |diff| {statistics.mean(diffs):.4f}, final "
+            f"diff {int8.losses[-1] - none.losses[-1]:+.4f} nats"
+        )
+        result["int8_losses"], result["none_losses"] = int8.losses, none.losses
 
-    def won_back(r: Result) -> float:
-        return (lock - r.ratio) / (lock - 1) if lock > 1 else math.nan
-
-    plain = next(r for r in shaped_rows[2:] if r.codec == "none")
-    best = max((r for r in shaped_rows[2:] if r.codec != "none"), key=won_back)
-    print(
-        f"in-process lockstep: x{in_proc:.3f} of baseline (target <= 1.03)\n"
-        f"gRPC loopback lockstep: x{grpc_lock:.3f} ({tcfg.grad_accum} micro-batches"
-        f"), x{grpc_whole.ratio:.3f} (1 micro-batch); best exact (codec none) "
-        f"with {tcfg.grad_accum} micro-batches: x{grpc_exact:.3f} (target <= 1.10)\n"
-        f"shaped link: lockstep x{lock:.3f}, i.e. it loses {100 * (lock - 1):.0f}% "
-        f"of a step; pipelined alone (x{plain.ratio:.3f}) wins back "
-        f"{100 * won_back(plain):.0f}% of that, pipelined + {best.codec} "
-        f"(x{best.ratio:.3f}) {100 * won_back(best):.0f}% (target >= 80%)"
-    )
-
-    # Exactness on the way: lossless configurations match the unsplit losses
-    # (same init, same batches).
-    exact = [r for r in everything if r.codec == "none"]
-    worst = max(
-        abs(a - b) / abs(b)
-        for r in exact
-        for a, b in zip(r.losses, r.base_losses, strict=True)
-    )
-    print(f"lossless configurations: max relative loss difference {worst:.2e}")
-
-    # int8's effect on the loss curve, in-process (same init and batches).
-    loss_batches = batches[:loss_steps]
-    none, int8 = (
-        run_in_process(cfg, part, tcfg, loss_batches, args.window, c, 0, paired=False)
-        for c in ("none", "int8")
-    )
-    diffs = [abs(a - b) for a, b in zip(int8.losses, none.losses, strict=True)]
-    print(
-        f"int8 cut compression over {loss_steps} steps: loss {none.losses[0]:.4f} -> "
-        f"{none.losses[-1]:.4f} lossless vs {int8.losses[0]:.4f} -> "
-        f"{int8.losses[-1]:.4f} int8; max |diff| {max(diffs):.4f}, mean |diff| "
-        f"{statistics.mean(diffs):.4f}, final diff "
-        f"{int8.losses[-1] - none.losses[-1]:+.4f} nats"
-    )
-
-    micro_shape = (tcfg.micro, cfg.seq_len, cfg.hidden_size)
-    print()
-    print(f"transport microbenchmark (one cut tensor, {list(micro_shape)} fp32):")
-    print(transport_microbench(micro_shape, args.quick))
+    if "transport" in sections:
+        micro_shape = (tcfg.micro, cfg.seq_len, cfg.hidden_size)
+        print()
+        print(f"transport microbenchmark (one cut tensor, {list(micro_shape)} fp32):")
+        print(transport_microbench(micro_shape, args.quick, args.threads))
 
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "baseline": base,
-                    "rows": [r.__dict__ for r in everything],
-                    "int8_losses": int8.losses,
-                    "none_losses": none.losses,
-                },
-                indent=1,
-            )
-        )
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def print_targets(rows: list[Result], shaped_rows: list[Result], tcfg) -> None:
+    in_proc = [r for r in rows if r.link == "memory" and r.schedule == "lockstep"]
+    if in_proc:
+        print(f"in-process lockstep: x{in_proc[0].ratio:.3f} (target <= 1.03)")
+    loopback = [r for r in rows if r.link.startswith("loopback")]
+    if loopback:
+        lock = next(r for r in loopback if r.schedule == "lockstep")
+        whole = next(r for r in loopback if r.schedule.startswith("lockstep, 1"))
+        exact = min(
+            (r for r in loopback if r.codec == "none" and r is not whole),
+            key=lambda r: r.ratio,
+        )
+        print(
+            f"gRPC loopback, {tcfg.grad_accum} micro-batches: lockstep "
+            f"x{lock.ratio:.3f}, best exact (codec none) x{exact.ratio:.3f} "
+            f"({exact.schedule}); lockstep with 1 micro-batch x{whole.ratio:.3f} "
+            "(target <= 1.10)"
+        )
+    if shaped_rows:
+        lock = shaped_rows[0].ratio
+
+        def won_back(r: Result) -> float:
+            return (lock - r.ratio) / (lock - 1) if lock > 1 else math.nan
+
+        plain = next(r for r in shaped_rows[2:] if r.codec == "none")
+        best = max((r for r in shaped_rows[2:] if r.codec != "none"), key=won_back)
+        print(
+            f"shaped link: lockstep x{lock:.3f}, i.e. it loses "
+            f"{100 * (lock - 1):.0f}% of a step; pipelined alone "
+            f"(x{plain.ratio:.3f}) wins back {100 * won_back(plain):.0f}% of that, "
+            f"pipelined + {best.codec} (x{best.ratio:.3f}) "
+            f"{100 * won_back(best):.0f}% (target >= 80%)"
+        )
 
 
 if __name__ == "__main__":

@@ -50,8 +50,9 @@ def test_encoded_item_ends_with_answer_and_fits(tokenizer):
     # Assert
     assert len(ids) <= 49
     assert ids[start:] == [*tokenizer.encode("北京"), tokenizer.eod_id]
-    assert tokenizer.decode(ids[1:start]).endswith("空白处应填：")
-    assert "＿＿" in tokenizer.decode(ids[1:start])
+    prompt = tokenizer.decode(ids[1:start])
+    # after the blank first, then the text up to it: the answer continues it
+    assert prompt.startswith("＿＿明天北京放晴。") and prompt.endswith("北京下雪了。")
     assert tokenizer.decode(targets[0][targets[0] != IGNORE].tolist()) == "北京"
 
 

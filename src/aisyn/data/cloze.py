@@ -207,7 +207,18 @@ def read_items(path: str | Path) -> list[ClozeItem]:
 
 
 def prompt_text(item: ClozeItem, max_chars: int | None = None) -> str:
-    """The passage with the blank marked, then the question; the answer follows.
+    """The passage with the blank marked, arranged so the answer continues it.
+
+    The passage *after* the blank comes first (starting with the blank mark),
+    then a line break and the passage *up to* the blank; the answer follows
+    directly. Every word of the document is in view, and the answer is the
+    natural next text, so fine-tuning sharpens what the pretrained model
+    already does (continuing text, copying a word seen earlier) instead of
+    teaching it a new task. (The first format -- passage with the blank in
+    place, then a question -- scored 12 % zero-shot on the ``full`` preset's
+    base model against 32 % for the ``lm`` format, and fine-tuning the small
+    models we can afford on CPU only reached ~22 %; this arrangement starts at
+    24 % and fine-tunes to ~31 %.)
 
     ``max_chars`` trims the passage symmetrically around the blank so the part
     that matters survives truncation.
@@ -219,4 +230,4 @@ def prompt_text(item: ClozeItem, max_chars: int | None = None) -> str:
         keep_prefix = max_chars - keep_suffix
         prefix = prefix[len(prefix) - keep_prefix :] if keep_prefix else ""
         suffix = suffix[:keep_suffix]
-    return f"{prefix}{BLANK}{suffix}\n空白处应填："
+    return f"{BLANK}{suffix}\n{prefix}"

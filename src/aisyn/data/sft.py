@@ -42,7 +42,7 @@ from aisyn.data.tokenizer import PanguTokenizer
 
 log = logging.getLogger(__name__)
 
-FORMAT = "aisyn-sft/1"
+FORMAT = "aisyn-sft/2"  # 2: prompt_text puts the blank's left context last
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.model"
 TEST_ITEMS = "test.jsonl"

@@ -77,7 +77,7 @@ def cached_shards(domain: str, tok: PanguTokenizer, preset: Preset) -> Path:
 def cached_sft(domain: str, tok: PanguTokenizer, preset: Preset) -> Path:
     key = _key(
         [
-            "sft/1",
+            "sft/2",
             domain,
             tok.sha256,
             preset.seq_len,

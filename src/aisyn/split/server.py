@@ -48,6 +48,7 @@ class SplitServer:
             session=self._on_hello,
             options=options or LinkOptions(),
         )
+        #: sessions run so far, and how many of them failed (for logs and tests)
         self.sessions_served = 0
         self.sessions_failed = 0
 

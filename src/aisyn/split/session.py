@@ -42,9 +42,6 @@ class Opened:
     thread: threading.Thread | None = None
     errors: list[BaseException] | None = None
 
-    def peer_error(self) -> BaseException | None:
-        return self.errors[0] if self.errors else None
-
 
 @contextlib.contextmanager
 def open_local(
