@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from aisyn.data.cloze import ClozeItem, build_items, prompt_text, read_items
 from aisyn.data.corpora import Corpus
+from aisyn.data.shards import publish_dir
 from aisyn.data.tokenizer import PanguTokenizer
 
 log = logging.getLogger(__name__)
@@ -192,14 +192,7 @@ def prepare_sft(
     manifest["splits"]["test"] = {"items": len(test), "file": TEST_ITEMS}
     shutil.copyfile(tok.path, tmp / TOKENIZER_FILE)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+    publish_dir(tmp, out)
     return manifest
 
 

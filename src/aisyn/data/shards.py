@@ -131,6 +131,13 @@ def prepare(
         )
     shutil.copyfile(tokenizer.path, tmp / TOKENIZER_FILE)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+    publish_dir(tmp, out)
+    return manifest
+
+
+def publish_dir(tmp: Path, out: Path) -> None:
+    """Move the finished folder ``tmp`` to ``out``, replacing an old one only
+    once the new one is complete (a crash leaves the old one or ``out.old``)."""
     if out.exists():
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -139,7 +146,6 @@ def prepare(
         shutil.rmtree(old)
     else:
         os.replace(tmp, out)
-    return manifest
 
 
 def read_manifest(data_dir: str | Path) -> dict:
