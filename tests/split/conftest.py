@@ -115,13 +115,20 @@ class ServerThread:
 
 
 def start_server(
-    cfg: PanguConfig, root: Path, settings, cut: str = CUT, **options
+    cfg: PanguConfig,
+    root: Path,
+    settings,
+    cut: str = CUT,
+    init_from: Path | None = None,
+    **options,
 ) -> ServerThread:
     from aisyn.link.base import LinkOptions
     from aisyn.model.segments import parse_partition
     from aisyn.split.compute_party import ComputeParty
     from aisyn.split.server import SplitServer
 
-    party = ComputeParty(cfg, parse_partition(cut, cfg), root, device="cpu")
+    party = ComputeParty(
+        cfg, parse_partition(cut, cfg), root, device="cpu", init_from=init_from
+    )
     opts = LinkOptions(keepalive_s=0.5, keepalive_timeout_s=1.0, **options)
     return ServerThread(SplitServer(party, settings, opts))

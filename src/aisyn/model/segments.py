@@ -235,6 +235,21 @@ def own_state_dict(
     return out
 
 
+def own_tensor_shapes(
+    cfg: PanguConfig, partition: Partition, party: str
+) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors ``own_state_dict`` gives for ``party``,
+    without allocating any (e.g. to read just those from a whole checkpoint)."""
+    model = build_model(cfg, device="meta")
+    prefixes = tuple(p + "." for p in partition.module_paths(party))
+    # The tied lm_head.weight lies outside every prefix: transformer.wte.weight.
+    return {
+        n: tuple(t.shape)
+        for n, t in model.state_dict().items()
+        if n.startswith(prefixes)
+    }
+
+
 class Segment(nn.Module):
     """Runs one stage of a (partly materialised) model.
 

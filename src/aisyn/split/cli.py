@@ -121,6 +121,7 @@ def cmd_train(args) -> None:
         train_config_from_args(args),
         opts,
         resume=args.resume,
+        init_from=args.init_from,
         progress=not args.quiet,
     )
     print(
@@ -145,6 +146,7 @@ def cmd_serve(args) -> None:
         args.out,
         device=args.device,
         keep_checkpoints=args.keep_checkpoints,
+        init_from=args.init_from,
     )
     server = SplitServer(party, _settings(args, args.listen)).start(args.address_file)
     print(f"compute party listening on {server.address}", flush=True)
@@ -284,6 +286,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="fail if the peer sends nothing for this long (default: only a lost "
         "connection fails)",
     )
+    t.add_argument(
+        "--init-from",
+        default=None,
+        help="start a fresh run from this base model (run folder, checkpoint or "
+        ".safetensors; A loads only its tensors); the compute party must start "
+        "from the same base (local and spawned ones are given it)",
+    )
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_link_args(t, server=False)
     add_train_args(t)
@@ -305,6 +314,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     v.add_argument("--device", default="auto")
     v.add_argument("--keep-checkpoints", type=int, default=2)
+    v.add_argument(
+        "--init-from",
+        default=None,
+        help="base model fresh runs start from (run folder, checkpoint or "
+        ".safetensors; must hold the whole model); B loads only its tensors, "
+        "and refuses a data party that starts from another base",
+    )
     v.add_argument(
         "--address-file",
         default=None,

@@ -3,14 +3,16 @@
 B holds its own model config and cut (it must materialise its weights), takes
 the optimisation settings from A's hello, and keeps one run folder per data
 party run under its ``root`` (``root/<run id>/``). Every session starts from
-B's own checkpoint on disk (or the seeded init at step 0) and nothing a session
-does reaches disk except through a ``SAVE`` round, so a session that breaks the
-protocol, or a peer that vanishes, leaves B's saved state untouched.
+B's own checkpoint on disk (or, at step 0, the seeded init or the base model of
+``--init-from``) and nothing a session does reaches disk except through a
+``SAVE`` round, so a session that breaks the protocol, or a peer that vanishes,
+leaves B's saved state untouched.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -28,7 +30,13 @@ from aisyn.model.segments import (
 )
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
-from aisyn.split.party import PartyState, checkpoint_folder, checkpoint_steps
+from aisyn.split.party import (
+    PartyState,
+    checkpoint_folder,
+    checkpoint_steps,
+    describe_base,
+    open_base,
+)
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import TrainConfig, autocast_for, resolve_device
 from aisyn.train.run import RunDir
@@ -63,6 +71,7 @@ class ComputeParty:
         *,
         device: str = "cpu",
         keep_checkpoints: int = 2,
+        init_from: str | Path | None = None,
     ) -> None:
         if not partition.is_u_shape:
             raise PartitionError(
@@ -79,6 +88,17 @@ class ComputeParty:
         self.root = Path(root) if root is not None else None
         self.device = resolve_device(device)
         self.keep = keep_checkpoints
+        # Checked (and fingerprinted) now, so a bad base fails at startup; B's
+        # tensors are read from it when a fresh session starts.
+        self.base = (
+            open_base(init_from, cfg, partition, COMPUTE_PARTY) if init_from else None
+        )
+        if self.base is not None:
+            log.info(
+                "fresh runs start from %s (%s)",
+                self.base.file,
+                describe_base(self.base.fingerprint),
+            )
 
     # --- handshake -------------------------------------------------------------
 
@@ -154,6 +174,20 @@ class ComputeParty:
                     f"run {run_id}: no checkpoint step both parties have (data "
                     f"party {a_steps or 'none'}, compute party {b_steps or 'none'})"
                 )
+        init = h.get("init")
+        if init is not None and not (
+            isinstance(init, str) and re.fullmatch(r"[0-9a-f]{64}", init)
+        ):
+            raise proto.ProtocolError("hello: init must be a sha256 hex digest")
+        mine_init = self.base.fingerprint if self.base else None
+        if purpose == "train" and start == 0 and init != mine_init:
+            # Each side loads its own part of the base: a fresh run from two
+            # different starting points would train a model that never existed.
+            raise proto.ProtocolError(
+                f"the data party starts from {describe_base(init)}, this compute "
+                f"party from {describe_base(mine_init)}; a fresh run needs both to "
+                "--init-from the same base model"
+            )
         if start:
             # Fail the handshake, with the reason, rather than the first round.
             assert run is not None
@@ -190,6 +224,9 @@ class ComputeParty:
             folder = checkpoint_folder(run.checkpoints, session.start_step)
             state.load(folder)
             log.info("loaded %s", folder)
+        elif session.purpose == "train" and self.base is not None:
+            state.init_from(self.base)
+            log.info("initialised from %s", self.base.file)
         server = _Rounds(self, state, link, session)
         server.run()
 

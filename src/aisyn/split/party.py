@@ -9,19 +9,23 @@ gradient norm: it contributes its local squared norm and receives the peer's.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from aisyn.model.pangu import PanguConfig
 from aisyn.model.segments import (
+    DATA_PARTY,
     Partition,
     Segment,
     build_party_model,
     own_named_parameters,
     own_state_dict,
+    own_tensor_shapes,
     segments_of,
 )
 from aisyn.train import checkpoint as ckpt
@@ -104,6 +108,13 @@ class PartyState:
             },
         }
 
+    def init_from(self, base: Base) -> None:
+        """Load this party's weights, and only those, from a base model."""
+        shapes = own_tensor_shapes(self.cfg, self.partition, self.party)
+        whose = f"party {self.party} needs (cut {self.partition.spec})"
+        tensors = ckpt.read_some_tensors(base.file, shapes, whose)
+        load_own_weights(self, tensors, str(base.file))
+
     def load(self, folder: Path) -> dict:
         """Load this party's weights, optimizer and RNG from a checkpoint folder;
         returns its state.json."""
@@ -121,6 +132,64 @@ class PartyState:
         )
         ckpt.restore_rng(opt)
         return state
+
+
+@dataclass(frozen=True)
+class Base:
+    """The pre-trained model a fresh split run starts from (``--init-from``)."""
+
+    file: Path  # the model.safetensors resolved from a run or checkpoint folder
+    fingerprint: str  # base_fingerprint of the data party's tensors in it
+
+
+def base_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over names, dtypes, shapes and bytes of ``tensors``.
+
+    Taken over the data party's tensors: A has at least those, and B, holding
+    the whole base it pre-trained, has them too, so each side computes it from
+    its own copy and the handshake refuses a fresh run whose parties start from
+    different bases (a header hash would not do: every checkpoint of one run
+    has the same header).
+    """
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def open_base(
+    path: str | Path, cfg: PanguConfig, partition: Partition, party: str
+) -> Base:
+    """Check that a base (run folder, checkpoint folder or .safetensors file)
+    holds ``party``'s tensors with the right shapes, and fingerprint it.
+
+    Reads only the data party's tensors; B's own are checked by shape here
+    and read when a session starts (``PartyState.init_from``).
+    """
+    file = ckpt.model_file(path)
+    if party != DATA_PARTY:
+        ckpt.read_some_tensors(
+            file,
+            own_tensor_shapes(cfg, partition, party),
+            f"party {party} needs (cut {partition.spec})",
+            read=False,
+        )
+    whose = (
+        f"party {DATA_PARTY} needs (cut {partition.spec})"
+        if party == DATA_PARTY
+        else f"of party {DATA_PARTY} (cut {partition.spec}) that the compute party "
+        "checks the data party's base against: give it the whole base model"
+    )
+    data = ckpt.read_some_tensors(
+        file, own_tensor_shapes(cfg, partition, DATA_PARTY), whose
+    )
+    return Base(file, base_fingerprint(data))
+
+
+def describe_base(fingerprint: str | None) -> str:
+    return f"base {fingerprint[:12]}" if fingerprint else "random init"
 
 
 def load_own_weights(

@@ -4,7 +4,9 @@ A session opens with a JSON *hello* from the data party A (carried in the
 link's HELLO session string over gRPC, or handed over directly in-process)
 and a JSON *reply* from the compute party B. The hello names the run, the
 model and cut A expects B to hold, the optimisation settings, and which
-checkpoints A has; the reply names the step both resume from.
+checkpoints A has, and the fingerprint of the base model A starts a fresh run
+from (``--init-from``; none: random init); the reply names the step both
+resume from.
 
 After that the session is a sequence of *rounds*, numbered 0, 1, 2, ... (the
 link's step id). Each round starts with a control tensor from A (tag
@@ -142,6 +144,7 @@ def hello(
     a_steps: list[int] | None = None,
     eval_step: int | None = None,
     codec: str = "none",
+    init: str | None = None,
 ) -> dict:
     return {
         "protocol": PROTOCOL,
@@ -154,6 +157,7 @@ def hello(
         "a_steps": sorted(a_steps or []),
         "eval_step": eval_step,
         "codec": codec,
+        "init": init,  # fingerprint of the base a fresh run starts from
     }
 
 

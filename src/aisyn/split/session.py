@@ -53,9 +53,12 @@ def open_local(
     codec: str,
     device: str,
     recv_timeout_s: float | None = None,
+    init_from: str | Path | None = None,
 ) -> Iterator[Opened]:
     """Both parties in this process; B's rounds on a thread."""
-    party = ComputeParty(cfg, partition, compute_root, device=device)
+    party = ComputeParty(
+        cfg, partition, compute_root, device=device, init_from=init_from
+    )
     reply_text, session = party.negotiate(proto.encode_json(hello))
     link_a, link_b = memory_pair(codec, options=link_options(codec, recv_timeout_s))
     errors: list[BaseException] = []
@@ -143,6 +146,7 @@ def spawn_compute_party(
     insecure: bool = False,
     start_timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    init_from: str | Path | None = None,
 ) -> SpawnedServer:
     """Start a compute party on 127.0.0.1 (free port) and wait until it listens.
 
@@ -181,6 +185,8 @@ def spawn_compute_party(
         "--device",
         device,
     ]
+    if init_from:
+        args += ["--init-from", str(Path(init_from).resolve())]
     if insecure:
         args.append("--insecure")
         tls: dict = {}

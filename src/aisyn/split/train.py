@@ -28,7 +28,13 @@ from aisyn.model.pangu import PanguConfig, load_config
 from aisyn.model.segments import DATA_PARTY, PartitionError, parse_partition
 from aisyn.split import protocol as proto
 from aisyn.split.data_party import DataSession, SplitModel
-from aisyn.split.party import PartyState, checkpoint_folder, checkpoint_steps
+from aisyn.split.party import (
+    Base,
+    PartyState,
+    checkpoint_folder,
+    checkpoint_steps,
+    open_base,
+)
 from aisyn.split.session import open_grpc, open_local, spawn_compute_party
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
@@ -88,8 +94,10 @@ def open_session(
     hello: dict,
     opts: SplitOptions,
     device: str,
+    init_from: Path | None = None,
 ):
-    """Yields an ``Opened`` session with the compute party, however reached."""
+    """Yields an ``Opened`` session with the compute party, however reached;
+    one this process starts (local, spawned) gets ``init_from`` as its base."""
     if opts.mode == "local":
         with open_local(
             mcfg,
@@ -99,6 +107,7 @@ def open_session(
             codec=opts.codec,
             device=device,
             recv_timeout_s=opts.recv_timeout_s,
+            init_from=init_from,
         ) as opened:
             yield opened
         return
@@ -113,6 +122,7 @@ def open_session(
                 run.path / COMPUTE_DIR,
                 device=device,
                 insecure=opts.spawn_insecure,
+                init_from=init_from,
             )
             settings = server.settings
         assert settings is not None
@@ -137,9 +147,16 @@ def split_train(
     opts: SplitOptions,
     *,
     resume: bool = False,
+    init_from: str | Path | None = None,
     progress: bool = True,
 ) -> dict:
-    """Train as the data party; returns a summary like ``train.loop.train``."""
+    """Train as the data party; returns a summary like ``train.loop.train``.
+
+    ``init_from`` (run folder, checkpoint folder or .safetensors file): a run
+    that starts at step 0 loads A's tensors from this base instead of the
+    seeded init; the compute party must start from the same base (checked at
+    the handshake), and one started here (local, spawned) is given it.
+    """
     sources = open_many(data_dirs, "train")
     tok = sources[0].tokenizer_info
     mcfg = model_config_for(model_config, tok)
@@ -156,6 +173,7 @@ def split_train(
     if opts.peer is not None:
         opts.peer.validate()
     device = resolve_device(cfg.device)
+    base = open_base(init_from, mcfg, partition, DATA_PARTY) if init_from else None
     run = RunDir(out)
     run_id = None
     if resume and (run.path / "config.json").is_file():
@@ -175,6 +193,7 @@ def split_train(
         "data": [str(Path(d).resolve()) for d in data_dirs],
         "tokenizer": tok,
         "seq_len": sources[0].seq_len,
+        "init_from": str(base.file) if base else None,
     }
     run.create(config, resume=resume)
     run.copy_tokenizer(sources[0].data_dir / tok["file"])
@@ -193,10 +212,22 @@ def split_train(
         resume=resume,
         a_steps=a_steps,
         codec=opts.codec,
+        init=base.fingerprint if base else None,
     )
-    with open_session(run, mcfg, partition, hello, opts, cfg.device) as opened:
+    b_init = base.file if base else None
+    with open_session(run, mcfg, partition, hello, opts, cfg.device, b_init) as opened:
         return _train_loop(
-            run, opened, state, sampler, valid, eod_id, cfg, opts, a_steps, progress
+            run,
+            opened,
+            state,
+            sampler,
+            valid,
+            eod_id,
+            cfg,
+            opts,
+            a_steps,
+            base,
+            progress,
         )
 
 
@@ -210,6 +241,7 @@ def _train_loop(
     cfg: TrainConfig,
     opts: SplitOptions,
     a_steps: list[int],
+    base: Base | None,
     progress: bool,
 ) -> dict:
     link = opened.link
@@ -229,6 +261,9 @@ def _train_loop(
                 start_step,
             )
         log.info("resumed from %s (step %d)", folder, start_step)
+    elif base is not None:  # a fresh start; B did the same (the hello says so)
+        state.init_from(base)
+        log.info("initialised from %s", base.file)
 
     run_id = run.read_config()["run_id"]
 

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -184,10 +184,56 @@ def read_state(ckpt: Path) -> dict:
         raise CheckpointError(f"{ckpt / STATE_FILE}: corrupt ({e})") from None
 
 
+def model_file(path: str | Path) -> Path:
+    """The weights file of a run folder (its latest checkpoint), a checkpoint
+    folder, or a ``.safetensors`` file itself."""
+    path = Path(path)
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        last = latest(path / "checkpoints")
+        if last is None:
+            raise CheckpointError(f"{path}: run has no checkpoint yet")
+        path = last
+    if path.is_dir():
+        path = path / MODEL_FILE
+    return path
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+
+
+def read_some_tensors(
+    path: Path, shapes: dict[str, tuple[int, ...]], whose: str, *, read: bool = True
+) -> dict[str, torch.Tensor]:
+    """Read only the tensors named in ``shapes`` (name -> expected shape).
+
+    A safetensors file is indexed by its header, so a party that owns a few
+    tensors of a large model reads just those. Missing names or a wrong shape
+    raise CheckpointError in one line; ``read=False`` only checks.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            missing = sorted(set(shapes) - set(f.keys()))
+            if missing:
+                raise CheckpointError(
+                    f"{path}: lacks {len(missing)} of the {len(shapes)} tensors "
+                    f"{whose} ({', '.join(missing[:3])}"
+                    f"{', ...' if len(missing) > 3 else ''})"
+                )
+            for name, shape in shapes.items():
+                got = tuple(f.get_slice(name).get_shape())
+                if got != tuple(shape):
+                    raise CheckpointError(
+                        f"{path}: {name} has shape {got}, expected {tuple(shape)}; a "
+                        "checkpoint of another config?"
+                    )
+            return {name: f.get_tensor(name) for name in shapes} if read else {}
+    except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None

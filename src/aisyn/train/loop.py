@@ -425,14 +425,7 @@ def train(
 def load_model_checkpoint(model: nn.Module, path: str | Path) -> Path:
     """Load weights from a run folder (its latest checkpoint), a checkpoint folder,
     or a ``.safetensors`` file; returns the file read."""
-    path = Path(path)
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        last = ckpt.latest(path / "checkpoints")
-        if last is None:
-            raise ckpt.CheckpointError(f"{path}: run has no checkpoint yet")
-        path = last
-    if path.is_dir():
-        path = path / ckpt.MODEL_FILE
+    path = ckpt.model_file(path)
     ckpt.load_weights(model, ckpt.read_tensors(path), str(path))
     return path
 
