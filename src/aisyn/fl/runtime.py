@@ -298,6 +298,9 @@ def start_supernode(
             raise FileNotFoundError(f"{root_certificates}: CA certificate not found")
         cmd += ["--root-certificates", str(root_certificates)]
     env = flower_env(workdir / "flwr_home")
+    if threads and "OMP_NUM_THREADS" not in os.environ:
+        # Inherited by the SuperExec and every ClientApp process it starts.
+        env["OMP_NUM_THREADS"] = str(threads)
     return Process(
         f"supernode {node_config.get('name', '')}", cmd, env, workdir / "supernode.log"
     )

@@ -133,13 +133,18 @@ class ShapedProxy:
         self._conns.add(task)
         upstream_w: asyncio.StreamWriter | None = None
         try:
-            upstream_r, upstream_w = await asyncio.open_connection(*self._target)
-            # TaskGroup: an error in one direction cancels the other.
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._pipe(client_r, upstream_w))
-                group.create_task(self._pipe(upstream_r, client_w))
-        except* OSError as errors:
-            log.debug("shaped proxy connection ended: %s", errors.exceptions[0])
+            try:
+                upstream_r, upstream_w = await asyncio.open_connection(*self._target)
+                # TaskGroup: an error in one direction cancels the other.
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(self._pipe(client_r, upstream_w))
+                    group.create_task(self._pipe(upstream_r, client_w))
+            except* OSError as errors:
+                log.debug("shaped proxy connection ended: %s", errors.exceptions[0])
+        except asyncio.CancelledError:
+            # stop() cancels live connections; ending quietly here keeps
+            # asyncio's connection callback from printing the cancellation.
+            pass
         finally:
             for writer in (client_w, upstream_w):
                 if writer is not None:
