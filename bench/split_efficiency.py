@@ -15,17 +15,22 @@ and bytes on the wire per step. Also the effect of int8 compression on the
 loss curve (same init, same batches), and the transport microbenchmark
 (``bench/link_throughput.py``: link vs plain socket, same tensor shape).
 
-The baseline is measured at the start and again at the end; ratios use the
-median of all its steps, and both medians are printed, so a busy machine shows
-up as disagreement between them rather than as a silent bias.
+Every split step is paired with an unsplit step on the same batch, run right
+after it; "x baseline" is the median over steps of split / paired-unsplit time,
+so a machine whose speed drifts (other jobs, clock changes) favours neither.
+With two or more CPUs the compute party runs on its own core, as it would on
+its own machine; ``--cpus 1`` pins everything to one core, so pipelining can
+only hide link waits and cannot add compute.
 
     python bench/split_efficiency.py --quick          # ~10 min on 2 cores
     python bench/split_efficiency.py                  # the docs/split.md table
+    python bench/split_efficiency.py --cpus 1 --sections in-process,loopback,shaped
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -271,6 +276,37 @@ def run_grpc(
         )
 
 
+@contextlib.contextmanager
+def shaped_link(port: int, rtt_ms: float, mbit: float, cpus: list[int]):
+    """A ``ShapedProxy`` to ``port``; yields its port. With ``cpus`` it runs in
+    its own process pinned to them, so shaping costs the parties no CPU time
+    (on a real WAN the network does this work, not the parties)."""
+    if not cpus:
+        with ShapedProxy(
+            0, "127.0.0.1", port, latency_ms_rtt=rtt_ms, bandwidth_bits_per_s=mbit * 1e6
+        ) as proxy:
+            yield proxy.port
+        return
+    code = (
+        "import sys; from aisyn.link import ShapedProxy\n"
+        f"p = ShapedProxy(0, '127.0.0.1', {port}, latency_ms_rtt={rtt_ms}, "
+        f"bandwidth_bits_per_s={mbit * 1e6}).start()\n"
+        "print(p.port, flush=True); sys.stdin.read(); p.stop()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+    )
+    try:
+        yield int(proc.stdout.readline())
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
 def transport_microbench(shape: tuple[int, ...], quick: bool, threads: int) -> str:
     script = Path(__file__).with_name("link_throughput.py")
     if not script.is_file():
@@ -362,9 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (4 if args.quick else 10)
     loss_steps = args.loss_steps or (20 if args.quick else 60)
     torch.set_num_threads(args.threads)
+    spare: list[int] = []
     if args.cpus:
-        # Inherited by the spawned compute party.
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
+        # Inherited by the spawned compute party. The shaped link's proxy (the
+        # "network") then runs on the CPUs left over, not on the parties' cores.
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, cpus[: args.cpus])
+        spare = cpus[args.cpus :]
 
     cfg = load_config(args.model, **parse_overrides(args.override))
     part = parse_partition(args.cut, cfg)
@@ -456,15 +496,9 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(r)
                 if "shaped" in sections:
                     port = int(server.settings.address.rpartition(":")[2])
-                    with ShapedProxy(
-                        0,
-                        "127.0.0.1",
-                        port,
-                        latency_ms_rtt=args.rtt_ms,
-                        bandwidth_bits_per_s=args.mbit * 1e6,
-                    ) as proxy:
+                    with shaped_link(port, args.rtt_ms, args.mbit, spare) as p_port:
                         shaped = dataclasses.replace(
-                            server.settings, address=f"127.0.0.1:{proxy.port}"
+                            server.settings, address=f"127.0.0.1:{p_port}"
                         )
                         name = f"shaped {args.rtt_ms:g} ms RTT, {args.mbit:g} Mbit/s"
                         configs = [(0, "none"), (0, "int8")]

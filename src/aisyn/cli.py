@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -393,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminate(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
@@ -405,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from aisyn.errors import USER_ERRORS
 
+    # SIGTERM ends the command like Ctrl-C does: through the ``finally`` blocks
+    # that stop the processes it started (Flower's SuperLink and SuperNodes, a
+    # spawned compute party), instead of leaving them running.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         args.func(args)
     except USER_ERRORS as e:

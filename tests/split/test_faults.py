@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -259,3 +260,47 @@ def test_damaged_compute_checkpoint_is_refused_with_the_reason(
         )
     # A's half of the run is untouched by the refused attempt
     assert losses(out) and (out / "checkpoints" / "step_00000004").is_dir()
+
+
+def test_sigterm_of_data_party_stops_the_spawned_compute_party(
+    tmp_path, news_data, split_config
+):
+    # Prepare: a long --spawn-backbone run, started as a user would
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(split_config.to_dict()))
+    args = [sys.executable, "-m", "aisyn.cli", "split", "train", "--mode", "grpc"]
+    args += ["--spawn-backbone", "--insecure", "--model", str(model), "--cut", CUT]
+    args += ["--data", str(news_data), "--out", str(tmp_path / "run")]
+    args += ["--steps", "100000", "--batch-size", "2", "--quiet"]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+    try:
+        spawned = None
+        for line in proc.stderr:  # wait until the compute party is up
+            if m := re.search(r"spawned compute party pid (\d+)", line):
+                spawned = int(m.group(1))
+                break
+        assert spawned is not None, "no compute party was spawned"
+        time.sleep(1.0)  # training under way
+        # Execute
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Assert: the command ended as terminated, and took its compute party along
+    assert rc == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 15
+    while _pid_alive(spawned) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    outlived = _pid_alive(spawned)
+    if outlived:  # don't leave it behind when the test fails
+        os.kill(spawned, signal.SIGKILL)
+    assert not outlived, "the spawned compute party outlived its run"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # zombie = exited
+    except FileNotFoundError:
+        return False
