@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         "test loss and cloze accuracy, and plots the loss.",
     )
     d.add_argument("--out", default="runs/demo", help="folder for data and run")
-    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--steps", type=int, default=1000)
     d.add_argument(
         "--max-docs", type=int, default=8000, help="documents of the news corpus to use"
     )

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def run_demo(
     out: str | Path = "runs/demo",
     *,
-    steps: int = 300,
+    steps: int = 1000,
     max_docs: int = 8000,
     model: str = "tiny",
     overwrite: bool = False,
@@ -49,10 +49,11 @@ def run_demo(
     cfg = TrainConfig(
         steps=steps,
         batch_size=16,
-        lr=2e-3,
-        warmup_steps=30,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=50,
         log_every=25,
-        eval_every=100,
+        eval_every=250,
     )
     summary = train(model, [data], run, cfg)
     log.info("[3/3] evaluating on the news test split")
