@@ -53,7 +53,7 @@ from aisyn.train.finetune import (
     train_steps,
 )
 from aisyn.train.loop import make_optimizer, resolve_device
-from aisyn.train.run import TOKENIZER, RunDir, write_json_atomic
+from aisyn.train.run import TOKENIZER, RunDir, save_figure, write_json_atomic
 
 log = logging.getLogger("aisyn.fl")
 
@@ -302,11 +302,7 @@ def plot_global(history: list[dict], final: float | None, png: Path) -> None:
     ax.set_title("federated global model")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, png)
+    save_figure(fig, png)
 
 
 @dataclass

@@ -134,9 +134,16 @@ def plot_loss(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    save_figure(fig, out_png)
+    return out_png
+
+
+def save_figure(fig, png: Path) -> None:
+    """Lay out, write atomically (a reader never sees half a PNG) and close."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    tmp = out_png.with_name(out_png.stem + ".tmp.png")
+    tmp = png.with_name(png.stem + ".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
-    os.replace(tmp, out_png)
-    return out_png
+    os.replace(tmp, png)
