@@ -47,3 +47,24 @@ def tiny_config():
         ffn_size=64,
         seq_len=32,
     )
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    """A two-layer model config as a JSON file, for `--model FILE`."""
+    import json
+
+    path = tmp_path / "m.json"
+    path.write_text(
+        json.dumps(
+            {
+                "vocab_size": 8000,
+                "hidden_size": 32,
+                "num_layers": 2,
+                "num_heads": 2,
+                "ffn_size": 64,
+                "seq_len": 32,
+            }
+        )
+    )
+    return path

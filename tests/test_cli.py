@@ -26,20 +26,8 @@ def test_every_subcommand_has_help(argv, capsys):
     assert "usage: aisyn" in capsys.readouterr().out
 
 
-def test_prepare_train_eval_end_to_end(tmp_path, capsys):
-    model = tmp_path / "m.json"
-    model.write_text(
-        json.dumps(
-            {
-                "vocab_size": 8000,
-                "hidden_size": 32,
-                "num_layers": 2,
-                "num_heads": 2,
-                "ffn_size": 64,
-                "seq_len": 32,
-            }
-        )
-    )
+def test_prepare_train_eval_end_to_end(tmp_path, capsys, model_file):
+    model = model_file
     data, run = tmp_path / "data", tmp_path / "run"
 
     assert (

@@ -1,6 +1,5 @@
 """Data-parallel training with torchrun equals single-process training."""
 
-import json
 import os
 import subprocess
 import sys
@@ -11,20 +10,8 @@ from aisyn.train.loop import TrainConfig, train
 from aisyn.train.run import read_metrics
 
 
-def test_two_ranks_match_one_process(tmp_path, news_data):
-    model = tmp_path / "m.json"
-    model.write_text(
-        json.dumps(
-            {
-                "vocab_size": 8000,
-                "hidden_size": 32,
-                "num_layers": 2,
-                "num_heads": 2,
-                "ffn_size": 64,
-                "seq_len": 32,
-            }
-        )
-    )
+def test_two_ranks_match_one_process(tmp_path, news_data, model_file):
+    model = model_file
     args = [
         "--steps",
         "6",
