@@ -1,8 +1,10 @@
 """The ``aisyn`` command: parses arguments, then calls one function per subcommand.
 
 Errors the user can fix (bad input, missing files, mismatched data) print one
-line ``aisyn: error: ...`` and exit with status 2; anything else is a bug and
-keeps its traceback.
+line ``aisyn: error: ...`` and exit with status 2, bad flags already while
+parsing (``aisyn.validate`` holds their types); running out of memory prints
+one line and exits with status 1; anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import signal
 import sys
 from pathlib import Path
+
+from aisyn import validate
 
 log = logging.getLogger("aisyn")
 
@@ -111,45 +115,57 @@ def train_config_from_args(args):
     )
 
 
-def add_train_args(p: argparse.ArgumentParser, steps: int = 200) -> None:
-    """Training flags shared by ``train``, ``split train`` and fine-tuning."""
+def add_train_args(
+    p: argparse.ArgumentParser, steps: int = 200, *, resumable: bool = True
+) -> None:
+    """Training flags shared by ``train``, ``split train`` and fine-tuning
+    (``resumable=False``: no ``--resume``, for a command that cannot)."""
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=steps, help="optimizer steps")
     g.add_argument(
-        "--batch-size", type=int, default=8, help="samples per optimizer step"
+        "--steps", type=validate.positive_int, default=steps, help="optimizer steps"
+    )
+    g.add_argument(
+        "--batch-size",
+        type=validate.positive_int,
+        default=8,
+        help="samples per optimizer step",
     )
     g.add_argument(
         "--micro-batch-size",
-        type=int,
+        type=validate.positive_int,
         default=None,
         help="samples per forward/backward (gradient accumulation)",
     )
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument(
+        "--lr", type=validate.positive_float, default=1e-3, help="peak learning rate"
+    )
     g.add_argument(
         "--min-lr",
-        type=float,
+        type=validate.nonneg_float,
         default=None,
         help="final learning rate of the cosine decay (default lr/10)",
     )
-    g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument(
+        "--warmup", type=validate.nonneg_int, default=20, help="linear warm-up steps"
+    )
+    g.add_argument("--weight-decay", type=validate.nonneg_float, default=0.1)
     g.add_argument(
         "--grad-clip",
-        type=float,
+        type=validate.nonneg_float,
         default=1.0,
         help="clip the global gradient L2 norm (0: off)",
     )
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--seed", type=validate.nonneg_int, default=1234)
+    g.add_argument("--log-every", type=validate.positive_int, default=10)
     g.add_argument(
         "--ckpt-every",
-        type=int,
+        type=validate.nonneg_int,
         default=0,
         help="checkpoint every N steps (0: only at the end)",
     )
     g.add_argument(
         "--eval-every",
-        type=int,
+        type=validate.nonneg_int,
         default=0,
         help="validation loss every N steps (0: never)",
     )
@@ -158,17 +174,26 @@ def add_train_args(p: argparse.ArgumentParser, steps: int = 200) -> None:
         action="store_true",
         help="reset attention and positions at each end of document",
     )
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     g.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in --out from its latest checkpoint",
+        "--device",
+        type=validate.device,
+        default="auto",
+        help="auto, cpu, cuda, cuda:1, ...",
     )
+    if resumable:
+        g.add_argument(
+            "--resume",
+            action="store_true",
+            help="continue the run in --out from its latest checkpoint (the "
+            "folder must hold a run)",
+        )
 
 
 def cmd_train(args) -> None:
     from aisyn.train.loop import train
 
+    if args.resume:
+        validate.check_resumable(args.out)
     summary = train(
         args.model,
         args.data,
@@ -253,9 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
         "test loss and cloze accuracy, and plots the loss.",
     )
     d.add_argument("--out", default="runs/demo", help="folder for data and run")
-    d.add_argument("--steps", type=int, default=1000)
+    d.add_argument("--steps", type=validate.positive_int, default=1000)
     d.add_argument(
-        "--max-docs", type=int, default=8000, help="documents of the news corpus to use"
+        "--max-docs",
+        type=validate.positive_int,
+        default=8000,
+        help="documents of the news corpus to use",
     )
     d.add_argument("--model", default="tiny")
     d.add_argument(
@@ -277,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=["news", "reviews"],
         help="news, reviews, or .txt/.jsonl files",
     )
-    tt.add_argument("--vocab-size", type=int, default=8000)
+    tt.add_argument("--vocab-size", type=validate.positive_int, default=8000)
     tt.add_argument("--out", required=True, help="output .model file")
     tt.set_defaults(func=cmd_tokenizer_train)
 
@@ -298,9 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="shipped tokenizer name (default zh8k) or a .model file, "
         "e.g. PanGu's vocab.model",
     )
-    pr.add_argument("--seq-len", type=int, default=128)
+    pr.add_argument("--seq-len", type=validate.positive_int, default=128)
     pr.add_argument(
-        "--max-docs", type=int, default=None, help="use only the first N documents"
+        "--max-docs",
+        type=validate.positive_int,
+        default=None,
+        help="use only the first N documents",
     )
     pr.add_argument(
         "--overwrite",
@@ -350,16 +381,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--cloze-file", default=None, help="score this .jsonl instead")
     ev.add_argument(
-        "--per-doc", type=int, default=3, help="cloze items per test document"
+        "--per-doc",
+        type=validate.positive_int,
+        default=3,
+        help="cloze items per test document",
     )
-    ev.add_argument("--max-items", type=int, default=None)
+    ev.add_argument("--max-items", type=validate.positive_int, default=None)
     ev.add_argument(
         "--format",
         choices=["lm", "prompt"],
         default=None,
         help="scoring format (default: as the run was trained)",
     )
-    ev.add_argument("--device", default="auto")
+    ev.add_argument("--device", type=validate.device, default="auto")
     ev.set_defaults(func=cmd_eval)
 
     c = sub.add_parser("cloze", help="build cloze items")
@@ -375,12 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--out", required=True, help="output .jsonl")
     cb.add_argument(
         "--per-doc",
-        type=int,
+        type=validate.positive_int,
         default=1,
         help="items per document (each blanks a different noun)",
     )
-    cb.add_argument("--max-docs", type=int, default=None)
-    cb.add_argument("--seed", type=int, default=0)
+    cb.add_argument("--max-docs", type=validate.positive_int, default=None)
+    cb.add_argument("--seed", type=validate.nonneg_int, default=0)
     cb.set_defaults(func=cmd_cloze_build)
 
     for name in EXTENSIONS:
@@ -423,7 +457,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("aisyn: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        # Running out of memory despite the up-front estimate is the machine's
+        # limit, not a bug: one line, and what to lower.
+        if not _out_of_memory(e):
+            raise
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(
+            f"aisyn: error: out of memory ({first}); lower --micro-batch-size "
+            "or --batch-size",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    if isinstance(e, MemoryError):
+        return True
+    torch = sys.modules.get("torch")  # only loaded if the command used it
+    oom = getattr(torch, "OutOfMemoryError", None)
+    return oom is not None and isinstance(e, oom)
 
 
 if __name__ == "__main__":

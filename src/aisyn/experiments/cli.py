@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from aisyn import validate
+
 
 def cmd_compare(args) -> None:
     from aisyn.experiments.compare import REPORT_MD, run_compare
@@ -93,8 +95,13 @@ def register(sub) -> None:
     c.add_argument("--domains", default="news,reviews", help="comma-separated corpora")
     c.add_argument("--preset", choices=["ci", "full"], default="ci")
     c.add_argument("--out", required=True, help="report folder")
-    c.add_argument("--device", default="auto")
-    c.add_argument("--rounds", type=int, default=None, help="override federated rounds")
+    c.add_argument("--device", type=validate.device, default="auto")
+    c.add_argument(
+        "--rounds",
+        type=validate.positive_int,
+        default=None,
+        help="override federated rounds",
+    )
     c.add_argument(
         "--strategy",
         choices=["fedavg", "fedprox", "fedadam", "fedavgm"],
@@ -102,8 +109,18 @@ def register(sub) -> None:
         help="override the federated strategy",
     )
     c.add_argument("--method", choices=["full", "lora"], default=None)
-    c.add_argument("--steps", type=int, default=None, help="override the step budget")
-    c.add_argument("--lr", type=float, default=None, help="override the fine-tuning lr")
+    c.add_argument(
+        "--steps",
+        type=validate.positive_int,
+        default=None,
+        help="override the step budget",
+    )
+    c.add_argument(
+        "--lr",
+        type=validate.positive_float,
+        default=None,
+        help="override the fine-tuning lr",
+    )
     c.add_argument("--echo", action="store_true", help="stream the Flower server log")
     c.set_defaults(func=cmd_compare)
 
@@ -117,13 +134,21 @@ def register(sub) -> None:
     p.add_argument("--corpus", nargs="+", required=True, help="news, reviews or files")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--tokenizer", default=None, help="tokenizer name or .model file")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--per-doc", type=int, default=5, help="blanks per train document")
+    p.add_argument("--seq-len", type=validate.positive_int, default=128)
     p.add_argument(
-        "--test-per-doc", type=int, default=5, help="blanks per test document"
+        "--per-doc",
+        type=validate.positive_int,
+        default=5,
+        help="blanks per train document",
     )
-    p.add_argument("--max-docs", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--test-per-doc",
+        type=validate.positive_int,
+        default=5,
+        help="blanks per test document",
+    )
+    p.add_argument("--max-docs", type=validate.positive_int, default=None)
+    p.add_argument("--seed", type=validate.nonneg_int, default=0)
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_prepare_sft)
 
@@ -138,8 +163,9 @@ def register(sub) -> None:
     f.add_argument("--data", action="append", required=True, help="SFT folder (repeat)")
     f.add_argument("--out", required=True, help="run folder")
     f.add_argument("--method", choices=["full", "lora"], default="full")
-    f.add_argument("--lora-rank", type=int, default=8)
-    f.add_argument("--lora-alpha", type=float, default=16.0)
+    f.add_argument("--lora-rank", type=validate.positive_int, default=8)
+    f.add_argument("--lora-alpha", type=validate.positive_float, default=16.0)
     f.add_argument("--quiet", action="store_true")
-    add_train_args(f, steps=200)
+    # fine-tuning always starts fresh: a --resume here would be ignored
+    add_train_args(f, steps=200, resumable=False)
     f.set_defaults(func=cmd_finetune)

@@ -7,7 +7,14 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
-from aisyn.fl.settings import SCHEDULES, STRATEGIES, FLSettings, load_settings
+from aisyn import validate
+from aisyn.fl.settings import (
+    NUMBER_RANGES,
+    SCHEDULES,
+    STRATEGIES,
+    FLSettings,
+    load_settings,
+)
 
 _HELP = {
     "rounds": "federated rounds R",
@@ -50,6 +57,12 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
             kw["choices"] = SCHEDULES
         elif f.name == "method":
             kw["choices"] = ("full", "lora")
+        elif isinstance(f.default, int | float) and not isinstance(f.default, bool):
+            # the ranges FLSettings checks TOML values against, so that a bad
+            # flag fails while parsing, with the flag named
+            kw["type"] = validate.number_type(
+                type(f.default), **NUMBER_RANGES.get(f.name, {})
+            )
         else:
             kw["type"] = type(f.default)
         g.add_argument(flag, **kw)
@@ -190,10 +203,25 @@ def register(sub) -> None:
     sv.add_argument("--base", required=True, help="base model run folder")
     sv.add_argument("--out", required=True, help="server run folder")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sv.add_argument("--port", type=int, default=9092)
-    sv.add_argument("--ssl-certfile", default=None, help="server certificate (PEM)")
-    sv.add_argument("--ssl-keyfile", default=None, help="server private key (PEM)")
-    sv.add_argument("--ssl-ca-certfile", default=None, help="CA certificate (PEM)")
+    sv.add_argument("--port", type=validate.port, default=9092)
+    sv.add_argument(
+        "--ssl-certfile",
+        type=validate.pem_certificates,
+        default=None,
+        help="server certificate (PEM)",
+    )
+    sv.add_argument(
+        "--ssl-keyfile",
+        type=validate.pem_private_key,
+        default=None,
+        help="server private key (PEM)",
+    )
+    sv.add_argument(
+        "--ssl-ca-certfile",
+        type=validate.pem_certificates,
+        default=None,
+        help="CA certificate (PEM)",
+    )
     sv.add_argument(
         "--insecure-remote",
         action="store_true",
@@ -208,12 +236,19 @@ def register(sub) -> None:
         description="Connect to the server's SuperLink and train on this "
         "organisation's SFT data when asked; runs until stopped (Ctrl-C).",
     )
-    c.add_argument("--superlink", required=True, help="server HOST:PORT")
+    c.add_argument(
+        "--superlink", type=validate.host_port, required=True, help="server HOST:PORT"
+    )
     c.add_argument("--name", required=True, help="this client's name")
     c.add_argument("--data", required=True, help="SFT folder (aisyn prepare-sft)")
     c.add_argument("--base", required=True, help="base model run folder")
     c.add_argument("--out", required=True, help="this client's run folder")
-    c.add_argument("--root-certificates", default=None, help="CA certificate (PEM)")
+    c.add_argument(
+        "--root-certificates",
+        type=validate.pem_certificates,
+        default=None,
+        help="CA certificate (PEM)",
+    )
     c.add_argument(
         "--insecure-remote",
         action="store_true",
@@ -228,7 +263,7 @@ def register(sub) -> None:
         "--parts folders of the same distribution.",
     )
     pt.add_argument("--data", action="append", required=True, help="SFT folder")
-    pt.add_argument("--parts", type=int, default=2)
+    pt.add_argument("--parts", type=validate.positive_int, default=2)
     pt.add_argument("--out", required=True, help="folder for part0, part1, ...")
-    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--seed", type=validate.nonneg_int, default=0)
     pt.set_defaults(func=cmd_partition)

@@ -17,9 +17,36 @@ from pathlib import Path
 
 from aisyn.fl.lora import Method
 from aisyn.train.loop import TrainConfig
+from aisyn.validate import check_number
 
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm")
 SCHEDULES = ("continue", "restart")
+
+#: bounds of numeric settings (``validate.number_problem`` keywords); a field
+#: not listed need only be finite
+NUMBER_RANGES: dict[str, dict] = {
+    "rounds": {"low": 1},
+    "local_steps": {"low": 1},
+    "batch_size": {"low": 1},
+    "micro_batch_size": {"low": 0},
+    "lr": {"low": 0, "low_open": True},
+    "warmup": {"low": 0},
+    "weight_decay": {"low": 0},
+    "grad_clip": {"low": 0},
+    "seed": {"low": 0},
+    "lora_rank": {"low": 1},
+    "lora_alpha": {"low": 0, "low_open": True},
+    "proximal_mu": {"low": 0},
+    "server_lr": {"low": 0, "low_open": True},
+    "server_momentum": {"low": 0, "high": 1, "high_open": True},
+    "eta": {"low": 0, "low_open": True},
+    "beta_1": {"low": 0, "high": 1, "high_open": True},
+    "beta_2": {"low": 0, "high": 1, "high_open": True},
+    "tau": {"low": 0, "low_open": True},
+    "min_clients": {"low": 1},
+    "round_timeout": {"low": 0, "low_open": True},
+    "eval_items": {"low": 0},
+}
 
 
 @dataclass
@@ -71,6 +98,14 @@ class FLSettings:
             raise ValueError(f"min-clients must be >= 1, got {self.min_clients}")
         if self.round_timeout <= 0:
             raise ValueError("round-timeout must be positive")
+        # Every number is finite (TOML has nan and inf) and in its range; named
+        # as in the TOML file and the flags.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                check_number(
+                    f.name.replace("_", "-"), value, **NUMBER_RANGES.get(f.name, {})
+                )
         self.method_spec()  # validates method / rank
         self.train_config()  # validates batch sizes and lr
 

@@ -76,6 +76,18 @@ class PanguConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        # Types first: a string where a number belongs would otherwise fail in
+        # __post_init__'s arithmetic with a message that names nothing.
+        for f in fields(cls):
+            if f.name not in d:
+                continue
+            value, want = d[f.name], type(f.default)
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (numeric and (want is float or isinstance(value, int))):
+                kind = "an integer" if want is int else "a number"
+                raise ValueError(f"{f.name} must be {kind}, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value!r}")
         return cls(**d)
 
 

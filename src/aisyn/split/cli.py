@@ -6,14 +6,27 @@ import argparse
 import json
 import os
 
+from aisyn import validate
 from aisyn.link.codec import CODECS
 
 
 def _add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
     g = p.add_argument_group("link security")
-    g.add_argument("--tls-cert", help="this party's certificate (PEM) for mutual TLS")
-    g.add_argument("--tls-key", help="this party's private key (PEM)")
-    g.add_argument("--tls-ca", help="CA certificate (PEM) that signed the peer's")
+    g.add_argument(
+        "--tls-cert",
+        type=validate.pem_certificates,
+        help="this party's certificate (PEM) for mutual TLS",
+    )
+    g.add_argument(
+        "--tls-key",
+        type=validate.pem_private_key,
+        help="this party's private key (PEM)",
+    )
+    g.add_argument(
+        "--tls-ca",
+        type=validate.pem_certificates,
+        help="CA certificate (PEM) that signed the peer's",
+    )
     if not server:
         g.add_argument(
             "--server-name",
@@ -102,6 +115,8 @@ def cmd_train(args) -> None:
     from aisyn.cli import train_config_from_args
     from aisyn.split.train import SplitOptions, split_train
 
+    if args.resume:
+        validate.check_resumable(args.out)
     peer = _settings(args, args.peer) if args.peer else None
     opts = SplitOptions(
         cut=args.cut,
@@ -217,14 +232,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="NAME:THROUGHPUT:MEMORY, e.g. A:1:32GB and B:4:80GB (throughput in "
         "any unit, the same for both; memory like 80GB, 24GiB or inf)",
     )
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--batch-size", type=validate.positive_int, default=8)
+    p.add_argument("--micro-batch-size", type=validate.positive_int, default=1)
+    p.add_argument(
+        "--seq-len",
+        type=validate.positive_int,
+        default=None,
+        help="default: the model's",
+    )
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     p.add_argument("--compress", choices=list(CODECS), default="none")
     p.add_argument(
         "--pipeline",
-        type=int,
+        type=validate.nonneg_int,
         default=0,
         help="micro-batches in flight beyond the first (0: lockstep)",
     )
@@ -237,7 +257,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--min-front",
-        type=int,
+        type=validate.nonneg_int,
         default=0,
         help="blocks A must run after the embedding before anything is sent",
     )
@@ -260,7 +280,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--cut", default="u:1,1", help="u:FRONT,BACK blocks kept by A (see plan)"
     )
     t.add_argument("--mode", choices=["local", "grpc"], default="local")
-    t.add_argument("--peer", default=None, help="compute party HOST:PORT (grpc)")
+    t.add_argument(
+        "--peer",
+        type=validate.host_port,
+        default=None,
+        help="compute party HOST:PORT (grpc)",
+    )
     t.add_argument(
         "--spawn-backbone",
         action="store_true",
@@ -268,7 +293,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument(
         "--pipeline",
-        type=int,
+        type=validate.nonneg_int,
         default=0,
         help="micro-batches in flight (1F1B); 0: lockstep",
     )
@@ -278,10 +303,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="none",
         help="cut-layer codec for activations and gradients",
     )
-    t.add_argument("--connect-timeout", type=float, default=60.0)
+    t.add_argument("--connect-timeout", type=validate.positive_float, default=60.0)
     t.add_argument(
         "--recv-timeout",
-        type=float,
+        type=validate.positive_float,
         default=None,
         help="fail if the peer sends nothing for this long (default: only a lost "
         "connection fails)",
@@ -306,14 +331,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "folder per data-party run under --out. Serves one session at a time and "
         "stays up when a session fails.",
     )
-    v.add_argument("--listen", required=True, help="HOST:PORT (port 0: any free)")
+    v.add_argument(
+        "--listen",
+        type=validate.listen_address,
+        required=True,
+        help="HOST:PORT (port 0: any free)",
+    )
     v.add_argument("--model", required=True, help="preset or JSON model config")
     v.add_argument("--cut", required=True, help="u:FRONT,BACK (as the data party's)")
     v.add_argument(
         "--out", default=None, help="checkpoint root (none: cannot checkpoint)"
     )
-    v.add_argument("--device", default="auto")
-    v.add_argument("--keep-checkpoints", type=int, default=2)
+    v.add_argument("--device", type=validate.device, default="auto")
+    v.add_argument("--keep-checkpoints", type=validate.positive_int, default=2)
     v.add_argument(
         "--init-from",
         default=None,
@@ -328,7 +358,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     v.add_argument(
         "--max-sessions",
-        type=int,
+        type=validate.positive_int,
         default=None,
         help="exit after this many sessions (default: serve forever)",
     )
@@ -342,13 +372,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "another compute party address than the one recorded.",
     )
     e.add_argument("--run", required=True, help="the data party's run folder")
-    e.add_argument("--peer", default=None, help="override the compute party")
+    e.add_argument(
+        "--peer",
+        type=validate.host_port,
+        default=None,
+        help="override the compute party",
+    )
     e.add_argument("--data", default=None)
     e.add_argument("--cloze-file", default=None)
-    e.add_argument("--per-doc", type=int, default=3)
-    e.add_argument("--max-items", type=int, default=None)
+    e.add_argument("--per-doc", type=validate.positive_int, default=3)
+    e.add_argument("--max-items", type=validate.positive_int, default=None)
     e.add_argument("--format", choices=["lm", "prompt"], default=None)
-    e.add_argument("--device", default="auto")
+    e.add_argument("--device", type=validate.device, default="auto")
     _add_link_args(e, server=False)
     e.set_defaults(func=cmd_eval)
 
@@ -365,5 +400,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="B's run folder, or the --out root it served from",
     )
     m.add_argument("--out", required=True, help="new run folder")
-    m.add_argument("--step", type=int, default=None, help="default: newest common step")
+    m.add_argument(
+        "--step",
+        type=validate.positive_int,
+        default=None,
+        help="default: newest common step",
+    )
     m.set_defaults(func=cmd_merge)

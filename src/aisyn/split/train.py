@@ -25,7 +25,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from aisyn.data.shards import open_many
 from aisyn.model.pangu import PanguConfig, load_config
-from aisyn.model.segments import DATA_PARTY, PartitionError, parse_partition
+from aisyn.model.segments import (
+    COMPUTE_PARTY,
+    DATA_PARTY,
+    PartitionError,
+    parse_partition,
+)
 from aisyn.split import protocol as proto
 from aisyn.split.data_party import DataSession, SplitModel
 from aisyn.split.party import (
@@ -39,6 +44,7 @@ from aisyn.split.session import open_grpc, open_local, spawn_compute_party
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import TrainConfig, evaluate_loss, resolve_device
+from aisyn.train.memory import check_fits, compute_dtype, party_bytes
 from aisyn.train.run import RunDir
 from aisyn.train.sampler import BatchSampler
 
@@ -173,6 +179,27 @@ def split_train(
     if opts.peer is not None:
         opts.peer.validate()
     device = resolve_device(cfg.device)
+    # A compute party started here (in-process or spawned) shares this memory.
+    on_this_machine = [DATA_PARTY] + (
+        [COMPUTE_PARTY] if opts.mode == "local" or opts.spawn_backbone else []
+    )
+    check_fits(
+        sum(
+            party_bytes(
+                mcfg,
+                partition,
+                party,
+                cfg.micro,
+                sources[0].seq_len,
+                compute_dtype(device),
+                in_flight=opts.window + 1,
+            )
+            for party in on_this_machine
+        ),
+        device,
+        f"split training (party {' and '.join(on_this_machine)}) with "
+        f"micro-batches of {cfg.micro}",
+    )
     base = open_base(init_from, mcfg, partition, DATA_PARTY) if init_from else None
     run = RunDir(out)
     run_id = None

@@ -42,6 +42,7 @@ from aisyn.train.loop import (
     make_optimizer,
     resolve_device,
 )
+from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
 from aisyn.train.run import TOKENIZER, RunDir
 from aisyn.train.sampler import BatchSampler
 
@@ -367,6 +368,18 @@ def finetune(
     info = describe_base(base)
     data = open_sft_many(data_dirs, "train")
     check_data_matches(info, data)
+    check_fits(
+        whole_model_bytes(
+            info.model,
+            cfg.micro,
+            data[0].seq_len,
+            compute_dtype(device),
+            # LoRA keeps no gradients or optimizer state for the frozen weights
+            trains_all_weights=method.name != "lora",
+        ),
+        device,
+        f"fine-tuning with micro-batches of {cfg.micro}",
+    )
     run = RunDir(out)
     run.create(finetune_config(info, data, cfg, method), resume=False)
     run.copy_tokenizer(info.path / TOKENIZER)

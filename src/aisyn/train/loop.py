@@ -33,9 +33,11 @@ from aisyn.model.pangu import (
 )
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import distributed
+from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
 from aisyn.train.run import RunDir
 from aisyn.train.sampler import BatchSampler
 from aisyn.train.schedule import lr_at
+from aisyn.validate import check_device, check_int, check_number
 
 log = logging.getLogger("aisyn.train")
 
@@ -71,8 +73,20 @@ class TrainConfig:
             raise ValueError(
                 f"micro_batch_size {mb} must divide batch_size {self.batch_size}"
             )
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+        # Range checks here, not only on flags: a TrainConfig also comes from
+        # run folders, federated TOML files and the data party's hello.
+        check_number("lr", self.lr, low=0, low_open=True)
+        if self.min_lr is not None:
+            check_number("min_lr", self.min_lr, low=0)
+        check_number("weight_decay", self.weight_decay, low=0)
+        check_number("grad_clip", self.grad_clip, low=0)
+        check_int("warmup_steps", self.warmup_steps, low=0)
+        check_int("seed", self.seed, low=0)
+        check_int("log_every", self.log_every, low=1)
+        check_int("ckpt_every", self.ckpt_every, low=0)
+        check_int("keep_checkpoints", self.keep_checkpoints, low=1)
+        check_int("eval_every", self.eval_every, low=0)
+        check_int("eval_batches", self.eval_batches, low=1)
 
     @property
     def micro(self) -> int:
@@ -105,6 +119,7 @@ class TrainConfig:
 
 
 def resolve_device(name: str) -> torch.device:
+    check_device(name)  # a clear error, not torch's RuntimeError/AssertionError
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -276,6 +291,11 @@ def train(
             f"micro-batches of {cfg.micro}"
         )
     ctx, device = distributed.setup(resolve_device(cfg.device))
+    check_fits(
+        whole_model_bytes(mcfg, cfg.micro, sources[0].seq_len, compute_dtype(device)),
+        device,
+        f"training with micro-batches of {cfg.micro}",
+    )
     run = RunDir(out)
     config = {
         "kind": "train",
