@@ -412,6 +412,52 @@ def test_memory_estimate_lets_ordinary_runs_through():
     assert available_bytes(torch.device("cpu")) > default_run
 
 
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (
+            {
+                "memory.max": "4000",
+                "memory.current": "3000",
+                "memory.stat": "anon 1000\nfile 2500\n",
+            },
+            3500.0,  # the page cache is reclaimable
+        ),
+        ({"memory.max": "max", "memory.current": "3000"}, None),
+        (
+            {
+                "memory/memory.limit_in_bytes": "4000",
+                "memory/memory.usage_in_bytes": "1000",
+                "memory/memory.stat": "cache 10\ntotal_cache 200\n",
+            },
+            3200.0,
+        ),
+        ({"memory/memory.limit_in_bytes": str(2**63 - 4096)}, None),
+        ({}, None),
+    ],
+    ids=["v2", "v2 unlimited", "v1", "v1 unlimited", "none"],
+)
+def test_cgroup_limit_is_read(files, expected, tmp_path):
+    from aisyn.train.memory import cgroup_available
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    assert cgroup_available(tmp_path) == expected
+
+
+def test_memory_check_names_the_estimate_and_can_be_skipped(monkeypatch):
+    from aisyn.train import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2**30)
+    with pytest.raises(ValueError, match=r"about 2\.00 GiB .* only 1\.00 GiB"):
+        memory.check_fits(2**31, torch.device("cpu"), "training")
+    memory.check_fits(2**29, torch.device("cpu"), "training")
+    monkeypatch.setenv(memory.SKIP_ENV, "1")
+    memory.check_fits(2**31, torch.device("cpu"), "training")
+
+
 def test_real_bugs_keep_their_traceback(monkeypatch):
     import aisyn.cli
 

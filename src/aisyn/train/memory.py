@@ -103,27 +103,44 @@ def _meminfo_available() -> float | None:
         return None
 
 
-def _cgroup_available() -> float | None:
-    """Room left under this process's cgroup memory limit (v2, then v1)."""
-    candidates = (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        (
-            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-        ),
-    )
-    for limit_file, usage_file in candidates:
+#: (limit, usage, stat file, its page-cache key) of cgroup v2, then v1
+_CGROUP_FILES = (
+    ("memory.max", "memory.current", "memory.stat", "file"),
+    (
+        "memory/memory.limit_in_bytes",
+        "memory/memory.usage_in_bytes",
+        "memory/memory.stat",
+        "total_cache",
+    ),
+)
+
+
+def cgroup_available(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """Room left under this process's cgroup memory limit; None without one.
+
+    Usage counts the page cache, which the kernel drops before it kills
+    anything, so it is left out (as MemAvailable leaves it out).
+    """
+    for limit_file, usage_file, stat_file, cache_key in _CGROUP_FILES:
         try:
-            limit_text = Path(limit_file).read_text().strip()
-            usage = float(Path(usage_file).read_text().strip())
+            limit_text = (root / limit_file).read_text().strip()
+            if limit_text == "max":  # v2: no limit
+                return None
+            limit = float(limit_text)
+            if limit >= 2**60:  # v1: no limit
+                return None
+            usage = float((root / usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
-        if limit_text == "max":
-            return None
-        limit = float(limit_text)
-        if limit >= 2**60:  # v1's way of saying "no limit"
-            return None
-        return max(0.0, limit - usage)
+        cache = 0.0
+        try:
+            for line in (root / stat_file).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == cache_key:
+                    cache = float(value)
+        except (OSError, ValueError):
+            pass
+        return max(0.0, limit - max(0.0, usage - cache))
     return None
 
 
@@ -134,7 +151,7 @@ def available_bytes(device: torch.device) -> float | None:
         return float(free)
     if device.type != "cpu":
         return None
-    known = [b for b in (_meminfo_available(), _cgroup_available()) if b is not None]
+    known = [b for b in (_meminfo_available(), cgroup_available()) if b is not None]
     return min(known) if known else None
 
 
