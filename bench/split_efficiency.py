@@ -53,7 +53,12 @@ from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.link import ShapedProxy
 from aisyn.link.memory import memory_pair
 from aisyn.model.pangu import build_model, load_config
-from aisyn.model.segments import DATA_PARTY, parse_partition
+from aisyn.model.segments import (
+    COMPUTE_PARTY,
+    DATA_PARTY,
+    init_seeds,
+    parse_partition,
+)
 from aisyn.split import protocol as proto
 from aisyn.split.compute_party import ComputeParty
 from aisyn.split.data_party import DataSession
@@ -211,7 +216,8 @@ def hello(cfg, part, tcfg, codec) -> dict:
         run_id="bench-" + secrets.token_hex(6),
         model=cfg.to_dict(),
         partition=part.to_dict(),
-        train=tcfg.to_dict(),
+        train=tcfg,
+        init_seeds=init_seeds(cfg, part, COMPUTE_PARTY, tcfg.seed),
         codec=codec,
     )
 

@@ -134,6 +134,47 @@ def test_frames_of_a_left_step_are_dropped_whenever_they_arrive(pair, caplog):
     assert b._pending_bytes == 0, "dropped frames release their memory"
 
 
+def test_waiting_for_a_step_the_peer_has_left_fails_at_once(pair):
+    """Steps never decrease on the wire: once the peer has sent step 1, nothing
+    of step 0 can come any more, so a receiver waiting for it is told now."""
+    a, b = pair
+    a.send("out", torch.zeros(1), step=1)  # a peer answering under the wrong step
+    t0 = time.monotonic()
+    with pytest.raises(
+        FrameOrderError,
+        match="tensor 'out' step 0 micro 0 never came: the peer went on to step 1",
+    ):
+        b.recv("out", step=0, timeout=30)
+    assert time.monotonic() - t0 < 5, "failed at once, not at the timeout"
+    with pytest.raises(FrameError, match="never came"):  # the peer learns why
+        a.recv("gout", step=1, timeout=5)
+
+
+@pytest.mark.parametrize("arrives", ["before", "after"])
+def test_unread_frames_end_the_session_when_every_frame_is_read(arrives):
+    """With drop_unread=False a frame of a step the receiver left unread is a
+    protocol error whether it arrived before or after the receiver moved on."""
+    a, b = memory_pair(options=LinkOptions(drop_unread=False))
+    if arrives == "before":
+        a.send("extra", torch.zeros(1), step=0)
+        a.send("act", torch.zeros(1), step=1)
+        a.flush(5)
+        message = "the peer sent tensor 'extra' step 0 micro 0, which this side"
+    else:
+        a.send("act", torch.zeros(1), step=0)
+        b.recv("act", step=0, timeout=5)
+        with pytest.raises(LinkTimeoutError):
+            b.recv("act", step=1, timeout=0.1)  # b is at step 1 now
+        a.send("extra", torch.zeros(1), step=0)
+        message = "tensor 'extra' step 0 micro 0 arrived after this side moved on"
+    with pytest.raises(FrameOrderError, match=message):
+        b.recv("act", step=1, timeout=5)
+    with pytest.raises(FrameError, match="never asked for"):
+        a.recv("grad", step=1, timeout=5)
+    a.close()
+    b.close()
+
+
 def test_step_going_backwards_on_the_wire_is_rejected():
     a, b = memory_pair()
     a.send("act", torch.zeros(1), step=3)

@@ -19,6 +19,7 @@ from aisyn.model.plan import (
     PlanError,
     Workload,
     evaluate,
+    exposure_warning,
     module_sizes,
     parse_bytes,
     plan,
@@ -108,8 +109,8 @@ def test_plan_balances_compute_by_throughput():
     # FLOPs share is about 1/5 (the reference's ~20 % / 80 %).
     n = cfg.num_layers - 1
     sizes = module_sizes(build_model(cfg, device="meta"))
-    for f in range(n):
-        for k in range(n - f):
+    for f in range(1, n):
+        for k in range(1, n - f):
             cut = parse_partition(f"u:{f},{k}", cfg)
             other = evaluate("2.6B", cfg, cut, parties(), w, sizes)
             assert chosen.pipelined_time <= other.pipelined_time * (1 + 1e-9)
@@ -158,3 +159,22 @@ def test_parse_bytes_units():
     assert parse_bytes("80GB") == 80e9
     assert parse_bytes("24GiB") == 24 * 2**30
     assert math.isinf(parse_bytes("inf"))
+
+
+def test_plan_keeps_a_block_on_each_side_of_a_by_default():
+    """Unconstrained, the 2.6B plan for a 4x faster B is u:0,4: the raw token
+    embeddings would cross, and anyone who knows the embedding inverts them."""
+    cfg = load_config("2.6B")
+    w = Workload(batch_size=8, micro_batch_size=1, dtype="bf16")
+    # Execute
+    default = plan("2.6B", cfg, list(parties().values()), w)
+    unconstrained = plan("2.6B", cfg, list(parties().values()), w, min_a_blocks=0)
+    # Assert
+    assert default.partition.front >= 1 and default.partition.back >= 1
+    assert exposure_warning(default.partition) is None
+    assert unconstrained.partition.front == 0
+    assert "raw token embeddings" in exposure_warning(unconstrained.partition)
+    two = plan("2.6B", cfg, list(parties().values()), w, shape="two-way")
+    assert two.partition.front >= 1
+    with pytest.raises(PlanError, match="B needs at least one"):
+        plan("tiny", load_config("tiny"), list(parties().values()), w, min_a_blocks=2)

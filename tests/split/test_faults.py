@@ -12,9 +12,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import CUT, losses, train_cfg
 
 from aisyn.split.train import SplitOptions, split_train
@@ -84,6 +86,17 @@ def cfg_json(tmp_path_factory, split_config) -> Path:
     path = tmp_path_factory.mktemp("cfg") / "model.json"
     path.write_text(json.dumps(split_config.to_dict()))
     return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Run the in-process parts with the one thread the CLI runs get
+    (OMP_NUM_THREADS=1): float sums over 1 and 2 threads differ in the last
+    bits, and 40 steps of training can amplify that past any tolerance."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from aisyn.split import protocol as proto
 from aisyn.split.evaluate import open_split_model
 from aisyn.split.train import SplitOptions, split_train
 from aisyn.split.transport import LinkSettings
+from aisyn.train.loop import TrainConfig
 from aisyn.train.run import RunDir
 
 METHOD = "/aisyn.link.v1.TensorLink/Exchange"
@@ -91,7 +92,7 @@ def served(tmp_path_factory, news_data, split_config, certs) -> Iterator[Served]
             run_id=config["run_id"],
             model=config["model"],
             partition=config["partition"],
-            train=config["train"],
+            train=TrainConfig.from_dict(config["train"]),
             resume=True,
             a_steps=[2],
         )

@@ -79,15 +79,18 @@ from .errors import (
     LinkError,
     LinkTimeoutError,
     MalformedFrameError,
+    PeerAbortedError,
     PeerLostError,
+    SessionAbortedError,
 )
-from .grpc_link import GrpcLink, GrpcLinkServer, connect
+from .grpc_link import Accept, GrpcLink, GrpcLinkServer, connect
 from .memory import memory_pair
 from .shaper import ShapedProxy
 
 __all__ = [
     "CODECS",
     "MAX_CHUNK_BYTES",
+    "Accept",
     "AuthError",
     "DevCerts",
     "FrameError",
@@ -103,8 +106,10 @@ __all__ = [
     "LinkOptions",
     "LinkTimeoutError",
     "MalformedFrameError",
+    "PeerAbortedError",
     "PeerHello",
     "PeerLostError",
+    "SessionAbortedError",
     "ShapedProxy",
     "TlsConfig",
     "connect",

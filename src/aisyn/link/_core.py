@@ -12,7 +12,10 @@ Protocol rules enforced here (the frame layer checks each frame in isolation):
   still catching a desynchronised or replaying peer;
 * frames of a step the receiver has already left can never be received; they
   are dropped with a warning whether they arrived before or after the
-  receiver moved on (an error here would depend on thread timing);
+  receiver moved on (an error only in one case would depend on thread
+  timing), or, with ``LinkOptions.drop_unread=False``, end the session in both;
+* a receiver waiting for a key of a step the peer has already left behind
+  fails at once: since steps never decrease, that key can no longer arrive;
 * unconsumed data is bounded by ``max_pending_bytes`` so a runaway peer
   cannot exhaust memory.
 """
@@ -30,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from .base import Link, LinkOptions, PeerHello
-from .codec import dtype_name, effective_codec, encode
+from .codec import CodecOverflowError, dtype_name, effective_codec, encode
 from .errors import (
     FrameError,
     FrameMismatchError,
@@ -41,6 +44,7 @@ from .errors import (
     LinkTimeoutError,
     MalformedFrameError,
     PeerLostError,
+    SessionAbortedError,
 )
 from .frames import (
     BYE_FRAME,
@@ -88,6 +92,7 @@ class LinkCore(Link):
         self._recv_step = -1
         self._peer_gone: str | None = None
         self._error: LinkError | None = None
+        self._torn_down = threading.Event()  # set once _fail() stopped the transport
         # Send side; guarded by _cond except the counters, which have one writer.
         self._out_step = -1
         self._out_keys: set[FrameKey] = set()
@@ -211,7 +216,11 @@ class LinkCore(Link):
 
     def _transmit_tensor(self, job: _Job) -> None:
         assert job.key is not None and job.tensor is not None
-        enc = encode(job.tensor, job.codec)
+        try:
+            enc = encode(job.tensor, job.codec)
+        except CodecOverflowError as e:
+            # Ends the session, telling the peer why (as abort() does).
+            raise SessionAbortedError(f"cannot send {job.key}: {e}") from None
         frames = tensor_frames(job.key, enc, self._opts.chunk_bytes)
         # Write each frame only once the next one is built, so the last frame is
         # still held back when all reads of the tensor's memory are done: if the
@@ -292,14 +301,22 @@ class LinkCore(Link):
                     f"cannot receive {key}: this side already moved on to step "
                     f"{self._recv_step}"
                 )
+            violation = None
             if key.step > self._recv_step:
-                self._advance(key.step)
-            while True:
+                violation = self._advance(key.step)
+            while violation is None:
                 self._check_usable()
                 entry = self._pending.pop(key, None)
                 if entry is not None:
                     self._pending_bytes -= entry[1]
                     return entry[0]
+                if self._in_step > key.step:
+                    # Steps never decrease on the wire: it can no longer come.
+                    violation = FrameOrderError(
+                        f"{key} never came: the peer went on to step "
+                        f"{self._in_step} without sending it"
+                    )
+                    break
                 if self._peer_gone:
                     raise PeerLostError(
                         f"{self._name}: {self._peer_gone}; {key} never arrived"
@@ -310,21 +327,30 @@ class LinkCore(Link):
                         f"{self._name}: timed out after {timeout:g} s waiting for {key}"
                     )
                 self._cond.wait(remaining)
+        self._fail(violation, notify_peer=True)
+        raise violation
 
-    def _advance(self, step: int) -> None:
-        """Receiver moves on to ``step``; drop what earlier steps left unread."""
+    def _advance(self, step: int) -> FrameError | None:
+        """Receiver moves on to ``step``; drop what earlier steps left unread.
+        Returns the protocol error to end the session with, if that is one."""
         self._recv_step = step
         stale = [key for key in self._pending if key.step < step]
-        if stale:
-            log.warning(
-                "%s: dropping %d frame(s) from earlier steps that were never "
-                "received: %s",
-                self._name,
-                len(stale),
-                ", ".join(map(str, stale[:4])),
-            )
         for key in stale:
             self._pending_bytes -= self._pending.pop(key)[1]
+        if not stale:
+            return None
+        if not self._opts.drop_unread:
+            return FrameOrderError(
+                f"the peer sent {stale[0]}, which this side never asked for"
+            )
+        log.warning(
+            "%s: dropping %d frame(s) from earlier steps that were never "
+            "received: %s",
+            self._name,
+            len(stale),
+            ", ".join(map(str, stale[:4])),
+        )
+        return None
 
     # ------------------------------------------------- inbound (transport thread)
 
@@ -390,6 +416,11 @@ class LinkCore(Link):
         with self._cond:
             if key.step < self._recv_step:
                 self._pending_bytes -= nbytes + _ENTRY_COST
+                if not self._opts.drop_unread:
+                    raise FrameOrderError(
+                        f"{key} arrived after this side moved on to step "
+                        f"{self._recv_step}: it was never asked for"
+                    )
                 log.warning(
                     "%s: dropping %s: this side already moved on to step %d",
                     self._name,
@@ -420,18 +451,31 @@ class LinkCore(Link):
             self._error = exc
             self._cond.notify_all()
         log.warning("%s: %s: %s", self._name, type(exc).__name__, exc)
-        self._teardown(exc, notify_peer)
+        try:
+            self._teardown(exc, notify_peer)
+        finally:
+            self._torn_down.set()
+
+    def abort(self, reason: str) -> None:
+        reason = " ".join(str(reason).split()) or "no reason given"  # one line
+        self._fail(SessionAbortedError(reason), notify_peer=True)
 
     def close(self) -> None:
         timeout = self._opts.close_timeout_s
         with self._cond:
             if self._closing:
                 return
-            graceful = self._error is None and self._peer_gone is None
+            failed = self._error is not None  # only _fail() sets it before close
+            graceful = not failed and self._peer_gone is None
             if graceful:
                 self._queued += 1
                 self._jobs.put(_Job(None))
             self._closing = True
+        if failed:
+            # The thread that noticed the failure may still be stopping the
+            # transport (e.g. queueing the frame that tells the peer why);
+            # releasing resources under it would bury that reason.
+            self._torn_down.wait(timeout)
         if graceful:
             try:
                 self.flush(timeout)

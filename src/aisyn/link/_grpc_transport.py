@@ -28,6 +28,7 @@ from .errors import (
     HandshakeError,
     LinkError,
     MalformedFrameError,
+    PeerAbortedError,
     PeerLostError,
 )
 from .frames import MAX_MESSAGE_BYTES, Inbound, check_hello
@@ -139,6 +140,8 @@ def error_for(
         return HandshakeError(f"{peer} refused the session: {details}")
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return FrameTooLargeError(f"{peer}: {details}")
+    if code is grpc.StatusCode.ABORTED:  # what status_for() gives Link.abort()
+        return PeerAbortedError(f"{peer} aborted the session: {details}")
     name = code.name if code is not None else "stream error"
     return PeerLostError(f"lost {peer}: {name}: {details}")
 
@@ -148,6 +151,9 @@ def error_for(
 
 class GrpcLink(LinkCore):
     """A link over one gRPC ``Exchange`` stream (client or server end)."""
+
+    #: on a server's link: what its session callback agreed to (``Accept``)
+    agreed: object = None
 
     def __init__(
         self, options: LinkOptions, name: str, peer: PeerHello | None, remote: str

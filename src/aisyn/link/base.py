@@ -36,6 +36,11 @@ class LinkOptions:
     frames_in_flight: int = 4
     #: default timeout of recv()/recv_scalar(); None waits until data or peer loss
     recv_timeout_s: float | None = None
+    #: frames of a step the receiver left without reading them are dropped with
+    #: a warning (True), or end the session as a protocol error (False) -- for
+    #: protocols that read every frame, so that a peer answering under the
+    #: wrong step fails the session at once instead of leaving a receiver waiting
+    drop_unread: bool = True
     #: gRPC keepalive ping period and ack timeout: a silent peer is declared
     #: lost after roughly their sum. On a slow, saturated link a ping can queue
     #: behind megabytes of data: raise the timeout above (socket buffers +
@@ -62,6 +67,8 @@ class LinkOptions:
         for name in ("keepalive_s", "keepalive_timeout_s", "handshake_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.recv_timeout_s is not None and not self.recv_timeout_s > 0:
+            raise ValueError("recv_timeout_s must be positive (None: no timeout)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +157,17 @@ class Link(ABC):
     @abstractmethod
     def close(self) -> None:
         """Flush queued sends, say goodbye and release resources. Idempotent."""
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """End the session now because of ``reason`` (one line), telling the peer.
+
+        Queued sends are dropped. The peer's pending and later calls raise
+        :class:`~aisyn.link.errors.PeerAbortedError` carrying ``reason`` (a gRPC
+        server receives a client's reason as a FrameError, like any rejection);
+        this side's raise LinkClosedError. A no-op if the link has already
+        failed or been closed; call close() afterwards to release resources.
+        """
 
     @property
     @abstractmethod

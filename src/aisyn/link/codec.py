@@ -31,6 +31,7 @@ import torch
 
 __all__ = [
     "CODECS",
+    "CodecOverflowError",
     "DTYPES",
     "Encoded",
     "decode",
@@ -54,6 +55,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+class CodecOverflowError(ValueError):
+    """A finite value does not fit the codec's wire type (fp16 beyond 65504)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -134,7 +139,17 @@ class _Cast(_Codec):
 
     def encode(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Cast before the device->host copy so a GPU tensor moves half the bytes.
-        return _EMPTY, _as_bytes(flat.to(self._wire).cpu())
+        wire = flat.to(self._wire)
+        if self._wire is torch.float16 and not bool(torch.isfinite(wire).all()):
+            # Name the overflow here: the peer would only see inf, and finite
+            # values turned inf must never pass for a peer's non-finite numbers.
+            if bool(torch.isfinite(flat).all()):
+                biggest = float(flat.abs().max())
+                raise CodecOverflowError(
+                    f"fp16 codec overflow: values up to {biggest:.4g} exceed "
+                    f"float16's range (65504); use --compress bf16 or none"
+                )
+        return _EMPTY, _as_bytes(wire.cpu())
 
     def decode(
         self, side: torch.Tensor, payload: torch.Tensor, numel: int, dtype: torch.dtype

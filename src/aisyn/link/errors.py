@@ -18,7 +18,9 @@ __all__ = [
     "LinkError",
     "LinkTimeoutError",
     "MalformedFrameError",
+    "PeerAbortedError",
     "PeerLostError",
+    "SessionAbortedError",
 ]
 
 
@@ -58,9 +60,19 @@ class PeerLostError(LinkError):
     """The peer went away: connection lost, keepalive timed out or it said BYE."""
 
 
+class PeerAbortedError(PeerLostError):
+    """The peer ended the session because of an error on its side
+    (:meth:`~aisyn.link.Link.abort`); the message carries its one-line reason."""
+
+
 class LinkTimeoutError(LinkError, TimeoutError):
     """A receive or handshake did not complete within its timeout."""
 
 
 class LinkClosedError(LinkError):
     """The link was closed locally."""
+
+
+class SessionAbortedError(LinkClosedError):
+    """This side ended the session with :meth:`~aisyn.link.Link.abort`; the
+    message is the reason it gave (and the peer received)."""

@@ -1,11 +1,13 @@
 """The link over gRPC: :class:`GrpcLinkServer` (party B) and :func:`connect` (A).
 
 One session is one bidirectional ``Exchange`` stream. The server accepts one
-session at a time (a second caller gets UNAVAILABLE "busy" and
-:func:`connect` retries until its timeout), checks the bearer token before
+session at a time -- from its HELLO until the application closes the
+accepted link (a second caller gets UNAVAILABLE "busy" and :func:`connect`
+retries until its timeout) -- checks the bearer token before
 reading anything, then expects HELLO. Any protocol violation ends only that
 session -- with INVALID_ARGUMENT and a one-line reason -- and the server goes on
-to accept the next one.
+to accept the next one; so does anything else that goes wrong in a handshake,
+the session callback's own bugs included: the slot is always released.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Self
+from typing import NamedTuple, Self
 
 import grpc
 
@@ -37,6 +39,7 @@ from .base import LinkOptions, PeerHello
 from .certs import TlsConfig
 from .errors import (
     AuthError,
+    HandshakeError,
     LinkClosedError,
     LinkError,
     LinkTimeoutError,
@@ -45,13 +48,27 @@ from .errors import (
 )
 from .frames import Inbound, check_hello, error_frame, hello_frame, parse_frame
 
-__all__ = ["GrpcLink", "GrpcLinkServer", "connect"]
+__all__ = ["Accept", "GrpcLink", "GrpcLinkServer", "connect"]
 
 log = logging.getLogger(__name__)
 
+
+class Accept(NamedTuple):
+    """A session callback's answer that also hands the application something
+    of its own with the session: ``reply`` goes to the client, ``agreed`` comes
+    back as the accepted link's ``agreed`` attribute (e.g. the terms the hello
+    was accepted on). Tied to that one connection, unlike anything keyed by
+    the hello's text, which two clients may share."""
+
+    reply: str
+    agreed: object = None
+
+
 #: The server's reply session string, or a function of the client's HELLO
-#: returning it; raise HandshakeError to refuse the session.
-SessionReply = str | Callable[[PeerHello], str]
+#: returning it (or an :class:`Accept`); raise HandshakeError to refuse the
+#: session with a reason. Any other exception refuses it with a generic reason
+#: and is logged on the server.
+SessionReply = str | Callable[[PeerHello], str | Accept]
 
 _HANDSHAKING = object()
 
@@ -213,10 +230,14 @@ class _ServerLink(GrpcLink):
         hello_nbytes: int,
         hello_reply: bytes,
         server_stopping: Callable[[], bool],
+        agreed: object = None,
+        on_closed: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(options, name, peer, context.peer())
+        self.agreed = agreed
         self._context = context
         self._server_stopping = server_stopping
+        self._on_closed = on_closed
         self._served = threading.Event()  # the response stream has ended
         self._abort: tuple[grpc.StatusCode, str] | None = None
         self._received += hello_nbytes
@@ -241,15 +262,20 @@ class _ServerLink(GrpcLink):
         self._push_end(drop_queued=True)
 
     def _shutdown(self, graceful: bool, timeout: float) -> None:
-        if graceful:  # BYE is out; the client ends its half when it reads it
+        try:
+            if graceful:  # BYE is out; the client ends its half when it reads it
+                self._reader.join(timeout)
+            self._dead.set()
+            self._push_end(drop_queued=True)
+            # Let a pending abort status (the reason for a failure) go out
+            # first: cancelling would replace it with a bare CANCELLED. Once the
+            # response stream has ended gRPC finishes the call itself; cancel
+            # only a call that is stuck.
+            if not self._served.wait(timeout):
+                self._context.cancel()
             self._reader.join(timeout)
-        self._dead.set()
-        self._push_end(drop_queued=True)
-        # Let a pending abort status (the reason for a failure) go out first:
-        # cancelling now would replace it with a bare CANCELLED.
-        self._served.wait(timeout)
-        self._context.cancel()  # no-op if the call already ended
-        self._reader.join(timeout)
+        finally:
+            self._on_closed()
 
     def rpc_done(self) -> None:
         """gRPC callback: the call is over, for whatever reason."""
@@ -346,7 +372,8 @@ class GrpcLinkServer:
         return self
 
     def accept(self, timeout: float | None = None) -> GrpcLink:
-        """The next session's link, in the order sessions were opened."""
+        """The next session's link. Close it when done with it: the server
+        takes no other session until then."""
         try:
             return self._sessions.get(timeout=timeout)
         except queue.Empty:
@@ -385,13 +412,21 @@ class GrpcLinkServer:
             context.abort(
                 grpc.StatusCode.UNAVAILABLE, "server busy with another session"
             )
+        link = None
         try:
             link = self._open(requests, context)
         except (LinkError, ValueError) as exc:
-            self._release(_HANDSHAKING)
             log.warning("refused session from %s: %s", remote, exc)
             code = status_for(exc) if isinstance(exc, LinkError) else None
             context.abort(code or grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception:  # a bug must neither escape nor keep the slot taken
+            log.exception("handshake with %s failed", remote)
+            context.abort(
+                grpc.StatusCode.INTERNAL, "the server failed to open the session"
+            )
+        finally:
+            if link is None:  # from here on the link's end of call releases it
+                self._release(_HANDSHAKING)
         yield from link.serve(requests)
 
     def _authenticate(self, context: grpc.ServicerContext) -> None:
@@ -406,9 +441,9 @@ class GrpcLinkServer:
         self, requests: Iterator[Inbound], context: grpc.ServicerContext
     ) -> _ServerLink:
         peer, nbytes = self._read_hello(requests, context)
-        reply = self._session(peer) if callable(self._session) else self._session
+        answer = self._answer(peer, context.peer())
         name = f"link[{self._role}<-{context.peer()}]"
-        reply_frame = hello_frame(self._role, reply)
+        reply_frame = hello_frame(self._role, answer.reply)
         link = _ServerLink(
             context,
             self._opts,
@@ -417,19 +452,37 @@ class GrpcLinkServer:
             nbytes,
             reply_frame,
             server_stopping=lambda: self._stopping,
+            agreed=answer.agreed,
+            # The slot is free once the application is done with the session,
+            # not when the call ends: a client that drops its calls at once
+            # would otherwise pile up sessions (threads, buffers, gRPC call
+            # state) faster than they are served.
+            on_closed=lambda: self._release(link),
         )
-
-        def done() -> None:
-            link.rpc_done()
-            self._release(link)
-
-        if not context.add_callback(done):
-            raise PeerLostError("client went away during the handshake")
         with self._lock:
             self._active = link
+        if not context.add_callback(link.rpc_done):
+            self._release(link)
+            raise PeerLostError("client went away during the handshake")
         log.info("%s: session open (peer role %r)", name, peer.role)
         self._sessions.put(link)
         return link
+
+    def _answer(self, peer: PeerHello, remote: str) -> Accept:
+        """The session callback's verdict on ``peer``'s HELLO."""
+        if not callable(self._session):
+            return Accept(self._session)
+        try:
+            answer = self._session(peer)
+        except LinkError:  # HandshakeError: a refusal with its reason
+            raise
+        except Exception:  # a bug, or e.g. RecursionError on a crafted hello
+            # Its text may describe server internals: log it, tell a generic one.
+            log.exception("session callback failed on the hello from %s", remote)
+            raise HandshakeError(
+                "the server could not process the hello (see its log)"
+            ) from None
+        return answer if isinstance(answer, Accept) else Accept(answer)
 
     def _read_hello(
         self, requests: Iterator[Inbound], context: grpc.ServicerContext

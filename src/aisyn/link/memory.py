@@ -18,7 +18,13 @@ import torch
 from ._core import LinkCore, _Job
 from .base import Link, LinkOptions, PeerHello
 from .codec import effective_codec
-from .errors import FrameError, LinkError, PeerLostError
+from .errors import (
+    FrameError,
+    LinkError,
+    PeerAbortedError,
+    PeerLostError,
+    SessionAbortedError,
+)
 from .frames import PROTOCOL_VERSION, FrameKey, parse_frame, tensor_wire_size
 
 __all__ = ["memory_pair"]
@@ -62,7 +68,11 @@ class MemoryLink(LinkCore):
     def _teardown(self, exc: LinkError, notify_peer: bool) -> None:
         # Mirror what the gRPC link's peer would see: our reason if we chose to
         # tell it, otherwise just a dead stream.
-        if notify_peer:
+        if isinstance(exc, SessionAbortedError):
+            self._peer._fail(
+                PeerAbortedError(f"peer aborted the session: {exc}"), notify_peer=False
+            )
+        elif notify_peer:
             self._peer._fail(
                 FrameError(f"peer rejected the session: {exc}"), notify_peer=False
             )

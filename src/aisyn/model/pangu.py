@@ -21,9 +21,10 @@ The model knows nothing about parties, LoRA or Flower; other modules slice
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
-import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -248,6 +249,19 @@ class PanguTransformer(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
 
+def parameter_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter ``name`` in a model initialised with
+    ``seed``: HMAC-SHA256 keyed by the seed, over the name, cut to 63 bits.
+
+    Keyed, so that the seeds of some parameters (what a split run's compute
+    party is given for its own tensors) reveal neither the run's seed nor the
+    seeds, hence the initial values, of any other parameter.
+    """
+    key = int(seed).to_bytes(32, "big", signed=True)
+    digest = hmac.new(key, name.encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
 class PanguAlpha(nn.Module):
     """PanGu-α language model (``GPTPanguForCausalLM`` layout)."""
 
@@ -270,16 +284,26 @@ class PanguAlpha(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(
-        self, seed: int = 0, names: Iterable[str] | None = None
+        self,
+        seed: int = 0,
+        names: Iterable[str] | None = None,
+        *,
+        seeds: dict[str, int] | None = None,
     ) -> None:
         """GPT-2 style init; residual projections scaled by 1/sqrt(2 * layers).
 
-        Each parameter draws from its own generator seeded by (seed, name), so a
-        party that holds only some segments initialises them exactly as the whole
-        model would, without building the rest.
+        Each parameter draws from its own generator, seeded by
+        ``parameter_seed(seed, name)``, so a party that holds only some segments
+        initialises them exactly as the whole model would, without building the
+        rest. ``seeds`` (name -> generator seed) initialises just those
+        parameters from seeds given by someone else: a compute party gets the
+        seeds of its own tensors from the data party, never the run's seed.
         """
+        if seeds is not None:
+            wanted = set(seeds)
+        else:
+            wanted = set(names) if names is not None else None
         std = self.config.init_std
-        wanted = set(names) if names is not None else None
         for name, p in self.named_parameters():
             if wanted is not None and name not in wanted:
                 continue
@@ -294,7 +318,9 @@ class PanguAlpha(nn.Module):
                     else 1.0
                 )
                 g = torch.Generator(device=p.device)
-                g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                g.manual_seed(
+                    seeds[name] if seeds is not None else parameter_seed(seed, name)
+                )
                 p.normal_(0.0, std * scale, generator=g)
 
     # The three pieces below are the model's natural cut points; segments.py

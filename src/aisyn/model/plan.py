@@ -386,16 +386,46 @@ def evaluate(
     return Plan(model_name, cfg, partition, workload, parties, loads, total)
 
 
-def candidates(cfg: PanguConfig, shape: str, min_front: int) -> list[Partition]:
+#: Blocks the data party keeps on each side of B by default. With none before
+#: the cut, A sends the raw token embeddings, which anyone who knows the
+#: embedding inverts by nearest-neighbour lookup; with none after it, B's
+#: output is one LayerNorm and the top query layer away from the logits.
+MIN_A_BLOCKS = 1
+
+
+def exposure_warning(partition: Partition) -> str | None:
+    """Why a cut with no block on a side of A gives A's data away, if it does."""
+    sides = []
+    if partition.front == 0:
+        sides.append(
+            "no block before the front cut: A sends the raw token embeddings, "
+            "which the compute party inverts to the tokens by nearest-neighbour "
+            "lookup in the embedding"
+        )
+    if partition.is_u_shape and partition.back == 0:
+        sides.append(
+            "no block after the back cut: what B returns is one LayerNorm and the "
+            "top query layer away from the logits, so its gradient gives the "
+            "labels away"
+        )
+    if not sides:
+        return None
+    return f"cut {partition.spec} keeps " + "; and ".join(sides)
+
+
+def candidates(cfg: PanguConfig, shape: str, min_a_blocks: int) -> list[Partition]:
+    """Every cut of ``shape`` with at least ``min_a_blocks`` blocks of A on each
+    side of B (before the cut only, for a two-way cut)."""
     n = cfg.num_layers - 1
+    k0 = min_a_blocks
     if shape == "u":
         return [
             Partition(cfg.num_layers, f, k)
-            for f in range(min_front, n)
-            for k in range(0, n - f)
+            for f in range(k0, n)
+            for k in range(k0, n - f)
         ]
     if shape == "two-way":
-        return [Partition(cfg.num_layers, f, None) for f in range(min_front, n)]
+        return [Partition(cfg.num_layers, f, None) for f in range(k0, n)]
     raise PlanError(f"shape {shape!r}: use 'u' or 'two-way'")
 
 
@@ -406,28 +436,31 @@ def plan(
     workload: Workload,
     *,
     shape: str = "u",
-    min_front: int = 0,
+    min_a_blocks: int = MIN_A_BLOCKS,
 ) -> Plan:
     """The cut that balances compute time (FLOPs / throughput) within memory.
 
     Minimises the slower party's compute time per step (the step time when the
-    parties pipeline); ties go to fewer blocks on A. Raises PlanError if no cut
-    fits both memory limits.
+    parties pipeline); ties go to fewer blocks on A. A keeps at least
+    ``min_a_blocks`` blocks on each side of B (a privacy constraint: see
+    ``MIN_A_BLOCKS``). Raises PlanError if no cut fits both memory limits.
     """
     by_name = {p.name: p for p in parties}
     if sorted(by_name) != sorted(PARTIES) or len(parties) != 2:
         raise PlanError("give exactly one --party A:... and one --party B:...")
     if workload.seq_len and workload.seq_len > cfg.seq_len:
         raise PlanError(f"seq_len {workload.seq_len} exceeds the model's {cfg.seq_len}")
-    if min_front < 0 or min_front >= cfg.num_layers - 1:
+    sides = 2 if shape == "u" else 1
+    if min_a_blocks < 0 or sides * min_a_blocks >= cfg.num_layers - 1:
         raise PlanError(
-            f"min_front {min_front}: the model has {cfg.num_layers - 1} ordinary "
-            "blocks and B needs at least one"
+            f"--min-a-blocks {min_a_blocks}: the model has {cfg.num_layers - 1} "
+            f"ordinary blocks; A would take {sides * min_a_blocks} and B needs at "
+            "least one"
         )
     sizes = module_sizes(build_model(cfg, device="meta"))
     best: tuple[tuple[float, int], Plan] | None = None
     smallest: dict[str, float] = {p: math.inf for p in PARTIES}
-    for part in candidates(cfg, shape, min_front):
+    for part in candidates(cfg, shape, min_a_blocks):
         pl = evaluate(model_name, cfg, part, by_name, workload, sizes)
         for p in PARTIES:
             smallest[p] = min(smallest[p], pl.loads[p].memory_bytes)

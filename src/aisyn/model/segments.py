@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from aisyn.model.pangu import PanguAlpha, PanguConfig, build_model
+from aisyn.model.pangu import PanguAlpha, PanguConfig, build_model, parameter_seed
 
 DATA_PARTY = "A"
 COMPUTE_PARTY = "B"
@@ -186,7 +186,8 @@ def build_party_model(
     partition: Partition,
     party: str,
     *,
-    seed: int,
+    seed: int | None = None,
+    seeds: dict[str, int] | None = None,
     device: str | torch.device = "cpu",
 ) -> PanguAlpha:
     """The model with only ``party``'s modules materialised, the rest on meta.
@@ -194,20 +195,47 @@ def build_party_model(
     Each parameter is initialised exactly as ``build_model(cfg, seed=seed)``
     would (per-parameter seeded init), so a split run starts from the same
     weights as the unsplit one without ever allocating the other party's part.
+    A party that must not know the run's seed gets ``seeds`` instead: the
+    per-parameter seeds of exactly its own parameters (``init_seeds``).
     """
     if partition.num_layers != cfg.num_layers:
         raise PartitionError(
             f"partition {partition.spec} is for {partition.num_layers} layers, the "
             f"model has {cfg.num_layers}"
         )
+    if (seed is None) == (seeds is None):
+        raise TypeError("build_party_model takes either seed or seeds")
     model = build_model(cfg, device="meta")
     for path in partition.module_paths(party):
         model.get_submodule(path).to_empty(device=device)
     if "transformer.wte" in partition.module_paths(party):
         # to_empty replaced wte.weight; lm_head still points at the meta one.
         model.tie_weights()
-    model.reset_parameters(seed, names=partition.parameter_names(model, party))
+    own = partition.parameter_names(model, party)
+    if seeds is not None:
+        if set(seeds) != set(own):
+            missing = sorted(set(own) - set(seeds))
+            extra = sorted(set(seeds) - set(own))
+            raise PartitionError(
+                f"init seeds are not party {party}'s parameters (missing "
+                f"{missing[:3]}, unexpected {extra[:3]})"
+            )
+        model.reset_parameters(seeds=seeds)
+    else:
+        model.reset_parameters(seed, names=own)
     return model
+
+
+def init_seeds(
+    cfg: PanguConfig, partition: Partition, party: str, seed: int
+) -> dict[str, int]:
+    """Per-parameter init seeds of ``party``'s parameters in a run seeded with
+    ``seed``: what the data party hands the compute party instead of the seed."""
+    model = build_model(cfg, device="meta")
+    return {
+        name: parameter_seed(seed, name)
+        for name in partition.parameter_names(model, party)
+    }
 
 
 def own_named_parameters(

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 from aisyn import validate
 from aisyn.link.codec import CODECS
+from aisyn.split.transport import (
+    COMPUTE_PARTY_IDLE_TIMEOUT_S,
+    DATA_PARTY_RECV_TIMEOUT_S,
+    link_options,
+    parse_timeout,
+)
+
+log = logging.getLogger("aisyn.split")
 
 
 def _add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
@@ -52,6 +61,14 @@ def _add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
     )
 
 
+def _timeout(text: str) -> float | None:
+    """--recv-timeout / --idle-timeout: seconds, or 0 / none to wait forever."""
+    try:
+        return parse_timeout(text)
+    except ValueError as e:  # argparse prints only this kind's message
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _settings(args, address: str):
     from aisyn.split.transport import LinkSettings
 
@@ -72,7 +89,13 @@ def _settings(args, address: str):
 
 def cmd_plan(args) -> None:
     from aisyn.model.pangu import load_config
-    from aisyn.model.plan import PartySpec, Workload, evaluate, plan
+    from aisyn.model.plan import (
+        PartySpec,
+        Workload,
+        evaluate,
+        exposure_warning,
+        plan,
+    )
     from aisyn.model.segments import parse_partition
 
     cfg = load_config(args.model)
@@ -100,8 +123,11 @@ def cmd_plan(args) -> None:
             parties,
             workload,
             shape=args.shape,
-            min_front=args.min_front,
+            min_a_blocks=args.min_a_blocks,
         )
+    warning = exposure_warning(result.partition)
+    if warning:
+        log.warning("%s", warning)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -113,10 +139,19 @@ def cmd_plan(args) -> None:
 
 def cmd_train(args) -> None:
     from aisyn.cli import train_config_from_args
-    from aisyn.split.train import SplitOptions, split_train
+    from aisyn.split.train import SplitOptions, secret_seed, split_train
 
     if args.resume:
         validate.check_resumable(args.out)
+    if args.seed is None:
+        args.seed = secret_seed(args.out, args.resume)
+    elif args.seed < 2**32:
+        log.warning(
+            "--seed %d: a seed the compute party can guess lets it rebuild your "
+            "initial weights and invert what you send it; leave --seed out for a "
+            "secret random one (recorded in the run's config.json)",
+            args.seed,
+        )
     peer = _settings(args, args.peer) if args.peer else None
     opts = SplitOptions(
         cut=args.cut,
@@ -163,7 +198,9 @@ def cmd_serve(args) -> None:
         keep_checkpoints=args.keep_checkpoints,
         init_from=args.init_from,
     )
-    server = SplitServer(party, _settings(args, args.listen)).start(args.address_file)
+    options = link_options(recv_timeout_s=args.idle_timeout)
+    server = SplitServer(party, _settings(args, args.listen), options)
+    server.start(args.address_file)
     print(f"compute party listening on {server.address}", flush=True)
     try:
         server.serve_forever(args.max_sessions)
@@ -256,10 +293,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="U-shape (A keeps embedding and head) or plain two-way cut",
     )
     p.add_argument(
-        "--min-front",
+        "--min-a-blocks",
         type=validate.nonneg_int,
-        default=0,
-        help="blocks A must run after the embedding before anything is sent",
+        default=1,
+        help="blocks A keeps on each side of B (default 1; 0 lets the raw token "
+        "embeddings cross, which B can invert to the tokens)",
     )
     p.add_argument("--cut", default=None, help="report this cut instead of choosing")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -306,10 +344,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--connect-timeout", type=validate.positive_float, default=60.0)
     t.add_argument(
         "--recv-timeout",
-        type=validate.positive_float,
-        default=None,
-        help="fail if the peer sends nothing for this long (default: only a lost "
-        "connection fails)",
+        type=_timeout,
+        default=DATA_PARTY_RECV_TIMEOUT_S,
+        metavar="SECONDS",
+        help="fail if the compute party, still connected, sends nothing for this "
+        "long: covers its compute for a step and its checkpoint writes (default "
+        "%(default)g; 0 or none: wait forever; a lost connection fails in seconds "
+        "regardless)",
     )
     t.add_argument(
         "--init-from",
@@ -321,7 +362,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_link_args(t, server=False)
     add_train_args(t)
-    t.set_defaults(func=cmd_train)
+    # A split run's seed is secret unless given (see split.train.secret_seed).
+    t.set_defaults(func=cmd_train, seed=None)
 
     v = ssub.add_parser(
         "serve",
@@ -361,6 +403,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=validate.positive_int,
         default=None,
         help="exit after this many sessions (default: serve forever)",
+    )
+    v.add_argument(
+        "--idle-timeout",
+        type=_timeout,
+        default=COMPUTE_PARTY_IDLE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="end a session whose data party, still connected, sends nothing for "
+        "this long, e.g. between steps while it writes its checkpoints or "
+        "evaluates, so it cannot hold the server (default %(default)g; 0 or none: "
+        "wait forever)",
     )
     _add_link_args(v, server=True)
     v.set_defaults(func=cmd_serve)

@@ -21,7 +21,7 @@ import torch
 from aisyn.link.base import Link
 from aisyn.link.codec import CODECS
 from aisyn.link.errors import HandshakeError
-from aisyn.model.pangu import PanguConfig
+from aisyn.model.pangu import PanguConfig, build_model
 from aisyn.model.segments import (
     COMPUTE_PARTY,
     Partition,
@@ -32,6 +32,7 @@ from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import (
     PartyState,
+    SkippedStep,
     checkpoint_folder,
     checkpoint_steps,
     describe_base,
@@ -54,12 +55,15 @@ class Session:
         train: TrainConfig,
         start_step: int,
         codec: str = "none",
+        seeds: dict[str, int] | None = None,
     ) -> None:
         self.codec = codec
         self.purpose = purpose
         self.run_id = run_id
         self.train = train
         self.start_step = start_step
+        #: init seeds of B's parameters (a fresh run from random init)
+        self.seeds = seeds
 
 
 class ComputeParty:
@@ -88,6 +92,9 @@ class ComputeParty:
         self.root = Path(root) if root is not None else None
         self.device = resolve_device(device)
         self.keep = keep_checkpoints
+        self.own_parameters = partition.parameter_names(
+            build_model(cfg, device="meta"), COMPUTE_PARTY
+        )
         # Checked (and fingerprinted) now, so a bad base fails at startup; B's
         # tensors are read from it when a fresh session starts.
         self.base = (
@@ -135,9 +142,8 @@ class ComputeParty:
                 f"cut {h.get('partition')} differs from this compute party's "
                 f"{self.partition.to_dict()} ({self.partition.spec})"
             )
-        if not isinstance(h.get("train"), dict):
-            raise proto.ProtocolError("hello: no training settings")
-        train = TrainConfig.from_dict(h["train"])  # validates the values
+        train = proto.parse_compute_party_train(h.get("train"))
+        seeds = proto.parse_init_seeds(h.get("init_seeds"), self.own_parameters)
         codec = h.get("codec", "none")
         if codec not in CODECS:
             raise proto.ProtocolError(f"hello: unknown codec {codec!r}")
@@ -188,6 +194,11 @@ class ComputeParty:
                 f"party from {describe_base(mine_init)}; a fresh run needs both to "
                 "--init-from the same base model"
             )
+        if purpose == "train" and start == 0 and self.base is None and seeds is None:
+            raise proto.ProtocolError(
+                "hello: a fresh run from random init needs the init seeds of this "
+                "party's parameters"
+            )
         if start:
             # Fail the handshake, with the reason, rather than the first round.
             assert run is not None
@@ -198,25 +209,35 @@ class ComputeParty:
                     raise ckpt.CheckpointError(f"{folder / name}: missing")
             if state.get("run_id") != run_id:
                 raise ckpt.CheckpointError(f"{folder}: belongs to another run")
-        if run is not None and purpose == "train":
-            config = {
-                "kind": "split-compute",
-                "run_id": run_id,
-                "model": mine,
-                "partition": self.partition.to_dict(),
-                "train": train.to_dict(),
-            }
-            run.create(config, resume=bool(h.get("resume")))
+        # Nothing is written here: a refused, failed or fuzzed session leaves
+        # B's disk as it was. config.json comes with the first checkpoint.
         return proto.encode_json(proto.reply(start, b_steps)), Session(
-            purpose, run_id, train, start, codec
+            purpose, run_id, train, start, codec, seeds
         )
+
+    def run_config(self, session: Session) -> dict:
+        """B's record of a run (its config.json): B's own settings and what the
+        data party told it, nothing else."""
+        return {
+            "kind": "split-compute",
+            "run_id": session.run_id,
+            "model": self.cfg.to_dict(),
+            "partition": self.partition.to_dict(),
+            "train": proto.compute_party_train(session.train),
+            "device": str(self.device),
+        }
 
     # --- one session -------------------------------------------------------------
 
     def serve_session(self, link: Link, session: Session) -> None:
         """Run rounds until A closes the link (or it fails: raises LinkError)."""
         state = PartyState(
-            self.cfg, self.partition, COMPUTE_PARTY, session.train, self.device
+            self.cfg,
+            self.partition,
+            COMPUTE_PARTY,
+            session.train,
+            self.device,
+            seeds=session.seeds,
         )
         if session.start_step:
             run = self.run_dir(session.run_id)
@@ -294,6 +315,7 @@ class _Rounds:
         for kind, i in schedule.make(c.micro_batches, c.window).b:
             if kind == "F":
                 x, mask = self._recv_act(r, i, c)
+                self.state.checked(x, f"the activations (micro-batch {i})")
                 x.requires_grad_()
                 with autocast_for(self.state.device):  # as aisyn train
                     y = self.middle(x, mask)
@@ -303,20 +325,22 @@ class _Rounds:
                 g = self.link.recv(
                     "gout", step=r, micro=i, shape=shape, dtype=torch.float32
                 )
+                self.state.checked(g, f"the gradient of the output (micro-batch {i})")
                 x, y = inflight.pop(i)
                 torch.autograd.backward(y, g.to(self.state.device))
                 self.link.send(
                     "gact", x.grad, step=r, micro=i, codec=self.session.codec
                 )
-        mine = self.state.local_sq_norm()
+        mine = self.state.local_sq_norm()  # NaN: this party skips the step
         self.link.send_scalar("sqnorm", mine, step=r)
         theirs = self.link.recv_scalar("sqnorm", step=r)
-        if not torch.isfinite(torch.tensor(theirs)):
-            # A's loss was not finite: it skips the step and ends the session.
-            log.warning("step %d: data party reports a non-finite loss", c.step + 1)
-            self.state.zero_grad()
+        try:
+            self.state.apply_step(c.step, theirs, mine)
+        except SkippedStep as e:
+            # The data party takes the same decision from the same two numbers;
+            # B stays at this step, and the session goes on if A wants it to.
+            log.warning("run %s: %s", self.session.run_id, e)
             return
-        self.state.apply_step(c.step, theirs, mine)
         self.next_step = c.step + 1
 
     @torch.no_grad()
@@ -341,6 +365,8 @@ class _Rounds:
             return
         t0 = time.perf_counter()
         try:
+            if not (run.path / "config.json").is_file():
+                run.create(self.party.run_config(self.session), resume=False)
             folder = ckpt.save(
                 run.checkpoints,
                 c.step,
@@ -350,11 +376,11 @@ class _Rounds:
                     "run_id": self.session.run_id,
                     "model": self.party.cfg.to_dict(),
                     "partition": self.party.partition.to_dict(),
-                    "train": self.session.train.to_dict(),
+                    "train": proto.compute_party_train(self.session.train),
                 },
                 keep=self.party.keep,
             )
-        except OSError as e:
+        except (OSError, ckpt.CheckpointError) as e:
             log.error("checkpoint of step %d failed: %s", c.step, e)
             self.link.send_scalar("saved", -1.0, step=r)
             return

@@ -88,6 +88,7 @@ class DataSession:
                 y = self.link.recv(
                     "out", step=r, micro=i, shape=shape, dtype=torch.float32
                 )
+                self.state.checked(y, f"the backbone output (micro-batch {i})")
                 y = y.to(device).requires_grad_()
                 with autocast_for(device):
                     logits = self.back.logits(self.back(y, mask, pos))
@@ -99,21 +100,17 @@ class DataSession:
                 g = self.link.recv(
                     "gact", step=r, micro=i, shape=shape, dtype=torch.float32
                 )
+                self.state.checked(g, f"the gradient of the cut (micro-batch {i})")
                 torch.autograd.backward(fronts.pop(i), g.to(device))
         total = 0.0
         for i in range(len(micro)):  # the baseline's summation order
             total += losses[i]
-        finite = math.isfinite(total)
-        mine = self.state.local_sq_norm() if finite else math.nan
+        if not math.isfinite(total) and self.state.problem is None:
+            self.state.problem = f"non-finite loss ({total}) (lower --lr?)"
+        mine = self.state.local_sq_norm()  # NaN: this party skips the step
         self.link.send_scalar("sqnorm", mine, step=r)
         theirs = self.link.recv_scalar("sqnorm", step=r)
-        if not finite:
-            self.state.zero_grad()
-            raise FloatingPointError(
-                f"non-finite loss ({total}) at step {step + 1}; both parties skipped "
-                "the optimizer step and the last checkpoint is kept (lower --lr?)"
-            )
-        norm = self.state.apply_step(step, mine, theirs)
+        norm = self.state.apply_step(step, mine, theirs)  # or raises SkippedStep
         return {"loss": total, "lr": cfg.lr_at(step), "grad_norm": norm}
 
     @torch.no_grad()
@@ -143,6 +140,11 @@ class DataSession:
         y = self.link.recv(
             "out", step=r, shape=(B, T, self.hidden_size), dtype=torch.float32
         )
+        if not bool(torch.isfinite(y).all()):
+            raise FloatingPointError(
+                f"the compute party returned non-finite hidden states in evaluation "
+                f"round {r}"
+            )
         with autocast_for(device):
             return self.back(y.to(device), attn_mask, position_ids)
 

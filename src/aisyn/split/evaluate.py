@@ -65,7 +65,7 @@ def open_split_model(
         run_id=config["run_id"],
         model=mcfg.to_dict(),
         partition=partition.to_dict(),
-        train=train.to_dict(),
+        train=train,
         eval_step=step,
         codec=opts.codec,
     )

@@ -34,6 +34,12 @@ from aisyn.train.loop import TrainConfig, make_optimizer
 log = logging.getLogger(__name__)
 
 
+class SkippedStep(FloatingPointError):
+    """Both parties skipped an optimizer step: a loss, gradient or value
+    received from the peer was not finite, or the peer's squared gradient norm
+    was out of range. The message names the step and the culprit."""
+
+
 class PartyState:
     def __init__(
         self,
@@ -42,44 +48,103 @@ class PartyState:
         party: str,
         train: TrainConfig,
         device: torch.device,
+        *,
+        seeds: dict[str, int] | None = None,
     ) -> None:
+        """``seeds``: per-parameter init seeds of this party's parameters, for a
+        party that is not told the run's seed (the compute party); otherwise the
+        parameters are initialised from ``train.seed``."""
         self.cfg = cfg
         self.partition = partition
         self.party = party
+        self.peer = "compute party" if party == DATA_PARTY else "data party"
         self.train_cfg = train
         self.device = device
         self.model = build_party_model(
-            cfg, partition, party, seed=train.seed, device=device
+            cfg,
+            partition,
+            party,
+            seed=train.seed if seeds is None else None,
+            seeds=seeds,
+            device=device,
         )
         self.named = own_named_parameters(self.model, partition, party)
         self.params = [p for _, p in self.named]
         self.optimizer = make_optimizer(self.named, train)
         self.segments: tuple[Segment, ...] = segments_of(self.model, partition, party)
+        #: why this step cannot be applied, found while it ran (first reason)
+        self.problem: str | None = None
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
 
     # --- the optimizer step ---------------------------------------------------
 
+    def checked(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """A tensor received from the peer, noting (once) if it is not finite.
+
+        The round goes on, so both parties stay in step; the step is then
+        skipped on both sides (``local_sq_norm`` reports NaN to the peer).
+        """
+        if self.problem is None and not bool(torch.isfinite(t).all()):
+            self.problem = f"non-finite values in {what} from the {self.peer}"
+        return t
+
     def local_sq_norm(self) -> float:
-        """Sum over own parameters of the squared L2 norm of their gradients.
+        """Sum over own parameters of the squared L2 norm of their gradients,
+        or NaN when this step must be skipped (what the peer is sent).
 
         Per-tensor norms as ``clip_grad_norm_`` takes them, summed in float64 so
         the global norm does not depend on how parameters are split.
         """
+        if self.problem is not None:
+            return math.nan
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return 0.0
         norms = torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads])
-        return float(norms.double().pow(2).sum())
+        total = float(norms.double().pow(2).sum())
+        if not math.isfinite(total):
+            self.problem = "non-finite gradients on this party"
+        return total
 
     def apply_step(self, step: int, sq_norm_a: float, sq_norm_b: float) -> float:
         """Clip by the global norm and step; returns the global norm.
 
         Both parties call this with the same two numbers in the same order, so
-        they compute the same coefficient to the bit.
+        they compute the same coefficient to the bit -- and take the same
+        decision to skip: a squared norm that is NaN (a party found a problem),
+        infinite or negative, or a sum that overflows, skips the step on both
+        sides with ``SkippedStep``; nothing non-finite ever reaches a weight.
         """
-        total = math.sqrt(sq_norm_a + sq_norm_b)
+        mine, theirs = (
+            (sq_norm_a, sq_norm_b)
+            if self.party == DATA_PARTY
+            else (sq_norm_b, sq_norm_a)
+        )
+        total_sq = sq_norm_a + sq_norm_b
+        reason = None
+        if self.problem is not None:
+            reason = self.problem
+        elif not _valid_sq_norm(mine):
+            reason = f"this party's squared gradient norm is {mine}"
+        elif math.isnan(theirs):
+            reason = f"the {self.peer} found non-finite values and skips the step"
+        elif not _valid_sq_norm(theirs):
+            reason = (
+                f"the {self.peer} sent a squared gradient norm of {theirs!r} "
+                "(must be finite and >= 0)"
+            )
+        elif not math.isfinite(total_sq):
+            reason = f"the global squared gradient norm overflows ({total_sq})"
+        if reason is not None:
+            self.problem = None
+            self.zero_grad()
+            raise SkippedStep(
+                f"step {step + 1}: {reason}; both parties skipped the optimizer "
+                "step and the last checkpoint is kept"
+            )
+        total = math.sqrt(total_sq)
         lr = self.train_cfg.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -94,6 +159,7 @@ class PartyState:
         return total
 
     def zero_grad(self) -> None:
+        self.problem = None
         self.optimizer.zero_grad(set_to_none=True)
 
     # --- checkpoints ----------------------------------------------------------
@@ -186,6 +252,10 @@ def open_base(
         file, own_tensor_shapes(cfg, partition, DATA_PARTY), whose
     )
     return Base(file, base_fingerprint(data))
+
+
+def _valid_sq_norm(x: float) -> bool:
+    return math.isfinite(x) and x >= 0.0
 
 
 def describe_base(fingerprint: str | None) -> str:

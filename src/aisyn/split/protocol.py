@@ -3,10 +3,12 @@
 A session opens with a JSON *hello* from the data party A (carried in the
 link's HELLO session string over gRPC, or handed over directly in-process)
 and a JSON *reply* from the compute party B. The hello names the run, the
-model and cut A expects B to hold, the optimisation settings, and which
+model and cut A expects B to hold, the optimisation settings B needs for its
+own parameters (``COMPUTE_PARTY_TRAIN_FIELDS``: never the seed), the init
+seeds of B's own parameters for a fresh run from random init, which
 checkpoints A has, and the fingerprint of the base model A starts a fresh run
 from (``--init-from``; none: random init); the reply names the step both
-resume from.
+resume from. docs/split.md#security lists all that B learns.
 
 After that the session is a sequence of *rounds*, numbered 0, 1, 2, ... (the
 link's step id). Each round starts with a control tensor from A (tag
@@ -35,7 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-PROTOCOL = "aisyn-split/1"
+from aisyn.train.loop import TrainConfig
+
+# /2: the hello carries only the settings B needs and B's own init seeds
+PROTOCOL = "aisyn-split/2"
 
 TRAIN, EVAL, SAVE = 1, 2, 3
 OPS = {TRAIN: "TRAIN", EVAL: "EVAL", SAVE: "SAVE"}
@@ -122,7 +127,7 @@ def encode_json(obj: dict) -> str:
 def decode_json(text: str, what: str) -> dict:
     try:
         obj = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ProtocolError(f"{what}: not JSON ({e})") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what}: must be a JSON object")
@@ -133,26 +138,96 @@ def decode_json(text: str, what: str) -> dict:
     return obj
 
 
+#: The training settings the compute party needs to step its own parameters
+#: (AdamW's learning-rate schedule and weight decay, and the clip threshold of
+#: the global norm), and nothing else: not the seed (from which the data
+#: party's initial weights follow), the batch size, the data or the device.
+COMPUTE_PARTY_TRAIN_FIELDS = (
+    "steps",
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+)
+_MAX_SEED = 2**63
+
+
+def compute_party_train(train: TrainConfig) -> dict:
+    """What of ``train`` the hello carries (``COMPUTE_PARTY_TRAIN_FIELDS``)."""
+    d = train.to_dict()
+    return {k: d[k] for k in COMPUTE_PARTY_TRAIN_FIELDS}
+
+
+def parse_compute_party_train(d: object) -> TrainConfig:
+    """The compute party's ``TrainConfig`` from a hello's ``train`` object;
+    any other field is refused, so that nothing more is ever sent by mistake."""
+    if not isinstance(d, dict):
+        raise ProtocolError("hello: no training settings")
+    extra = sorted(set(d) - set(COMPUTE_PARTY_TRAIN_FIELDS))
+    missing = sorted(set(COMPUTE_PARTY_TRAIN_FIELDS) - set(d))
+    if extra or missing:
+        raise ProtocolError(
+            f"hello: training settings must be exactly "
+            f"{list(COMPUTE_PARTY_TRAIN_FIELDS)} (missing {missing}, unexpected "
+            f"{extra[:5]})"
+        )
+    for k, v in d.items():
+        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        if not ok and not (k == "min_lr" and v is None):
+            raise ProtocolError(f"hello: training setting {k} must be a number")
+    try:
+        return TrainConfig(**d)  # range checks
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"hello: bad training settings ({e})") from None
+
+
+def parse_init_seeds(seeds: object, names: list[str]) -> dict[str, int] | None:
+    """A hello's per-parameter init seeds: exactly ``names``, each an integer in
+    [0, 2**63); None if the hello carries none."""
+    if seeds is None:
+        return None
+    if not isinstance(seeds, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_SEED
+        for v in seeds.values()
+    ):
+        raise ProtocolError("hello: init_seeds must map names to integers < 2**63")
+    if set(seeds) != set(names):
+        missing = sorted(set(names) - set(seeds))
+        extra = sorted(set(seeds) - set(names))
+        raise ProtocolError(
+            f"hello: init_seeds are not this party's parameters (missing "
+            f"{missing[:3]}, unexpected {extra[:3]})"
+        )
+    return dict(seeds)
+
+
 def hello(
     *,
     purpose: str,
     run_id: str,
     model: dict,
     partition: dict,
-    train: dict,
+    train: TrainConfig,
+    init_seeds: dict[str, int] | None = None,
     resume: bool = False,
     a_steps: list[int] | None = None,
     eval_step: int | None = None,
     codec: str = "none",
     init: str | None = None,
 ) -> dict:
+    """The data party's hello: everything the compute party is told about
+    the run (docs/split.md#security lists it). ``init_seeds``: per-parameter
+    seeds of the compute party's own parameters, for a fresh run from random
+    init; the run's seed itself never leaves the data party."""
     return {
         "protocol": PROTOCOL,
         "purpose": purpose,
         "run_id": run_id,
         "model": model,
         "partition": partition,
-        "train": train,
+        "train": compute_party_train(train),
+        "init_seeds": init_seeds,
         "resume": resume,
         "a_steps": sorted(a_steps or []),
         "eval_step": eval_step,
@@ -163,3 +238,23 @@ def hello(
 
 def reply(start_step: int, b_steps: list[int]) -> dict:
     return {"protocol": PROTOCOL, "start_step": start_step, "b_steps": b_steps}
+
+
+def parse_reply(text: str) -> dict:
+    """The compute party's reply, checked before the data party acts on it."""
+    r = decode_json(text, "compute party's reply")
+    start, b_steps = r.get("start_step"), r.get("b_steps")
+    if not _is_step(start):
+        raise ProtocolError(
+            f"compute party's reply: start_step {repr(start)[:40]} is not a step "
+            "(an integer >= 0)"
+        )
+    if not isinstance(b_steps, list) or not all(map(_is_step, b_steps)):
+        raise ProtocolError(
+            "compute party's reply: b_steps must be a list of steps (integers >= 0)"
+        )
+    return r
+
+
+def _is_step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -2,32 +2,40 @@
 
 One session at a time (the link server turns a second caller away as busy).
 A session that fails -- bad frames, a refused hello, a vanished peer, even a
-bug -- is logged and ends; the server keeps listening, and since every session
-starts from B's checkpoint on disk, nothing of a failed session survives it.
+bug -- is logged and ends, the data party being told why; the server keeps
+listening, and since every session starts from B's checkpoint on disk, nothing
+of a failed session survives it. A data party that goes quiet for longer than
+the idle timeout loses its session, so it cannot hold the server forever.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import threading
-import time
 from pathlib import Path
 
 from aisyn.link.base import LinkOptions, PeerHello
-from aisyn.link.errors import FrameError, LinkError
-from aisyn.link.grpc_link import GrpcLinkServer
+from aisyn.link.errors import LinkError
+from aisyn.link.grpc_link import Accept, GrpcLinkServer
 from aisyn.split.compute_party import ComputeParty, Session
-from aisyn.split.transport import LinkSettings
+from aisyn.split.session import failure_reason
+from aisyn.split.transport import (
+    COMPUTE_PARTY_IDLE_TIMEOUT_S,
+    LinkSettings,
+    link_options,
+)
 
 log = logging.getLogger(__name__)
-
-_ABORT_GRACE_S = 1.0
 
 
 class SplitServer:
     """Wraps ``GrpcLinkServer``: the hello is checked during the link's
     handshake (a refusal reaches the data party as HandshakeError with B's
-    reason), then the session's rounds run on the caller's thread."""
+    reason), then the session's rounds run on the caller's thread.
+
+    ``options.recv_timeout_s`` is the idle timeout (default
+    ``COMPUTE_PARTY_IDLE_TIMEOUT_S``; None: wait forever).
+    """
 
     def __init__(
         self,
@@ -36,8 +44,10 @@ class SplitServer:
         options: LinkOptions | None = None,
     ) -> None:
         self.party = party
-        self._lock = threading.Lock()
-        self._agreed: dict[str, Session] = {}
+        if options is None:
+            options = link_options(recv_timeout_s=COMPUTE_PARTY_IDLE_TIMEOUT_S)
+        # The rounds read every frame: see link_options().
+        options = dataclasses.replace(options, drop_unread=False)
         self.server = GrpcLinkServer(
             settings.address,
             token=settings.token(),
@@ -46,7 +56,7 @@ class SplitServer:
             allow_insecure_remote=settings.allow_insecure_remote,
             role="B",
             session=self._on_hello,
-            options=options or LinkOptions(),
+            options=options,
         )
         #: sessions run so far, and how many of them failed (for logs and tests)
         self.sessions_served = 0
@@ -56,11 +66,11 @@ class SplitServer:
     def address(self) -> str:
         return self.server.address
 
-    def _on_hello(self, peer: PeerHello) -> str:
+    def _on_hello(self, peer: PeerHello) -> Accept:
         reply, session = self.party.negotiate(peer.session)
-        with self._lock:
-            self._agreed[peer.session] = session
-        return reply
+        # The session travels with its own connection's link: two clients may
+        # well send the same hello text.
+        return Accept(reply, session)
 
     def start(self, address_file: str | Path | None = None) -> SplitServer:
         self.server.start()
@@ -81,25 +91,19 @@ class SplitServer:
     def serve_one(self, timeout: float | None = None) -> bool:
         """Accept and run one session; True if it ended cleanly."""
         link = self.server.accept(timeout)
-        with self._lock:
-            session = self._agreed.pop(link.peer.session, None)
-        if session is None:  # cannot happen: the hello callback ran first
-            link.close()
-            return False
+        session: Session = link.agreed
         log.info("session for run %s (%s)", session.run_id, session.purpose)
         ok = False
         try:
             self.party.serve_session(link, session)
             ok = True
-        except FrameError as e:
-            log.warning("session for run %s failed: %s", session.run_id, e)
-            # The link is already ending the call with the reason; closing it at
-            # once can cancel the call before that status reaches the peer.
-            time.sleep(_ABORT_GRACE_S)
-        except (LinkError, ValueError) as e:  # incl. ProtocolError, CheckpointError
-            log.warning("session for run %s failed: %s", session.run_id, e)
-        except Exception:  # a broken session must never take the server down
-            log.exception("session for run %s failed", session.run_id)
+        except Exception as e:  # a broken session must never take the server down
+            if isinstance(e, LinkError | ValueError):  # incl. ProtocolError
+                log.warning("session for run %s failed: %s", session.run_id, e)
+            else:
+                log.exception("session for run %s failed", session.run_id)
+            # Tell the data party why (a no-op if the link already told it).
+            link.abort(failure_reason(e))
         finally:
             link.close()
         self.sessions_served += 1

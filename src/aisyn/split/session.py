@@ -22,16 +22,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aisyn.link.base import Link
-from aisyn.link.errors import LinkError
+from aisyn.link.errors import LinkError, LinkTimeoutError
 from aisyn.link.memory import memory_pair
 from aisyn.model.pangu import PanguConfig
 from aisyn.model.segments import Partition
 from aisyn.split import protocol as proto
 from aisyn.split.compute_party import ComputeParty
-from aisyn.split.transport import LinkSettings, link_options
+from aisyn.split.transport import (
+    DATA_PARTY_RECV_TIMEOUT_S,
+    LinkSettings,
+    link_options,
+)
 from aisyn.train.run import write_json_atomic
 
 log = logging.getLogger(__name__)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The one line the compute party sends the data party when a session
+    fails: its reason for a protocol, link or input error, nothing of its
+    internals for anything else (a bug: the traceback stays in B's log)."""
+    if isinstance(exc, LinkTimeoutError):
+        return f"the compute party stopped waiting: {exc}"
+    if isinstance(exc, LinkError | ValueError):  # incl. ProtocolError
+        return str(exc) or type(exc).__name__
+    return "internal error in the compute party (see its log)"
 
 
 @dataclass
@@ -52,7 +67,7 @@ def open_local(
     *,
     codec: str,
     device: str,
-    recv_timeout_s: float | None = None,
+    recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S,
     init_from: str | Path | None = None,
 ) -> Iterator[Opened]:
     """Both parties in this process; B's rounds on a thread."""
@@ -60,6 +75,7 @@ def open_local(
         cfg, partition, compute_root, device=device, init_from=init_from
     )
     reply_text, session = party.negotiate(proto.encode_json(hello))
+    reply = proto.parse_reply(reply_text)
     link_a, link_b = memory_pair(codec, options=link_options(codec, recv_timeout_s))
     errors: list[BaseException] = []
 
@@ -69,12 +85,13 @@ def open_local(
         except BaseException as e:  # reported to A through the link and here
             errors.append(e)
             log.debug("compute party thread failed", exc_info=True)
+            link_b.abort(failure_reason(e))
         finally:
             link_b.close()
 
     thread = threading.Thread(target=run_b, name="compute-party", daemon=True)
     thread.start()
-    opened = Opened(link_a, proto.decode_json(reply_text, "reply"), thread, errors)
+    opened = Opened(link_a, reply, thread, errors)
     try:
         yield opened
     except LinkError as e:
@@ -96,7 +113,7 @@ def open_grpc(
     *,
     codec: str,
     connect_timeout_s: float = 60.0,
-    recv_timeout_s: float | None = None,
+    recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S,
 ) -> Iterator[Opened]:
     from aisyn.link.grpc_link import connect
 
@@ -112,7 +129,11 @@ def open_grpc(
         timeout=connect_timeout_s,
     )
     try:
-        reply = proto.decode_json(link.peer.session, "compute party's reply")
+        try:
+            reply = proto.parse_reply(link.peer.session)
+        except proto.ProtocolError as e:
+            link.abort(f"the data party refused the reply: {e}")
+            raise
         yield Opened(link, reply)
     finally:
         link.close()

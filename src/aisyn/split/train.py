@@ -25,10 +25,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from aisyn.data.shards import open_many
 from aisyn.model.pangu import PanguConfig, load_config
+from aisyn.model.plan import exposure_warning
 from aisyn.model.segments import (
     COMPUTE_PARTY,
     DATA_PARTY,
     PartitionError,
+    init_seeds,
     parse_partition,
 )
 from aisyn.split import protocol as proto
@@ -41,7 +43,7 @@ from aisyn.split.party import (
     open_base,
 )
 from aisyn.split.session import open_grpc, open_local, spawn_compute_party
-from aisyn.split.transport import LinkSettings
+from aisyn.split.transport import DATA_PARTY_RECV_TIMEOUT_S, LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import TrainConfig, evaluate_loss, resolve_device
 from aisyn.train.memory import check_fits, compute_dtype, party_bytes
@@ -65,7 +67,7 @@ class SplitOptions:
     spawn_backbone: bool = False
     spawn_insecure: bool = False
     connect_timeout_s: float = 60.0
-    recv_timeout_s: float | None = None
+    recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S  # None: forever
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -145,6 +147,22 @@ def open_session(
             server.stop()
 
 
+def secret_seed(out: str | Path, resume: bool) -> int:
+    """The seed of a split run whose user gave none: the run's own when
+    resuming it, else a fresh random 63-bit one (recorded in A's config.json).
+
+    A's initial weights follow from the seed; a guessable one (the usual
+    1234) would let the compute party rebuild them and invert the
+    activations it receives, so a split run's seed is a secret by default.
+    """
+    config = Path(out) / "config.json"
+    if resume and config.is_file():
+        seed = RunDir(out).read_config().get("train", {}).get("seed")
+        if isinstance(seed, int):
+            return seed
+    return secrets.randbits(63)
+
+
 def split_train(
     model_config: PanguConfig | str | Path,
     data_dirs: Sequence[str | Path],
@@ -176,6 +194,8 @@ def split_train(
             f"--cut {opts.cut}: split training needs a U-shape cut (u:FRONT,BACK) "
             "so that labels and the loss stay with the data party"
         )
+    if (warning := exposure_warning(partition)) is not None:
+        log.warning("%s (docs/split.md#security)", warning)
     if opts.peer is not None:
         opts.peer.validate()
     device = resolve_device(cfg.device)
@@ -235,7 +255,13 @@ def split_train(
         run_id=run_id,
         model=mcfg.to_dict(),
         partition=partition.to_dict(),
-        train=cfg.to_dict(),
+        train=cfg,
+        # B's own parameters' seeds, keyed by the run's seed: B learns nothing
+        # from them about A's parameters, which it could otherwise rebuild
+        # and invert the activations with.
+        init_seeds=(
+            None if base else init_seeds(mcfg, partition, COMPUTE_PARTY, cfg.seed)
+        ),
         resume=resume,
         a_steps=a_steps,
         codec=opts.codec,

@@ -1,4 +1,5 @@
-"""How a split party reaches its peer: addresses, mTLS files and the token.
+"""How a split party reaches its peer: addresses, mTLS files, the token, and
+how long each side waits for the other.
 
 Secrets never go on a command line (``ps`` shows it) or into a run folder:
 the token comes from a file (``--token-file``) or the ``AISYN_SPLIT_TOKEN``
@@ -16,6 +17,18 @@ from aisyn.link.base import LinkOptions
 from aisyn.link.certs import TlsConfig
 
 TOKEN_ENV = "AISYN_SPLIT_TOKEN"
+
+# A dead peer or network is noticed by keepalive within seconds; these bound
+# the wait for a live peer that stopped talking (a bug, a deadlock, a client
+# that holds the server). Generous, because a false alarm ends a training run.
+
+#: The data party's longest wait for one message of the compute party: B's
+#: compute of one micro-batch (or of a step's gradient norm), or B writing its
+#: half of a checkpoint, which for a large model is the longest.
+DATA_PARTY_RECV_TIMEOUT_S = 1800.0
+#: The compute party's longest wait for the data party, mostly between rounds
+#: while A writes its own checkpoint, evaluates or plots.
+COMPUTE_PARTY_IDLE_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,25 @@ def _loopback(host: str) -> bool:
 
 
 def link_options(
-    codec: str = "none", recv_timeout_s: float | None = None
+    codec: str = "none", recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S
 ) -> LinkOptions:
-    return LinkOptions(codec=codec, recv_timeout_s=recv_timeout_s)
+    """Link options of a split session; ``recv_timeout_s`` None waits forever."""
+    # drop_unread=False: both parties read every frame the other sends, so a
+    # frame of a step already left means they disagree on the protocol's state;
+    # end the session at once rather than wait for a frame that never comes.
+    return LinkOptions(codec=codec, recv_timeout_s=recv_timeout_s, drop_unread=False)
+
+
+def parse_timeout(text: str) -> float | None:
+    """A timeout flag's value: seconds > 0, or 0 / "none" to wait forever."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"timeout {text!r}: give seconds, or 0 / none") from None
+    if seconds == 0:
+        return None
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"timeout {text!r}: give seconds > 0, or 0 / none")
+    return seconds

@@ -128,7 +128,18 @@ def save(
     state: dict,
     keep: int = 2,
 ) -> Path:
-    """Write ``files`` (name -> tensors) and ``state`` as step ``step``; atomic."""
+    """Write ``files`` (name -> tensors) and ``state`` as step ``step``; atomic.
+
+    Refuses (before writing anything) a tensor holding NaN or inf: a poisoned
+    checkpoint would replace a good one and make every resume start from it.
+    """
+    for file, tensors in files.items():
+        bad = first_nonfinite(tensors)
+        if bad is not None:
+            raise CheckpointError(
+                f"not writing the checkpoint of step {step}: {bad} in {file} holds "
+                "non-finite values; the earlier checkpoints are kept"
+            )
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".step_{step:08d}.tmp"
@@ -151,6 +162,14 @@ def save(
         for old in sorted(root.glob("step_*"))[:-keep]:
             shutil.rmtree(old)
     return final
+
+
+def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """Name of the first floating-point tensor holding NaN or inf, if any."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
