@@ -350,3 +350,48 @@ def test_a_sum_of_squared_norms_that_overflows_skips_the_step(split_config):
     assert all(p.grad is None for p in state.params)
     for n, p in state.named:
         assert torch.equal(p, before[n]), n
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_accepted_resume_hello_changes_nothing_on_bs_disk(
+    tmp_path, news_data, split_config
+):
+    """Before: an accepted resume hello rewrote B's config.json with A's
+    settings (e.g. "device": "cuda:9"), even if the session then failed."""
+    out = tmp_path / "run"
+    split_train(
+        split_config,
+        [news_data],
+        out,
+        train_cfg(steps=2),
+        SplitOptions(cut=CUT),
+        progress=False,
+    )
+    config = json.loads((out / "config.json").read_text())
+    b_root = out / "compute"
+    before = _snapshot(b_root)
+    b_config = json.loads((b_root / config["run_id"] / "config.json").read_text())
+    assert set(b_config["train"]) == set(proto.COMPUTE_PARTY_TRAIN_FIELDS)
+    part = parse_partition(CUT, split_config)
+    party = ComputeParty(split_config, part, b_root)
+    hello = proto.hello(
+        purpose="train",
+        run_id=config["run_id"],
+        model=split_config.to_dict(),
+        partition=part.to_dict(),
+        train=train_cfg(steps=2, lr=0.5, device="cuda:9"),
+        resume=True,
+        a_steps=[2],
+    )
+    # Execute
+    reply, session = party.negotiate(proto.encode_json(hello))
+    # Assert
+    assert json.loads(reply)["start_step"] == 2 and session.train.lr == 0.5
+    assert _snapshot(b_root) == before
