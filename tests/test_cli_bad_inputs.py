@@ -468,3 +468,18 @@ def test_real_bugs_keep_their_traceback(monkeypatch):
 
     with pytest.raises(KeyError, match="a bug"):
         main(["demo"])
+
+
+def test_a_failed_federated_run_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """Before: FederatedRunError was a plain RuntimeError, printed as a bug."""
+    import aisyn.cli
+    from aisyn.fl.launch import FederatedRunError
+
+    def failed(args):
+        raise FederatedRunError("federated run failed (superlink); see run/x.log")
+
+    monkeypatch.setattr(aisyn.cli, "cmd_demo", failed)
+    code = main(["demo"])
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith("see run/x.log")
