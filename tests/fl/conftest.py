@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from flower_fakes import task_identity  # noqa: F401  (a fixture for every test here)
 
 
 @pytest.fixture(autouse=True)

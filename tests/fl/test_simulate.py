@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from aisyn.data.sft import SFTData
 from aisyn.fl.launch import simulate
 from aisyn.fl.settings import FLSettings
 from aisyn.train.run import read_metrics
@@ -58,6 +59,9 @@ def test_two_clients_two_rounds_loopback_run_completes_and_loss_drops(
             == 2 * result["payload_bytes_per_client"]
         )
     _check_run(result, tmp_path / "run", ["news", "reviews"])
+    # the server knew both clients' data: num-examples counts at most the larger
+    sizes = [len(SFTData.open(d, "train")) for d in sft_dirs.values()]
+    assert result["settings"]["max_examples"] == max(sizes)
 
 
 @pytest.mark.slow
@@ -142,6 +146,9 @@ def test_run_over_tls(base_run, sft_dirs, tmp_path):
     assert [h["accepted"] for h in result["history"]] == [2, 2]
     log = (tmp_path / "run" / "runtime" / "superlink" / "superlink.log").read_text()
     assert "https" in log.lower() or "ssl" in log.lower() or "tls" in log.lower()
+    # each client joined with its own registered key (SuperNode authentication)
+    assert log.count("[ControlServicer.RegisterNode] Created") == 2
+    assert log.count("[Fleet.ActivateNode] Activated") == 2
 
 
 def _pids_with(text: str) -> list[int]:

@@ -4,56 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flower_fakes import configured, metrics, reply_to
+from flwr.app import Array, ArrayRecord, Message, RecordDict
 
-from aisyn.fl.records import REPLY_METRICS, tensors_to_record
+from aisyn.fl.records import tensors_to_record
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import make_strategy
 
-
-@pytest.fixture(autouse=True)
-def task_identity():
-    """Flower stamps messages with the identity of the running task; fake one."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
-
-
-class FakeGrid:
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def get_node_ids(self):
-        return self.nodes
-
-
-def metrics(n: int, **kw) -> MetricRecord:
-    m = {k: 1.0 for k in REPLY_METRICS}
-    m["num-examples"] = n
-    m.update(kw)
-    return MetricRecord(m)
-
-
-def reply_to(msg: Message, arrays: dict, n: int, **kw) -> Message:
-    rec = ArrayRecord(
-        {k: Array(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()}
-    )
-    return Message(
-        RecordDict({"arrays": rec, "metrics": metrics(n, **kw)}), reply_to=msg
-    )
-
-
-def configured(strategy, global_arrays: dict, nodes=(1, 2)):
-    arrays = ArrayRecord(
-        {k: Array(np.asarray(v, dtype=np.float32)) for k, v in global_arrays.items()}
-    )
-    msgs = list(
-        strategy.configure_train(1, arrays, ConfigRecord(), FakeGrid(list(nodes)))
-    )
-    return {m.metadata.dst_node_id: m for m in msgs}
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def test_fedavg_of_two_clients_is_the_hand_computed_weighted_mean():

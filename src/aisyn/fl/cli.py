@@ -9,6 +9,7 @@ from pathlib import Path
 
 from aisyn import validate
 from aisyn.fl.settings import (
+    AGGREGATIONS,
     NUMBER_RANGES,
     SCHEDULES,
     STRATEGIES,
@@ -32,7 +33,14 @@ _HELP = {
     "server_momentum": "FedAvgM server momentum",
     "eta": "FedAdam server learning rate",
     "tau": "FedAdam adaptivity (epsilon)",
+    "aggregation": "how accepted updates combine: FedAvg's mean or a robust one",
+    "trim_fraction": "trimmed-mean: share of values cut from each tail",
+    "assumed_attackers": "krum / multikrum / bulyan: attackers f to tolerate",
     "min_clients": "clients needed to start / aggregate a round",
+    "max_examples": "a reply's num-examples counts at most this "
+    "(0: rounds x local-steps x batch-size)",
+    "max_norm_ratio": "reject updates whose norm exceeds this x the round's "
+    "median (0: off)",
     "round_timeout": "seconds to wait for replies per round (dropouts)",
     "eval_items": "client validation items per evaluation (0: all)",
 }
@@ -57,6 +65,8 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
             kw["choices"] = SCHEDULES
         elif f.name == "method":
             kw["choices"] = ("full", "lora")
+        elif f.name == "aggregation":
+            kw["choices"] = AGGREGATIONS
         elif isinstance(f.default, int | float) and not isinstance(f.default, bool):
             # the ranges FLSettings checks TOML values against, so that a bad
             # flag fails while parsing, with the flag named
@@ -102,10 +112,11 @@ def _print_result(result: dict) -> None:
 def cmd_simulate(args) -> None:
     from aisyn.fl.launch import simulate
 
-    settings = settings_from_args(args)
     clients = parse_clients(args.client)
     if args.min_clients is None and "min_clients" not in _config_keys(args.config):
-        settings.min_clients = len(clients)
+        # before the settings are validated: robust aggregations check it
+        args.min_clients = len(clients)
+    settings = settings_from_args(args)
     result = simulate(args.base, clients, args.out, settings, echo=args.echo)
     _print_result(result)
     for name, path in result["clients"].items():
@@ -136,6 +147,7 @@ def cmd_server(args) -> None:
         port=args.port,
         tls=tls,
         allow_insecure=args.insecure_remote,
+        client_keys=args.client_key or (),
     )
     _print_result(result)
 
@@ -153,9 +165,17 @@ def cmd_client(args) -> None:
         if args.root_certificates
         else None,
         allow_insecure=args.insecure_remote,
+        auth_key=args.auth_key,
     )
     if rc:
         raise OSError(f"flower-supernode exited with status {rc}")
+
+
+def cmd_keygen(args) -> None:
+    from aisyn.fl.node_keys import make_node_keys
+
+    keys = make_node_keys(args.out, args.name)
+    print(json.dumps({"private": str(keys.private), "public": str(keys.public)}))
 
 
 def cmd_partition(args) -> None:
@@ -227,6 +247,11 @@ def register(sub) -> None:
         action="store_true",
         help="allow plaintext on a non-loopback address (not recommended)",
     )
+    sv.add_argument(
+        "--client-key",
+        action="append",
+        help="a client's public key (repeat; with TLS only these clients can join)",
+    )
     add_settings_args(sv)
     sv.set_defaults(func=cmd_server)
 
@@ -254,7 +279,22 @@ def register(sub) -> None:
         action="store_true",
         help="allow plaintext to a non-loopback server (not recommended)",
     )
+    c.add_argument(
+        "--auth-key",
+        default=None,
+        help="this client's private key (with TLS; the server registers its .pub)",
+    )
     c.set_defaults(func=cmd_client)
+
+    k = fsub.add_parser(
+        "keygen",
+        help="a client's key pair for SuperNode authentication",
+        description="Write NAME.key (private: stays with the client, --auth-key) "
+        "and NAME.pub (for the server: --client-key) into --out.",
+    )
+    k.add_argument("--name", required=True, help="key file name (the client's)")
+    k.add_argument("--out", required=True, help="folder for the two files")
+    k.set_defaults(func=cmd_keygen)
 
     pt = fsub.add_parser(
         "partition",

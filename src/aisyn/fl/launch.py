@@ -8,6 +8,7 @@ Run folder of ``simulate`` (``server`` / ``client`` write their own part)::
     OUT/clients/<name>/      each client's local model after each round, its
                              metrics.jsonl (per step and per round) and loss.png
     OUT/runtime/             Flower's logs, generated App, FLWR_HOME folders
+                             (and with TLS node-keys/: the clients' key pairs)
 """
 
 from __future__ import annotations
@@ -17,11 +18,19 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from aisyn.data.sft import SFTData
+from aisyn.errors import RunFailedError
 from aisyn.fl import runtime
+from aisyn.fl.node_keys import (
+    NodeKeys,
+    check_private_key,
+    check_public_key,
+    make_node_keys,
+)
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.task import RESULT_FILE, ServerNode, server_run_config
 from aisyn.train.finetune import check_data_matches, describe_base
@@ -29,7 +38,7 @@ from aisyn.train.finetune import check_data_matches, describe_base
 log = logging.getLogger("aisyn.fl")
 
 
-class FederatedRunError(RuntimeError):
+class FederatedRunError(RunFailedError):
     """The federated run ended without a result (see the logs it names)."""
 
 
@@ -41,6 +50,21 @@ def check_client(name: str, data: Path, base: Path) -> None:
         check_data_matches(info, [sft])
     except ValueError as e:
         raise ValueError(f"client {name}: {e}") from None
+
+
+def _key_name(client: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", client).lstrip(".") or "client"
+
+
+def largest_client(clients: Mapping[str, str | Path]) -> int:
+    """The most training items any of ``clients`` holds (0: none readable)."""
+    sizes = []
+    for data in clients.values():
+        try:
+            sizes.append(len(SFTData.open(Path(data), "train", verify=False)))
+        except (ValueError, OSError):
+            continue  # a client without data fails its rounds (validate=False)
+    return max(sizes, default=0)
 
 
 def _check_fresh(path: Path) -> None:
@@ -106,8 +130,10 @@ def simulate(
     """All parties on this machine (loopback), each in its own processes.
 
     With ``tls`` the SuperLink serves HTTPS and clients verify it with the CA
-    (as across machines). ``validate=False`` skips the up-front check of the
-    clients' data (tests use it to put a failing party into a run).
+    (as across machines), and each client gets a fresh key pair that is
+    registered with the SuperLink (SuperNode authentication). ``validate=False``
+    skips the up-front check of the clients' data (tests use it to put a failing
+    party into a run).
     """
     base, out = Path(base).resolve(), Path(out).resolve()
     if len(clients) < settings.min_clients:
@@ -117,6 +143,11 @@ def simulate(
     if validate:
         for name, data in clients.items():
             check_client(name, Path(data), base)
+    if settings.max_examples == 0:
+        # Here the server knows every client's data: a reply's num-examples counts
+        # at most the largest client's items, so honest weights stay exact and a
+        # client lying about its size gains at most the largest honest weight.
+        settings = replace(settings, max_examples=largest_client(clients))
     _check_fresh(out / "server")
     threads = max(1, (os.cpu_count() or 1) // len(clients))
     t0 = time.perf_counter()
@@ -125,11 +156,23 @@ def simulate(
         port = runtime.free_port()
         address = f"127.0.0.1:{port}"
         superlink = runtime.start_superlink(
-            "127.0.0.1", port, out / "runtime" / "superlink", tls
+            "127.0.0.1", port, out / "runtime" / "superlink", tls, node_auth=bool(tls)
         )
         procs.append(superlink)
         ca = tls.ca_certfile if tls else None
         runtime.wait_ready(superlink, address, ca)
+        keys: dict[str, NodeKeys] = {}
+        if tls is not None:
+            keys = {
+                name: make_node_keys(out / "runtime" / "node-keys", _key_name(name))
+                for name in clients
+            }
+            runtime.register_supernodes(
+                address,
+                [k.public for k in keys.values()],
+                out / "runtime" / "register",
+                tls.ca_certfile,
+            )
         for name, data in clients.items():
             procs.append(
                 runtime.start_supernode(
@@ -143,6 +186,7 @@ def simulate(
                     out / "runtime" / f"client-{name}",
                     root_certificates=ca,
                     threads=threads,
+                    auth_key=keys[name].private if keys else None,
                 )
             )
         result = run_server_side(base, out, settings, superlink, address, ca, echo)
@@ -164,19 +208,38 @@ def serve(
     tls: runtime.ServerTls | None = None,
     allow_insecure: bool = False,
     echo: bool = True,
+    client_keys: Sequence[str | Path] = (),
 ) -> dict:
-    """The server side: a SuperLink, then the run once ``min-clients`` joined."""
+    """The server side: a SuperLink, then the run once ``min-clients`` joined.
+
+    With ``tls`` only clients whose public key is in ``client_keys`` can join
+    (SuperNode authentication)."""
     base, out = Path(base).resolve(), Path(out).resolve()
+    if tls is not None and not client_keys:
+        raise ValueError(
+            "with TLS the server admits only registered clients: give each "
+            "client's public key (--client-key NAME.pub; `aisyn fl keygen` makes them)"
+        )
+    if tls is None and client_keys:
+        raise ValueError(
+            "client keys need TLS (SuperNode authentication runs over TLS)"
+        )
+    keys = [check_public_key(k) for k in client_keys]
     describe_base(base)
     _check_fresh(out / "server")
     superlink = runtime.start_superlink(
-        host, port, out / "runtime" / "superlink", tls, allow_insecure
+        host, port, out / "runtime" / "superlink", tls, allow_insecure, bool(tls)
     )
     try:
         local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         address = f"{local}:{port}" if ":" not in local else f"[{local}]:{port}"
         ca = tls.ca_certfile if tls else None
         runtime.wait_ready(superlink, address, ca)
+        if tls is not None:
+            ids = runtime.register_supernodes(
+                address, keys, out / "runtime" / "register", tls.ca_certfile
+            )
+            log.info("registered %d client key(s): node IDs %s", len(ids), ids)
         log.info(
             "SuperLink listening on %s:%d; waiting for %d client(s)",
             host,
@@ -197,9 +260,21 @@ def join(
     *,
     root_certificates: Path | None = None,
     allow_insecure: bool = False,
+    auth_key: str | Path | None = None,
 ) -> int:
-    """One organisation's client: a SuperNode serving ClientApp runs until stopped."""
+    """One organisation's client: a SuperNode serving ClientApp runs until stopped.
+
+    With TLS it authenticates with ``auth_key`` (its private key; the server
+    registered the public one)."""
     data, base, out = Path(data).resolve(), Path(base).resolve(), Path(out).resolve()
+    if root_certificates is not None and auth_key is None:
+        raise ValueError(
+            "with TLS the server admits only registered clients: give --auth-key "
+            "(this client's private key from `aisyn fl keygen`; the server "
+            "registers its .pub)"
+        )
+    if auth_key is not None:
+        check_private_key(auth_key)
     check_client(name, data, base)
     node = runtime.start_supernode(
         superlink,
@@ -207,6 +282,7 @@ def join(
         out.parent / f".{out.name}-runtime",
         root_certificates,
         allow_insecure,
+        auth_key=Path(auth_key) if auth_key is not None else None,
     )
     log.info(
         "client %s connected to %s (logs: %s); Ctrl-C to stop",

@@ -9,7 +9,10 @@ anyway).
 
 An update is accepted only if it carries exactly the expected tensor names,
 each with the expected shape and dtype (both the declared metadata and the
-decoded array), all values finite, and a positive finite sample count.
+decoded array), all values finite, and a sample count that is a whole number
+>= 1. The server cannot check that count, so it weighs it at most a bound
+(``counted_examples``); the magnitude of the update itself is checked against
+the round's other updates by ``aisyn.fl.strategy.UpdateGuard``.
 """
 
 from __future__ import annotations
@@ -96,8 +99,29 @@ def record_to_tensors(
     return {k: torch.from_numpy(v) for k, v in decode_checked(record, expected).items()}
 
 
-def check_reply(message: Message, expected: dict[str, tuple[int, ...]]) -> None:
-    """Raise ``UpdateRejected`` unless ``message`` is a well-formed, sane update."""
+def counted_examples(value: float, bound: int) -> int:
+    """The weight the server gives a reported ``num-examples``: a whole number
+    >= 1 (else ``UpdateRejected``), counted as at most ``bound``.
+
+    Over the bound is clamped, not rejected: an honest client may hold more items
+    than the bound (it just cannot have trained on more), and a liar gains
+    nothing by claiming more than the bound.
+    """
+    if isinstance(value, list) or not math.isfinite(float(value)):
+        raise UpdateRejected(f"{WEIGHT_KEY} is not a finite number")
+    if isinstance(value, float) and not value.is_integer():
+        raise UpdateRejected(f"{WEIGHT_KEY} must be a whole number, got {value}")
+    if value < 1:
+        raise UpdateRejected(f"{WEIGHT_KEY} must be positive, got {value}")
+    return min(int(value), bound)
+
+
+def check_reply(
+    message: Message, expected: dict[str, tuple[int, ...]]
+) -> dict[str, np.ndarray]:
+    """The decoded arrays of ``message``; ``UpdateRejected`` unless it is a
+    well-formed, sane update (its sample count is checked by ``counted_examples``).
+    """
     if message.has_error():
         raise UpdateRejected(f"client failed: {message.error.reason}")
     content = message.content
@@ -114,6 +138,4 @@ def check_reply(message: Message, expected: dict[str, tuple[int, ...]]) -> None:
         value = metrics[key]
         if isinstance(value, list) or not math.isfinite(float(value)):
             raise UpdateRejected(f"metric {key!r} is not a finite number")
-    if float(metrics[WEIGHT_KEY]) <= 0:
-        raise UpdateRejected(f"{WEIGHT_KEY} must be positive")
-    decode_checked(content.array_records["arrays"], expected)
+    return decode_checked(content.array_records["arrays"], expected)

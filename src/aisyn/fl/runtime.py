@@ -17,6 +17,12 @@ nothing is fetched from a package index. Each process gets ``FLWR_HOME`` under
 the run folder (Flower's config and installed Apps stay out of ``~``),
 telemetry and update checks are off. Plaintext is refused off loopback: give
 TLS files there.
+
+With TLS, clients are authenticated too (Flower's SuperNode authentication): the
+SuperLink runs with ``--enable-supernode-auth``, each client's public key is
+registered through its Control API (``flwr supernode register``) before the
+run, and each SuperNode signs its requests with its private key
+(``aisyn.fl.node_keys``). A SuperNode whose key was not registered is refused.
 """
 
 from __future__ import annotations
@@ -33,8 +39,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from aisyn.fl.node_keys import check_private_key, check_public_key
+from aisyn.procs import child_env
 
 log = logging.getLogger("aisyn.fl.runtime")
 
@@ -95,17 +105,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def flower_env(flwr_home: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "FLWR_HOME": str(flwr_home),
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
+    """The environment of a Flower process: its own ``FLWR_HOME``, telemetry off,
+    and this interpreter's folder first on ``PATH`` (Flower starts its helper
+    processes by name; see ``aisyn.procs``)."""
     flwr_home.mkdir(parents=True, exist_ok=True)
-    return env
+    return child_env(
+        FLWR_HOME=str(flwr_home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        PYTHONUNBUFFERED="1",
+    )
 
 
 def executable(name: str) -> str:
@@ -203,8 +212,14 @@ def start_superlink(
     workdir: Path,
     tls: ServerTls | None = None,
     allow_insecure: bool = False,
+    node_auth: bool = False,
 ) -> Process:
+    """The SuperLink; with ``node_auth`` (TLS only: Flower refuses it in
+    plaintext) it accepts only SuperNodes registered with ``register_supernodes``.
+    """
     check_transport(host, tls, allow_insecure)
+    if node_auth and tls is None:
+        raise ValueError("SuperNode authentication needs TLS")
     cmd = [
         executable("flower-superlink"),
         "--disable-runtime-dependency-installation",
@@ -225,6 +240,8 @@ def start_superlink(
             "--ssl-ca-certfile",
             str(tls.ca_certfile),
         ]
+    if node_auth:
+        cmd.append("--enable-supernode-auth")
     env = flower_env(workdir / "flwr_home")
     return Process("superlink", cmd, env, workdir / "superlink.log")
 
@@ -274,11 +291,14 @@ def start_supernode(
     root_certificates: Path | None = None,
     allow_insecure: bool = False,
     threads: int | None = None,
+    auth_key: Path | None = None,
 ) -> Process:
     """One organisation's SuperNode; ``node_config`` is visible only to its
     ClientApp (data path, base model, run folder). ``threads`` caps the CPU
     threads of its ClientApp processes (several nodes sharing one machine would
-    otherwise oversubscribe it, which costs far more than it gains)."""
+    otherwise oversubscribe it, which costs far more than it gains).
+    ``auth_key`` is its private key, for a SuperLink with SuperNode
+    authentication (TLS only)."""
     host, _ = split_address(superlink)
     check_transport(host, root_certificates, allow_insecure)
     config_file = write_node_config(workdir / "node-config.toml", node_config)
@@ -297,6 +317,10 @@ def start_supernode(
         if not Path(root_certificates).is_file():
             raise FileNotFoundError(f"{root_certificates}: CA certificate not found")
         cmd += ["--root-certificates", str(root_certificates)]
+    if auth_key is not None:
+        if root_certificates is None:
+            raise ValueError("SuperNode authentication needs TLS (--root-certificates)")
+        cmd += ["--auth-supernode-private-key", str(check_private_key(auth_key))]
     env = flower_env(workdir / "flwr_home")
     if threads and "OMP_NUM_THREADS" not in os.environ:
         # Inherited by the SuperExec and every ClientApp process it starts.
@@ -335,6 +359,58 @@ def write_app(app_dir: Path, run_config: dict) -> Path:
     return app_dir
 
 
+def write_connection(
+    home: Path, superlink: str, root_certificates: Path | None
+) -> None:
+    """The Flower CLI's config in ``home``: one connection, the default."""
+    conn: dict = {"address": superlink}
+    if root_certificates is None:
+        conn["insecure"] = True
+    else:
+        conn["root-certificates"] = str(root_certificates)
+    (home / "config.toml").write_text(
+        toml_table("superlink", {"default": CONNECTION})
+        + "\n"
+        + toml_table(f"superlink.{CONNECTION}", conn),
+        encoding="utf-8",
+    )
+
+
+def register_supernodes(
+    superlink: str,
+    public_keys: Sequence[Path],
+    workdir: Path,
+    root_certificates: Path,
+) -> list[int]:
+    """Register each client's public key with the SuperLink (its Control API);
+    returns their node IDs. Only these SuperNodes can then connect."""
+    home = workdir / "flwr_home"
+    env = flower_env(home)
+    write_connection(home, superlink, root_certificates)
+    node_ids = []
+    for key in public_keys:
+        cmd = [executable("flwr"), "supernode", "register", str(check_public_key(key))]
+        proc = subprocess.run(
+            [*cmd, CONNECTION, "--format", "json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=120,
+        )
+        out = proc.stdout
+        try:
+            reply = json.loads(out[out.index("{") :])
+        except ValueError:
+            reply = {}
+        if proc.returncode or not reply.get("success"):
+            why = reply.get("error-message") or (proc.stderr or out)[-300:]
+            why = " ".join(str(why).split())  # one line
+            raise RuntimeStartError(f"registering client key {key} failed: {why}")
+        node_ids.append(int(reply["node-id"]))
+    return node_ids
+
+
 def submit_run(
     app_dir: Path,
     superlink: str,
@@ -350,17 +426,7 @@ def submit_run(
     """
     home = workdir / "flwr_home"
     env = flower_env(home)
-    conn = {"address": superlink}
-    if root_certificates is None:
-        conn["insecure"] = True
-    else:
-        conn["root-certificates"] = str(root_certificates)
-    (home / "config.toml").write_text(
-        toml_table("superlink", {"default": CONNECTION})
-        + "\n"
-        + toml_table(f"superlink.{CONNECTION}", conn),
-        encoding="utf-8",
-    )
+    write_connection(home, superlink, root_certificates)
     cmd = [executable("flwr"), "run", str(app_dir), CONNECTION, "--stream"]
     log_path = workdir / "flwr-run.log"
     with log_path.open("ab") as out:

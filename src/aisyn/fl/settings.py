@@ -20,6 +20,9 @@ from aisyn.train.loop import TrainConfig
 from aisyn.validate import check_number
 
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm")
+# How the server combines the accepted updates (Flower's own strategies): "mean"
+# is FedAvg's weighted mean; the others are robust to a few bad clients.
+AGGREGATIONS = ("mean", "trimmed-mean", "median", "krum", "multikrum", "bulyan")
 SCHEDULES = ("continue", "restart")
 
 #: bounds of numeric settings (``validate.number_problem`` keywords); a field
@@ -46,6 +49,10 @@ NUMBER_RANGES: dict[str, dict] = {
     "min_clients": {"low": 1},
     "round_timeout": {"low": 0, "low_open": True},
     "eval_items": {"low": 0},
+    "trim_fraction": {"low": 0, "high": 0.5, "high_open": True},
+    "assumed_attackers": {"low": 0},
+    "max_examples": {"low": 0},
+    "max_norm_ratio": {"low": 0},  # and 0 (off) or >= 1: __post_init__
 }
 
 
@@ -77,9 +84,18 @@ class FLSettings:
     beta_1: float = 0.9  # FedAdam
     beta_2: float = 0.99  # FedAdam
     tau: float = 1e-6  # FedAdam
+    aggregation: str = "mean"  # one of AGGREGATIONS (with fedavg / fedprox)
+    trim_fraction: float = 0.2  # trimmed-mean: share cut from each tail
+    assumed_attackers: int = 1  # krum / multikrum / bulyan: f, clients to tolerate
     # participation and robustness
     min_clients: int = 2
     round_timeout: float = 3600.0
+    # a reply's num-examples counts at most this (0: rounds x local-steps x
+    # batch-size, the most items a client can train on in the run)
+    max_examples: int = 0
+    # an update (reply - global model) whose L2 norm exceeds this many times the
+    # round's median update norm is rejected (0: no bound)
+    max_norm_ratio: float = 3.0
     eval_items: int = 256  # client validation items per evaluation (0: all)
     device: str = "auto"
 
@@ -98,6 +114,13 @@ class FLSettings:
             raise ValueError(f"min-clients must be >= 1, got {self.min_clients}")
         if self.round_timeout <= 0:
             raise ValueError("round-timeout must be positive")
+        if self.max_examples < 0:
+            raise ValueError(f"max-examples must be >= 0, got {self.max_examples}")
+        if self.max_norm_ratio != 0 and not self.max_norm_ratio >= 1:
+            raise ValueError(
+                f"max-norm-ratio must be 0 (off) or >= 1, got {self.max_norm_ratio}"
+            )
+        self._check_aggregation()
         # Every number is finite (TOML has nan and inf) and in its range; named
         # as in the TOML file and the flags.
         for f in fields(self):
@@ -108,6 +131,34 @@ class FLSettings:
                 )
         self.method_spec()  # validates method / rank
         self.train_config()  # validates batch sizes and lr
+
+    def _check_aggregation(self) -> None:
+        a, f, n = self.aggregation, self.assumed_attackers, self.min_clients
+        if a not in AGGREGATIONS:
+            raise ValueError(
+                f"unknown aggregation {a!r}; expected one of {AGGREGATIONS}"
+            )
+        if a != "mean" and self.strategy not in ("fedavg", "fedprox"):
+            raise ValueError(
+                f"aggregation {a!r} replaces FedAvg's mean: use it with strategy "
+                f"fedavg or fedprox, not {self.strategy}"
+            )
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ValueError(
+                f"trim-fraction must be in [0, 0.5), got {self.trim_fraction}"
+            )
+        if a == "trimmed-mean" and int(self.trim_fraction * n) < 1:
+            raise ValueError(
+                f"trim-fraction {self.trim_fraction} of {n} clients trims nothing "
+                "(the plain mean); raise it or min-clients"
+            )
+        if f < 0:
+            raise ValueError(f"assumed-attackers must be >= 0, got {f}")
+        if n < min_updates(a, f):
+            raise ValueError(
+                f"aggregation {a!r} with assumed-attackers {f} needs min-clients "
+                f">= {min_updates(a, f)}, got {n}"
+            )
 
     @property
     def total_local_steps(self) -> int:
@@ -168,6 +219,16 @@ class FLSettings:
         return cls.from_dict(
             {k: v for k, v in run_config.items() if k in known}, "run config"
         )
+
+
+def min_updates(aggregation: str, attackers: int) -> int:
+    """Accepted updates an aggregation needs to tolerate ``attackers`` bad ones:
+    Krum's guarantee needs n >= 2f + 3, Bulyan's n >= 4f + 3 (their papers)."""
+    if aggregation in ("krum", "multikrum"):
+        return 2 * attackers + 3
+    if aggregation == "bulyan":
+        return 4 * attackers + 3
+    return 1
 
 
 def _coerce(name: str, value, default, source: str):

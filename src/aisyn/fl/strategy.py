@@ -1,41 +1,84 @@
 """Flower's strategies, guarded: every client update is checked before aggregation.
 
-FedAvg, FedProx, FedAdam and FedAvgM are Flower's own
-(``flwr.serverapp.strategy``); we only put ``UpdateGuard`` in front of them. It
+The strategies are Flower's own (``flwr.serverapp.strategy``): FedAvg, FedProx,
+FedAdam and FedAvgM, and in place of FedAvg's weighted mean (setting
+``aggregation``) FedTrimmedAvg, FedMedian, Krum, MultiKrum or Bulyan. We only
+put ``UpdateGuard`` in front of them. Each round it
 
-* remembers the names and shapes of the arrays sent each round, and rejects
-  (logs and drops) replies that are errors, miss or add tensors, change a shape
-  or dtype, carry NaN/inf, or lack a positive sample count — Flower's own
+* remembers the names and shapes of the arrays sent, and rejects (logs and
+  drops) replies that are errors, miss or add tensors, change a shape or dtype,
+  carry NaN/inf, or lack a whole, positive sample count — Flower's own
   consistency check would otherwise raise and end the whole run;
-* aggregates what is left (weighted by ``num-examples``); with nothing left it
-  returns no update, and ``Strategy.start`` keeps the last good global model;
+* counts each reply's ``num-examples`` as at most ``max-examples`` (clamped and
+  logged: the server cannot verify it, and one huge count would otherwise make
+  the global model that client's);
+* rejects an update (reply minus global model) whose L2 norm exceeds
+  ``max-norm-ratio`` (k) times the round's median update norm. Rejected rather
+  than clipped: clipping keeps the update's direction, and a sign-flipped update
+  clipped to k x the median still pulls the model back by k honest updates'
+  worth; an honest client is rarely far from the others (local AdamW steps have
+  similar sizes), and a rejection is visible in the round log. The median is
+  the lower one, so with two clients it is the smaller norm (the mean of two
+  would let a x1000 update pass at k = 3);
+* aggregates what is left in float64 and checks the result: finite (in float64
+  and as the float32 it travels as), not all zeros unless the model was, and
+  for FedAvg / FedProx every coordinate within the clients' range (what any
+  mean, median, trimmed mean or Krum selection gives; an overflowed mean does
+  not). A rejected aggregate, or none at all, keeps the last good global model
+  (``Strategy.start`` does that when we return no arrays), and the server
+  optimiser's state (FedAdam's moments, FedAvgM's momentum) is rolled back;
 * evaluates federatedly only after the last round (each client already reports
   the loss of the global model it received, before training, in its train
   reply), and times each phase and counts payload bytes for the round log.
+
+What the bounds cannot do: with two clients nothing tells which one is honest
+(a client can always stall the run by sending tiny updates, or pull the model
+back by up to k honest updates); with one client there is nothing to compare
+with. Robust aggregations need more clients (Krum n >= 2f + 3, Bulyan n >= 4f +
+3 for f attackers); updates the norm bound rejected count as attackers already
+removed, so f shrinks by them for that round.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, Strategy
+from flwr.serverapp.strategy import (
+    Bulyan,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    Krum,
+    MultiKrum,
+    Strategy,
+)
 
 from aisyn.fl.records import (
     WEIGHT_KEY,
     WIRE_DTYPE,
     UpdateRejected,
     check_reply,
+    counted_examples,
     expected_spec,
     payload_bytes,
 )
-from aisyn.fl.settings import FLSettings
+from aisyn.fl.settings import FLSettings, min_updates
 
 log = logging.getLogger("aisyn.fl.server")
+
+# State Flower's server optimisers carry from round to round. They rebind these
+# attributes every round (never change the arrays in place), so keeping the
+# references is a snapshot to roll back to.
+OPTIMIZER_STATE = ("current_arrays", "m_t", "v_t", "momentum_vector")
 
 
 def as_wire_dtype(arrays: ArrayRecord) -> ArrayRecord:
@@ -48,20 +91,44 @@ def as_wire_dtype(arrays: ArrayRecord) -> ArrayRecord:
     )
 
 
+def update_norm(arrays: dict[str, np.ndarray], base: dict[str, np.ndarray]) -> float:
+    """L2 norm of ``arrays - base`` over all tensors (float64: 1e30 squares fine)."""
+    return math.sqrt(
+        sum(float(np.square(a - base[k]).sum()) for k, a in arrays.items())
+    )
+
+
+def lower_median(values: list[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
+
+
 class UpdateGuard:
     """Mixin placed before a Flower strategy class in the MRO."""
 
     num_rounds: int = 1
 
-    def _guard_init(self, num_rounds: int) -> None:
-        self.num_rounds = num_rounds
+    def _guard_init(self, settings: FLSettings) -> None:
+        self.num_rounds = settings.rounds
+        self.max_examples = settings.max_examples or (
+            settings.rounds * settings.local_steps * settings.batch_size
+        )
+        self.max_norm_ratio = settings.max_norm_ratio
+        self.aggregation = settings.aggregation
+        self.assumed_attackers = settings.assumed_attackers
+        # FedAdam / FedAvgM step away from the clients' mean; every other
+        # aggregate combines the updates within their range, coordinate-wise.
+        self.within_range = settings.strategy in ("fedavg", "fedprox")
         self.expected: dict[str, tuple[int, ...]] = {}
+        self.global_arrays: dict[str, np.ndarray] = {}
         self.round_log: dict[int, dict] = {}
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self.expected = expected_spec(arrays)
+        self.global_arrays = {
+            k: a.numpy().astype(np.float64) for k, a in arrays.items()
+        }
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self.round_log[server_round] = {
             "round": server_round,
@@ -76,59 +143,175 @@ class UpdateGuard:
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         t_replies = time.perf_counter()
         entry = self.round_log.setdefault(server_round, {"round": server_round})
-        good, rejected = [], []
-        received = 0
-        for msg in replies:
-            node = msg.metadata.src_node_id
-            try:
-                check_reply(msg, self.expected)
-            except UpdateRejected as e:
-                log.warning(
-                    "round %d: rejected update from node %s: %s", server_round, node, e
-                )
-                rejected.append({"node": node, "reason": str(e)})
-                continue
-            received += payload_bytes(msg.content.array_records["arrays"])
-            good.append(msg)
+        rejected: list[dict] = []
+
+        def reject(node: int, reason: str) -> None:
+            log.warning(
+                "round %d: rejected update from node %s: %s", server_round, node, reason
+            )
+            rejected.append({"node": node, "reason": reason})
+
+        updates = self._checked_updates(server_round, replies, entry, reject)
+        well_formed = len(updates)
+        updates = self._within_norm_bound(updates, entry, reject)
+        good = [msg for msg, _ in updates]
+        # The norm bound assumes honest updates are alike, so what it rejected
+        # were attackers: the robust aggregation need tolerate only the rest
+        # (else Bulyan, needing 4f + 3 updates, would skip every round in which
+        # the guard dropped its attacker).
+        attackers = max(0, self.assumed_attackers - (well_formed - len(good)))
+        needed = min_updates(self.aggregation, attackers)
         entry.update(
             {
                 "accepted": len(good),
                 "rejected": rejected,
-                "bytes_received": received,
+                "bytes_received": entry.pop("_bytes_received", 0),
                 "wait_s": t_replies - entry.get("t_sent", t_replies),
             }
         )
-        metrics = [m.content.metric_records["metrics"] for m in good]
-        if metrics:
-            weights = np.array([float(m[WEIGHT_KEY]) for m in metrics])
-            for key in ("global-valid-loss", "train-loss"):
-                vals = np.array([float(m[key]) for m in metrics])
-                entry[key.replace("-", "_")] = float(weights @ vals / weights.sum())
-            entry["client_train_s"] = max(float(m["train-s"]) for m in metrics)
-            entry["client_startup_s"] = max(float(m["startup-s"]) for m in metrics)
-            entry["client_load_s"] = max(float(m["load-s"]) for m in metrics)
-        if not good:
+        _log_client_metrics(entry, good)
+        if len(good) < needed:
             log.warning(
-                "round %d: no acceptable update; keeping the last good global model",
+                "round %d: %d acceptable update(s), %s needs %d; keeping the last "
+                "good global model",
                 server_round,
+                len(good),
+                self.aggregation,
+                needed,
             )
             entry["aggregate_s"] = 0.0
             return None, None
+        # float64 from here on: the mean, FedAdam's squared steps and the checks
+        lo = hi = None
+        if self.within_range:
+            lo, hi = _coordinate_range([arrays for _, arrays in updates])
+        for msg, arrays in updates:
+            msg.content["arrays"] = ArrayRecord(
+                {k: Array(v) for k, v in arrays.items()}
+            )
+            arrays.clear()  # the Arrays hold a copy; keep the peak at one
+        if hasattr(self, "num_malicious_nodes"):  # Krum, MultiKrum, Bulyan
+            entry["assumed_attackers"] = self.num_malicious_nodes = attackers
+        if hasattr(self, "num_nodes_to_select") and self.aggregation == "multikrum":
+            self.num_nodes_to_select = max(1, len(good) - attackers)
+        state = {a: getattr(self, a) for a in OPTIMIZER_STATE if hasattr(self, a)}
         t0 = time.perf_counter()
         arrays, agg_metrics = super().aggregate_train(server_round, good)
-        if arrays is not None:
-            arrays = as_wire_dtype(arrays)
         entry["aggregate_s"] = time.perf_counter() - t0
-        if arrays is not None and not all(
-            np.isfinite(a.numpy()).all() for a in arrays.values()
-        ):
+        if arrays is None:
+            return None, agg_metrics
+        problem = self._aggregate_problem(arrays, lo, hi)
+        if problem is None:
+            arrays = as_wire_dtype(arrays)
+            if not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
+                problem = "the aggregate overflows float32"
+        if problem is not None:
             log.warning(
-                "round %d: aggregate is non-finite; keeping the last good global model",
+                "round %d: aggregate rejected (%s); keeping the last good global model",
                 server_round,
+                problem,
             )
-            entry["aggregate_non_finite"] = True
+            for name, value in state.items():
+                setattr(self, name, value)
+            entry["aggregate_rejected"] = problem
             return None, agg_metrics
         return arrays, agg_metrics
+
+    def _checked_updates(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        entry: dict,
+        reject: Callable[[int, str], None],
+    ) -> list[tuple[Message, dict[str, np.ndarray]]]:
+        """Well-formed replies with their arrays (float64) and bounded weights."""
+        out = []
+        clamped = []
+        received = 0
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            try:
+                arrays = check_reply(msg, self.expected)
+                metrics = msg.content.metric_records["metrics"]
+                counted = counted_examples(metrics[WEIGHT_KEY], self.max_examples)
+            except UpdateRejected as e:
+                reject(node, str(e))
+                continue
+            if counted != metrics[WEIGHT_KEY]:
+                log.warning(
+                    "round %d: node %s reported %s %s; counted as %d (max-examples)",
+                    server_round,
+                    node,
+                    metrics[WEIGHT_KEY],
+                    WEIGHT_KEY,
+                    counted,
+                )
+                clamped.append(
+                    {
+                        "node": node,
+                        "reported": float(metrics[WEIGHT_KEY]),
+                        "counted": counted,
+                    }
+                )
+            metrics[WEIGHT_KEY] = counted  # what Flower's aggregation weighs by
+            received += payload_bytes(msg.content.array_records["arrays"])
+            out.append((msg, {k: v.astype(np.float64) for k, v in arrays.items()}))
+        entry["clamped"] = clamped
+        entry["_bytes_received"] = received
+        return out
+
+    def _within_norm_bound(
+        self,
+        updates: list[tuple[Message, dict[str, np.ndarray]]],
+        entry: dict,
+        reject: Callable[[int, str], None],
+    ) -> list[tuple[Message, dict[str, np.ndarray]]]:
+        if not updates:
+            return updates
+        norms = [update_norm(arrays, self.global_arrays) for _, arrays in updates]
+        median = lower_median(norms)
+        entry["update_norms"] = {
+            str(msg.metadata.src_node_id): n
+            for (msg, _), n in zip(updates, norms, strict=True)
+        }
+        entry["median_update_norm"] = median
+        # Nothing to compare with (one update), no bound, or a median of zero
+        # (no information about a normal update's size): keep them all.
+        if len(updates) < 2 or not self.max_norm_ratio or median == 0:
+            return updates
+        bound = self.max_norm_ratio * median
+        kept = []
+        for (msg, arrays), norm in zip(updates, norms, strict=True):
+            if norm > bound:
+                reject(
+                    msg.metadata.src_node_id,
+                    f"update norm {norm:.4g} exceeds {self.max_norm_ratio:g} x the "
+                    f"round's median {median:.4g} (max-norm-ratio)",
+                )
+            else:
+                kept.append((msg, arrays))
+        return kept
+
+    def _aggregate_problem(
+        self,
+        arrays: ArrayRecord,
+        lo: dict[str, np.ndarray] | None,
+        hi: dict[str, np.ndarray] | None,
+    ) -> str | None:
+        """Why the aggregate must not become the global model, or None."""
+        values = {k: a.numpy() for k, a in arrays.items()}
+        for k, v in values.items():
+            if not np.isfinite(v).all():
+                return f"{k}: non-finite values"
+            if lo is not None and hi is not None:
+                tol = 1e-9 * np.maximum(np.abs(lo[k]), np.abs(hi[k]))
+                if (v < lo[k] - tol).any() or (v > hi[k] + tol).any():
+                    return f"{k}: outside the range of the clients' values (overflow?)"
+        if not any(v.any() for v in values.values()) and any(
+            g.any() for g in self.global_arrays.values()
+        ):
+            return "all zeros (overflow?)"
+        return None
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -142,24 +325,58 @@ class UpdateGuard:
     ) -> MetricRecord | None:
         good = []
         for msg in replies:
+            node = msg.metadata.src_node_id
             if msg.has_error():
                 log.warning(
                     "round %d: evaluation failed on node %s: %s",
                     server_round,
-                    msg.metadata.src_node_id,
+                    node,
                     msg.error.reason,
                 )
                 continue
             metrics = msg.content.metric_records.get("metrics")
-            if metrics is None or set(metrics.keys()) != {WEIGHT_KEY, "valid-loss"}:
+            try:
+                if metrics is None or set(metrics.keys()) != {WEIGHT_KEY, "valid-loss"}:
+                    raise UpdateRejected("malformed evaluation reply")
+                loss = metrics["valid-loss"]
+                if isinstance(loss, list) or not math.isfinite(float(loss)):
+                    raise UpdateRejected("valid-loss is not a finite number")
+                metrics[WEIGHT_KEY] = counted_examples(
+                    metrics[WEIGHT_KEY], self.max_examples
+                )
+            except UpdateRejected as e:
                 log.warning(
-                    "round %d: malformed evaluation reply from node %s",
+                    "round %d: evaluation reply from node %s rejected: %s",
                     server_round,
-                    msg.metadata.src_node_id,
+                    node,
+                    e,
                 )
                 continue
             good.append(msg)
         return super().aggregate_evaluate(server_round, good) if good else None
+
+
+def _log_client_metrics(entry: dict, good: list[Message]) -> None:
+    """The clients' own numbers for the round log, weighted by counted examples."""
+    metrics = [m.content.metric_records["metrics"] for m in good]
+    if not metrics:
+        return
+    weights = np.array([float(m[WEIGHT_KEY]) for m in metrics])
+    for key in ("global-valid-loss", "train-loss"):
+        vals = np.array([float(m[key]) for m in metrics])
+        entry[key.replace("-", "_")] = float(weights @ vals / weights.sum())
+    entry["client_train_s"] = max(float(m["train-s"]) for m in metrics)
+    entry["client_startup_s"] = max(float(m["startup-s"]) for m in metrics)
+    entry["client_load_s"] = max(float(m["load-s"]) for m in metrics)
+
+
+def _coordinate_range(
+    updates: list[dict[str, np.ndarray]],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Per coordinate, the smallest and largest value the clients sent."""
+    lo = {k: np.minimum.reduce([u[k] for u in updates]) for k in updates[0]}
+    hi = {k: np.maximum.reduce([u[k] for u in updates]) for k in updates[0]}
+    return lo, hi
 
 
 class GuardedFedAvg(UpdateGuard, FedAvg):
@@ -178,9 +395,30 @@ class GuardedFedAvgM(UpdateGuard, FedAvgM):
     pass
 
 
+class GuardedFedTrimmedAvg(UpdateGuard, FedTrimmedAvg):
+    pass
+
+
+class GuardedFedMedian(UpdateGuard, FedMedian):
+    pass
+
+
+class GuardedKrum(UpdateGuard, Krum):
+    pass
+
+
+class GuardedMultiKrum(UpdateGuard, MultiKrum):
+    pass
+
+
+class GuardedBulyan(UpdateGuard, Bulyan):
+    pass
+
+
 def make_strategy(settings: FLSettings) -> Strategy:
     """The configured Flower strategy behind an ``UpdateGuard``."""
     n = settings.min_clients
+    f = settings.assumed_attackers
     common = dict(
         fraction_train=1.0,
         fraction_evaluate=1.0,
@@ -189,8 +427,22 @@ def make_strategy(settings: FLSettings) -> Strategy:
         min_available_nodes=n,
         weighted_by_key=WEIGHT_KEY,
     )
-    if settings.strategy == "fedavg":
-        strategy: UpdateGuard = GuardedFedAvg(**common)
+    strategy: UpdateGuard
+    if settings.aggregation == "trimmed-mean":
+        strategy = GuardedFedTrimmedAvg(**common, beta=settings.trim_fraction)
+    elif settings.aggregation == "median":
+        strategy = GuardedFedMedian(**common)
+    elif settings.aggregation == "krum":
+        strategy = GuardedKrum(**common, num_malicious_nodes=f)
+    elif settings.aggregation == "multikrum":
+        # average the n - f updates Krum scores best (all but the assumed attackers)
+        strategy = GuardedMultiKrum(
+            **common, num_malicious_nodes=f, num_nodes_to_select=max(1, n - f)
+        )
+    elif settings.aggregation == "bulyan":
+        strategy = GuardedBulyan(**common, num_malicious_nodes=f)
+    elif settings.strategy == "fedavg":
+        strategy = GuardedFedAvg(**common)
     elif settings.strategy == "fedprox":
         strategy = GuardedFedProx(**common, proximal_mu=settings.proximal_mu)
     elif settings.strategy == "fedadam":
@@ -208,7 +460,7 @@ def make_strategy(settings: FLSettings) -> Strategy:
             server_learning_rate=settings.server_lr,
             server_momentum=settings.server_momentum,
         )
-    else:  # FLSettings validates the name; this is a programming error
-        raise AssertionError(settings.strategy)
-    strategy._guard_init(settings.rounds)
+    else:  # FLSettings validates the names; this is a programming error
+        raise AssertionError((settings.strategy, settings.aggregation))
+    strategy._guard_init(settings)
     return strategy  # type: ignore[return-value]
