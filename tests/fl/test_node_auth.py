@@ -68,6 +68,19 @@ def test_client_with_tls_needs_its_key(tmp_path):
         )
 
 
+def test_flower_cli_config_gets_an_absolute_certificate_path(tmp_path, monkeypatch):
+    """`aisyn fl server --ssl-ca-certfile certs/ca.pem` (relative): Flower's CLI
+    refuses a relative path in its config, so the run (and registering the
+    clients' keys) failed."""
+    import tomllib
+
+    monkeypatch.chdir(tmp_path)
+    runtime.write_connection(tmp_path, "127.0.0.1:9092", Path("certs/ca.pem"))
+    config = tomllib.loads((tmp_path / "config.toml").read_text())
+    conn = config["superlink"][runtime.CONNECTION]
+    assert conn["root-certificates"] == str(tmp_path / "certs" / "ca.pem")
+
+
 def test_node_auth_without_tls_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs TLS"):
         runtime.start_superlink("127.0.0.1", 1, tmp_path, None, node_auth=True)

@@ -320,7 +320,8 @@ def start_supernode(
     if auth_key is not None:
         if root_certificates is None:
             raise ValueError("SuperNode authentication needs TLS (--root-certificates)")
-        cmd += ["--auth-supernode-private-key", str(check_private_key(auth_key))]
+        private = check_private_key(auth_key).resolve()
+        cmd += ["--auth-supernode-private-key", str(private)]
     env = flower_env(workdir / "flwr_home")
     if threads and "OMP_NUM_THREADS" not in os.environ:
         # Inherited by the SuperExec and every ClientApp process it starts.
@@ -362,12 +363,13 @@ def write_app(app_dir: Path, run_config: dict) -> Path:
 def write_connection(
     home: Path, superlink: str, root_certificates: Path | None
 ) -> None:
-    """The Flower CLI's config in ``home``: one connection, the default."""
+    """The Flower CLI's config in ``home``: one connection, the default (Flower
+    refuses a relative certificate path there)."""
     conn: dict = {"address": superlink}
     if root_certificates is None:
         conn["insecure"] = True
     else:
-        conn["root-certificates"] = str(root_certificates)
+        conn["root-certificates"] = str(Path(root_certificates).resolve())
     (home / "config.toml").write_text(
         toml_table("superlink", {"default": CONNECTION})
         + "\n"
@@ -389,7 +391,8 @@ def register_supernodes(
     write_connection(home, superlink, root_certificates)
     node_ids = []
     for key in public_keys:
-        cmd = [executable("flwr"), "supernode", "register", str(check_public_key(key))]
+        public = check_public_key(key).resolve()
+        cmd = [executable("flwr"), "supernode", "register", str(public)]
         proc = subprocess.run(
             [*cmd, CONNECTION, "--format", "json"],
             env=env,
