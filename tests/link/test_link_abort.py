@@ -95,3 +95,14 @@ def test_a_client_told_busy_is_not_aborted(server):
     assert not isinstance(info.value, PeerAbortedError)
     a.close()
     b.close()
+
+
+def test_a_tensor_the_codec_cannot_carry_ends_the_session_with_the_reason(server):
+    a, b = open_pair(server)
+    a.send("act", torch.full((4,), 1e6), step=0, codec="fp16")  # fp16 tops at 65504
+    with pytest.raises(SessionAbortedError, match="cannot send tensor 'act'"):
+        a.flush(5)
+    with pytest.raises(FrameError, match="cannot send tensor 'act' step 0"):
+        b.recv("act", step=0, timeout=5)
+    a.close()
+    b.close()

@@ -195,8 +195,8 @@ class LinkCore(Link):
             try:
                 if self._error is None:  # after a failure, queued jobs are dropped
                     self._transmit(job)
-            except LinkError as exc:
-                self._fail(exc, notify_peer=False)
+            except LinkError as exc:  # the transport is gone, or a deliberate abort
+                self._fail(exc, notify_peer=isinstance(exc, SessionAbortedError))
             except Exception as exc:  # a bug here must not leave recv() hanging
                 log.exception("%s: sender failed", self._name)
                 self._fail(LinkError(f"sender failed: {exc!r}"), notify_peer=False)
@@ -344,8 +344,7 @@ class LinkCore(Link):
                 f"the peer sent {stale[0]}, which this side never asked for"
             )
         log.warning(
-            "%s: dropping %d frame(s) from earlier steps that were never "
-            "received: %s",
+            "%s: dropping %d frame(s) from earlier steps that were never received: %s",
             self._name,
             len(stale),
             ", ".join(map(str, stale[:4])),
