@@ -65,7 +65,7 @@ def make_base(path: Path, cfg: PanguConfig, tok: PanguTokenizer) -> Path:
 
 def lora_params(cfg: PanguConfig, rank: int) -> int:
     """Adapter parameters: A (r x in) and B (out x r) on q, k, v, c_proj and the
-    MLP's c_fc, c_proj of every block (as ``aisyn.fl.lora`` targets them)."""
+    MLP's c_fc, c_proj of every block (as ``aisyn.train.lora`` targets them)."""
     h, f = cfg.hidden_size, cfg.ffn_size
     per_layer = 4 * rank * (h + h) + rank * (h + f) + rank * (f + h)
     return cfg.num_layers * per_layer

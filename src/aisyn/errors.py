@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from aisyn.link.errors import LinkError
+
 
 class RunFailedError(RuntimeError):
     """A run ended without a result for a reason its message names (e.g. a
@@ -10,18 +12,12 @@ class RunFailedError(RuntimeError):
 
 # ValueError covers the project's own input errors (CorpusError, ShardError,
 # TokenizerError, CheckpointError, ClozeError all derive from it); OSError covers
-# missing files, existing outputs and busy ports.
-_errors: list[type[BaseException]] = [
+# missing files, existing outputs and busy ports; LinkError a peer that failed,
+# refused or went away.
+USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,
     OSError,
     FloatingPointError,
     RunFailedError,
-]
-try:
-    from aisyn.link.errors import LinkError
-
-    _errors.append(LinkError)
-except ImportError:  # the link package is optional at this layer
-    pass
-
-USER_ERRORS: tuple[type[BaseException], ...] = tuple(_errors)
+    LinkError,
+)

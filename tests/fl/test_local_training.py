@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from aisyn.fl.lora import Method, apply_method, merged_state_dict, trainable_tensors
 from aisyn.fl.records import tensors_to_record
 from aisyn.fl.settings import FLSettings
 from aisyn.model.pangu import build_model
 from aisyn.train.finetune import add_proximal_grad, sft_step
+from aisyn.train.lora import Method, apply_method, merged_state_dict, trainable_tensors
 
 
 def _batch(cfg, n=4, t=12, seed=0):

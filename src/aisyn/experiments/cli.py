@@ -55,8 +55,8 @@ def cmd_prepare_sft(args) -> None:
 
 def cmd_finetune(args) -> None:
     from aisyn.cli import train_config_from_args
-    from aisyn.fl.lora import Method
     from aisyn.train.finetune import finetune
+    from aisyn.train.lora import Method
 
     summary = finetune(
         args.base,

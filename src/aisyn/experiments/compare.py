@@ -35,11 +35,11 @@ from aisyn.data.shards import TokenShards, prepare, read_manifest
 from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.experiments.presets import Preset
 from aisyn.experiments.scoring import encode_items, fast_cloze_accuracy
-from aisyn.fl.lora import Method
 from aisyn.fl.settings import FLSettings
 from aisyn.model.pangu import PanguAlpha, PanguConfig
 from aisyn.train.finetune import finetune
 from aisyn.train.loop import evaluate_loss, load_run_model, resolve_device, train
+from aisyn.train.lora import Method
 from aisyn.train.run import read_metrics, write_json_atomic
 
 log = logging.getLogger("aisyn.experiments")

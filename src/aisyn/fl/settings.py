@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
-from aisyn.fl.lora import Method
 from aisyn.train.loop import TrainConfig
+from aisyn.train.lora import Method
 from aisyn.validate import check_number
 
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm")

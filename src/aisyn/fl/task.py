@@ -30,11 +30,6 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
 from aisyn.data.sft import SFTData
-from aisyn.fl.lora import (
-    apply_method,
-    load_trainable,
-    trainable_tensors,
-)
 from aisyn.fl.records import (
     payload_bytes,
     record_to_tensors,
@@ -53,6 +48,11 @@ from aisyn.train.finetune import (
     train_steps,
 )
 from aisyn.train.loop import make_optimizer, resolve_device
+from aisyn.train.lora import (
+    apply_method,
+    load_trainable,
+    trainable_tensors,
+)
 from aisyn.train.run import TOKENIZER, RunDir, save_figure, write_json_atomic
 
 log = logging.getLogger("aisyn.fl")

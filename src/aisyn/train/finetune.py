@@ -33,7 +33,6 @@ from tqdm import tqdm
 
 from aisyn.data.cache import cache_dir
 from aisyn.data.sft import IGNORE, SFTData, cat_batches, open_sft_many
-from aisyn.fl.lora import Method, apply_method, merged_state_dict
 from aisyn.model.pangu import PanguAlpha, PanguConfig, build_model
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import (
@@ -42,6 +41,7 @@ from aisyn.train.loop import (
     make_optimizer,
     resolve_device,
 )
+from aisyn.train.lora import Method, apply_method, merged_state_dict
 from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
 from aisyn.train.run import TOKENIZER, RunDir
 from aisyn.train.sampler import BatchSampler
