@@ -94,102 +94,8 @@ def cmd_cloze_build(args) -> None:
 # --- training and evaluation --------------------------------------------------
 
 
-def train_config_from_args(args):
-    from aisyn.train.loop import TrainConfig
-
-    return TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        micro_batch_size=args.micro_batch_size,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        warmup_steps=args.warmup,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        seed=args.seed,
-        log_every=args.log_every,
-        ckpt_every=args.ckpt_every,
-        eval_every=args.eval_every,
-        eod_reset=args.eod_reset,
-        device=args.device,
-    )
-
-
-def add_train_args(
-    p: argparse.ArgumentParser, steps: int = 200, *, resumable: bool = True
-) -> None:
-    """Training flags shared by ``train``, ``split train`` and fine-tuning
-    (``resumable=False``: no ``--resume``, for a command that cannot)."""
-    g = p.add_argument_group("training")
-    g.add_argument(
-        "--steps", type=validate.positive_int, default=steps, help="optimizer steps"
-    )
-    g.add_argument(
-        "--batch-size",
-        type=validate.positive_int,
-        default=8,
-        help="samples per optimizer step",
-    )
-    g.add_argument(
-        "--micro-batch-size",
-        type=validate.positive_int,
-        default=None,
-        help="samples per forward/backward (gradient accumulation)",
-    )
-    g.add_argument(
-        "--lr", type=validate.positive_float, default=1e-3, help="peak learning rate"
-    )
-    g.add_argument(
-        "--min-lr",
-        type=validate.nonneg_float,
-        default=None,
-        help="final learning rate of the cosine decay (default lr/10)",
-    )
-    g.add_argument(
-        "--warmup", type=validate.nonneg_int, default=20, help="linear warm-up steps"
-    )
-    g.add_argument("--weight-decay", type=validate.nonneg_float, default=0.1)
-    g.add_argument(
-        "--grad-clip",
-        type=validate.nonneg_float,
-        default=1.0,
-        help="clip the global gradient L2 norm (0: off)",
-    )
-    g.add_argument("--seed", type=validate.nonneg_int, default=1234)
-    g.add_argument("--log-every", type=validate.positive_int, default=10)
-    g.add_argument(
-        "--ckpt-every",
-        type=validate.nonneg_int,
-        default=0,
-        help="checkpoint every N steps (0: only at the end)",
-    )
-    g.add_argument(
-        "--eval-every",
-        type=validate.nonneg_int,
-        default=0,
-        help="validation loss every N steps (0: never)",
-    )
-    g.add_argument(
-        "--eod-reset",
-        action="store_true",
-        help="reset attention and positions at each end of document",
-    )
-    g.add_argument(
-        "--device",
-        type=validate.device,
-        default="auto",
-        help="auto, cpu, cuda, cuda:1, ...",
-    )
-    if resumable:
-        g.add_argument(
-            "--resume",
-            action="store_true",
-            help="continue the run in --out from its latest checkpoint (the "
-            "folder must hold a run)",
-        )
-
-
 def cmd_train(args) -> None:
+    from aisyn.train.flags import train_config_from_args
     from aisyn.train.loop import train
 
     if args.resume:
@@ -211,11 +117,16 @@ def cmd_train(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from aisyn.eval.report import evaluate_run
+    from aisyn.eval.report import evaluate_run, summary_lines
+    from aisyn.split.evaluate import evaluate_split_run
+    from aisyn.train.run import RunDir
 
     if args.data is None and args.cloze_file is None:
         raise ValueError("give --data DIR (test loss + cloze) and/or --cloze-file F")
-    res = evaluate_run(
+    # A split run holds only the data party's half: evaluate it through the link.
+    split = RunDir(args.run).read_config().get("kind") == "split"
+    evaluate = evaluate_split_run if split else evaluate_run
+    res = evaluate(
         args.run,
         data_dir=args.data,
         cloze_file=args.cloze_file,
@@ -224,28 +135,14 @@ def cmd_eval(args) -> None:
         cloze_format=args.format,
         device=args.device,
     )
-    _print_summary(res)
+    for line in summary_lines(res):
+        print(line)
     print(f"wrote {Path(args.run) / 'eval.json'}")
-
-
-def _print_summary(res: dict) -> None:
-    if "test" in res:
-        t = res["test"]
-        print(
-            f"test loss {t['loss']:.4f}  perplexity {t['perplexity']:.2f}  "
-            f"({t['samples']} samples)"
-        )
-    if "cloze" in res:
-        c = res["cloze"]
-        print(
-            f"cloze accuracy {100 * c['accuracy']:.2f}% on {c['items']} items "
-            f"(95% CI {100 * c['ci95'][0]:.2f}-{100 * c['ci95'][1]:.2f}%, "
-            f"chance {100 * c['chance']:.1f}%)"
-        )
 
 
 def cmd_demo(args) -> None:
     from aisyn.demo import run_demo
+    from aisyn.eval.report import summary_lines
 
     res = run_demo(
         args.out,
@@ -254,7 +151,8 @@ def cmd_demo(args) -> None:
         model=args.model,
         overwrite=args.overwrite,
     )
-    _print_summary(res["eval"])
+    for line in summary_lines(res["eval"]):
+        print(line)
     print(f"loss plot: {res['plot']}")
 
 
@@ -262,6 +160,8 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from aisyn.train.flags import add_train_args
+
     p = argparse.ArgumentParser(
         prog="aisyn",
         description="Split (pipeline) and federated training of PanGu-α across "

@@ -3,6 +3,8 @@ merged run is an ordinary run folder."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import CUT, train_cfg
@@ -10,7 +12,7 @@ from conftest import CUT, train_cfg
 from aisyn.cli import main
 from aisyn.data.cloze import ClozeItem, write_items
 from aisyn.eval.report import evaluate_run
-from aisyn.split.evaluate import open_split_model
+from aisyn.split.evaluate import evaluate_split_run, open_split_model
 from aisyn.split.merge import MergeError, merge
 from aisyn.split.train import SplitOptions, split_train
 from aisyn.train.loop import load_run_model
@@ -43,10 +45,10 @@ def test_eval_through_the_link_equals_eval_of_the_merged_run(
     cloze = tmp_path / "cloze.jsonl"
     write_items(CLOZE, cloze)
     merged = tmp_path / "merged"
-    # Execute
-    through_link = evaluate_run(
-        split_run, data_dir=news_data, cloze_file=cloze, device="cpu"
-    )
+    # Execute: `aisyn eval` on a split run evaluates through the link
+    argv = ["eval", "--run", str(split_run), "--data", str(news_data)]
+    assert main([*argv, "--cloze-file", str(cloze), "--device", "cpu"]) == 0
+    through_link = json.loads((split_run / "eval.json").read_text())
     folder = merge(split_run, split_run / "compute", merged)
     plain = evaluate_run(merged, data_dir=news_data, cloze_file=cloze, device="cpu")
     # Assert
@@ -54,6 +56,14 @@ def test_eval_through_the_link_equals_eval_of_the_merged_run(
     assert through_link["test"]["loss"] == pytest.approx(plain["test"]["loss"], 1e-6)
     assert through_link["cloze"]["accuracy"] == plain["cloze"]["accuracy"]
     assert through_link["cloze"]["items"] == 3
+
+
+def test_eval_of_a_split_run_needs_the_link(split_run, news_data):
+    # evaluate_run alone cannot: the run holds only the data party's half
+    with pytest.raises(ValueError, match="evaluate_split_run"):
+        evaluate_run(split_run, data_dir=news_data, device="cpu")
+    result = evaluate_split_run(split_run, data_dir=news_data, device="cpu")
+    assert result["test"]["samples"] > 0
 
 
 def test_merged_model_is_the_split_model(tmp_path, split_run):

@@ -43,18 +43,11 @@ def evaluate_run(
     dev = resolve_device(device)
     run_dir = RunDir(run)
     if model is None and run_dir.read_config().get("kind") == "split":
-        # A split run holds only the data party's half: evaluate through the link.
-        from aisyn.split.evaluate import evaluate_split_run
-
-        return evaluate_split_run(
-            run,
-            data_dir=data_dir,
-            cloze_file=cloze_file,
-            per_document=per_document,
-            max_items=max_items,
-            cloze_format=cloze_format,
-            device=device,
-            batch_size=batch_size,
+        # A split run holds only the data party's half: it is evaluated through
+        # the link, which the split package (a layer above this one) opens.
+        raise ValueError(
+            f"{run_dir.path}: a split run; evaluate it through the link with "
+            "aisyn.split.evaluate.evaluate_split_run (`aisyn eval` does)"
         )
     if model is None:
         model, config = load_run_model(run_dir.path, dev)
@@ -108,4 +101,24 @@ def evaluate_run(
     return result
 
 
-__all__ = ["evaluate_run"]
+def summary_lines(result: dict) -> list[str]:
+    """What ``aisyn eval`` and ``aisyn split eval`` print of an ``evaluate_run``
+    result: a test-loss line and a cloze line, for those it holds."""
+    lines = []
+    if "test" in result:
+        t = result["test"]
+        lines.append(
+            f"test loss {t['loss']:.4f}  perplexity {t['perplexity']:.2f}  "
+            f"({t['samples']} samples)"
+        )
+    if "cloze" in result:
+        c = result["cloze"]
+        lines.append(
+            f"cloze accuracy {100 * c['accuracy']:.2f}% on {c['items']} items "
+            f"(95% CI {100 * c['ci95'][0]:.2f}-{100 * c['ci95'][1]:.2f}%, "
+            f"chance {100 * c['chance']:.1f}%)"
+        )
+    return lines
+
+
+__all__ = ["evaluate_run", "summary_lines"]

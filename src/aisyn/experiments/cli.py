@@ -54,8 +54,8 @@ def cmd_prepare_sft(args) -> None:
 
 
 def cmd_finetune(args) -> None:
-    from aisyn.cli import train_config_from_args
     from aisyn.train.finetune import finetune
+    from aisyn.train.flags import train_config_from_args
     from aisyn.train.lora import Method
 
     summary = finetune(
@@ -75,7 +75,7 @@ def cmd_finetune(args) -> None:
 
 
 def register(sub) -> None:
-    from aisyn.cli import add_train_args
+    from aisyn.train.flags import add_train_args
 
     ex = sub.add_parser(
         "experiment",

@@ -138,8 +138,8 @@ def cmd_plan(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from aisyn.cli import train_config_from_args
     from aisyn.split.train import SplitOptions, secret_seed, split_train
+    from aisyn.train.flags import train_config_from_args
 
     if args.resume:
         validate.check_resumable(args.out)
@@ -212,7 +212,7 @@ def cmd_serve(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from aisyn.cli import _print_summary
+    from aisyn.eval.report import summary_lines
     from aisyn.split.evaluate import evaluate_split_run
 
     if args.data is None and args.cloze_file is None:
@@ -228,7 +228,8 @@ def cmd_eval(args) -> None:
         cloze_format=args.format,
         device=args.device,
     )
-    _print_summary(res)
+    for line in summary_lines(res):
+        print(line)
     print(f"wrote {os.path.join(args.run, 'eval.json')}")
 
 
@@ -243,7 +244,7 @@ def cmd_merge(args) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from aisyn.cli import add_train_args
+    from aisyn.train.flags import add_train_args
 
     s = sub.add_parser(
         "split",

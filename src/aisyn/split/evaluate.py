@@ -1,12 +1,12 @@
 """Evaluating a split run through the link: tokens never leave the data party.
 
-``aisyn eval --run RUN`` on a split run comes here (a hook in
-``eval/report.py``): A loads its half at its latest checkpoint, opens an
-evaluation session with the compute party (in-process for ``--mode local``
-runs, a freshly spawned one for ``--spawn-backbone`` runs, otherwise the
-recorded ``--peer``, or the one given to ``aisyn split eval``), asks it to
-load the same step, and hands ``evaluate_run`` a :class:`SplitModel`, on
-which test loss and cloze scoring run unchanged.
+``aisyn eval --run RUN`` on a split run comes here (``aisyn.cli`` chooses
+this evaluator for a run of kind ``split``): A loads its half at its latest
+checkpoint, opens an evaluation session with the compute party (in-process for
+``--mode local`` runs, a freshly spawned one for ``--spawn-backbone`` runs,
+otherwise the recorded ``--peer``, or the one given to ``aisyn split eval``),
+asks it to load the same step, and hands ``evaluate_run`` a
+:class:`SplitModel`, on which test loss and cloze scoring run unchanged.
 """
 
 from __future__ import annotations
