@@ -14,7 +14,8 @@ from aisyn.data.cloze import ClozeItem, write_items
 from aisyn.eval.report import evaluate_run
 from aisyn.split.evaluate import evaluate_split_run, open_split_model
 from aisyn.split.merge import MergeError, merge
-from aisyn.split.train import SplitOptions, split_train
+from aisyn.split.session import SplitOptions
+from aisyn.split.train import split_train
 from aisyn.train.loop import load_run_model
 
 CLOZE = [

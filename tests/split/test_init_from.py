@@ -14,7 +14,8 @@ from aisyn.link.errors import HandshakeError
 from aisyn.model.segments import DATA_PARTY, own_tensor_shapes, parse_partition
 from aisyn.split.compute_party import ComputeParty
 from aisyn.split.party import open_base
-from aisyn.split.train import SplitOptions, split_train
+from aisyn.split.session import SplitOptions
+from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import train

@@ -29,7 +29,8 @@ from aisyn.link.grpc_link import connect
 from aisyn.link.proto import tensor_link_pb2 as pb
 from aisyn.split import protocol as proto
 from aisyn.split.evaluate import open_split_model
-from aisyn.split.train import SplitOptions, split_train
+from aisyn.split.session import SplitOptions
+from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train.loop import TrainConfig
 from aisyn.train.run import RunDir

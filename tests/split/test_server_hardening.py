@@ -33,8 +33,7 @@ from aisyn.model.segments import COMPUTE_PARTY, init_seeds, parse_partition
 from aisyn.split import protocol as proto
 from aisyn.split.compute_party import Session
 from aisyn.split.server import SplitServer
-from aisyn.split.session import open_grpc, open_local
-from aisyn.split.train import SplitOptions
+from aisyn.split.session import SplitOptions, open_grpc, open_local
 from aisyn.split.transport import (
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
     DATA_PARTY_RECV_TIMEOUT_S,

@@ -138,7 +138,8 @@ def cmd_plan(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from aisyn.split.train import SplitOptions, secret_seed, split_train
+    from aisyn.split.session import SplitOptions
+    from aisyn.split.train import secret_seed, split_train
     from aisyn.train.flags import train_config_from_args
 
     if args.resume:

@@ -23,7 +23,7 @@ from aisyn.model.segments import DATA_PARTY, Partition
 from aisyn.split import protocol as proto
 from aisyn.split.data_party import DataSession, SplitModel
 from aisyn.split.party import PartyState
-from aisyn.split.train import SplitOptions, open_session
+from aisyn.split.session import SplitOptions, open_session
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import TrainConfig

@@ -1,5 +1,8 @@
 """Opening a session between the data party and a compute party.
 
+``SplitOptions`` say how (a run records them in its config.json), and
+``open_session`` opens it whichever way they say:
+
 * ``local``: both parties in this process, joined by an in-memory link; B
   runs its rounds on a thread (the same code a server runs per session).
 * ``grpc``: dial a compute party served by ``aisyn split serve``; optionally
@@ -18,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from aisyn.link.base import Link
@@ -33,7 +36,7 @@ from aisyn.split.transport import (
     LinkSettings,
     link_options,
 )
-from aisyn.train.run import write_json_atomic
+from aisyn.train.run import RunDir, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,39 @@ def failure_reason(exc: BaseException) -> str:
     if isinstance(exc, LinkError | ValueError):  # incl. ProtocolError
         return str(exc) or type(exc).__name__
     return "internal error in the compute party (see its log)"
+
+
+MODES = ("local", "grpc")
+COMPUTE_DIR = "compute"  # in-process compute party's folder inside A's run
+SPAWN_DIR = "spawned"  # certificates, token and log of a spawned compute party
+
+
+@dataclass
+class SplitOptions:
+    cut: str = "u:1,1"
+    mode: str = "local"
+    window: int = 0  # micro-batches in flight; 0 = lockstep
+    codec: str = "none"
+    peer: LinkSettings | None = None  # grpc mode, unless spawning
+    spawn_backbone: bool = False
+    spawn_insecure: bool = False
+    connect_timeout_s: float = 60.0
+    recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S  # None: forever
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--mode {self.mode!r}: use local or grpc")
+        if self.window < 0:
+            raise ValueError(f"--pipeline {self.window}: must be >= 0")
+        if self.mode == "grpc" and self.peer is None and not self.spawn_backbone:
+            raise ValueError("--mode grpc needs --peer HOST:PORT or --spawn-backbone")
+        if self.mode == "local" and (self.peer is not None or self.spawn_backbone):
+            raise ValueError("--peer/--spawn-backbone need --mode grpc")
+
+    def record(self) -> dict:
+        d = asdict(self)
+        d["peer"] = self.peer.to_dict() if self.peer else None
+        return d
 
 
 @dataclass
@@ -257,3 +293,56 @@ def spawn_compute_party(
     )
     log.info("spawned compute party pid %d on %s", proc.pid, address)
     return SpawnedServer(proc, settings, log_path)
+
+
+@contextlib.contextmanager
+def open_session(
+    run: RunDir,
+    mcfg: PanguConfig,
+    partition,
+    hello: dict,
+    opts: SplitOptions,
+    device: str,
+    init_from: Path | None = None,
+):
+    """Yields an ``Opened`` session with the compute party, however reached;
+    one this process starts (local, spawned) gets ``init_from`` as its base."""
+    if opts.mode == "local":
+        with open_local(
+            mcfg,
+            partition,
+            run.path / COMPUTE_DIR,
+            hello,
+            codec=opts.codec,
+            device=device,
+            recv_timeout_s=opts.recv_timeout_s,
+            init_from=init_from,
+        ) as opened:
+            yield opened
+        return
+    server = None
+    settings = opts.peer
+    try:
+        if opts.spawn_backbone:
+            server = spawn_compute_party(
+                run.path / SPAWN_DIR,
+                mcfg,
+                partition,
+                run.path / COMPUTE_DIR,
+                device=device,
+                insecure=opts.spawn_insecure,
+                init_from=init_from,
+            )
+            settings = server.settings
+        assert settings is not None
+        with open_grpc(
+            settings,
+            hello,
+            codec=opts.codec,
+            connect_timeout_s=opts.connect_timeout_s,
+            recv_timeout_s=opts.recv_timeout_s,
+        ) as opened:
+            yield opened
+    finally:
+        if server is not None:
+            server.stop()

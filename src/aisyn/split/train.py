@@ -11,13 +11,11 @@ both have exists, and ``--resume`` continues from it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -42,8 +40,7 @@ from aisyn.split.party import (
     checkpoint_steps,
     open_base,
 )
-from aisyn.split.session import open_grpc, open_local, spawn_compute_party
-from aisyn.split.transport import DATA_PARTY_RECV_TIMEOUT_S, LinkSettings
+from aisyn.split.session import SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import TrainConfig, evaluate_loss, resolve_device
 from aisyn.train.memory import check_fits, compute_dtype, party_bytes
@@ -52,39 +49,6 @@ from aisyn.train.sampler import BatchSampler
 
 log = logging.getLogger("aisyn.split")
 
-MODES = ("local", "grpc")
-COMPUTE_DIR = "compute"  # in-process compute party's folder inside A's run
-SPAWN_DIR = "spawned"  # certificates, token and log of a spawned compute party
-
-
-@dataclass
-class SplitOptions:
-    cut: str = "u:1,1"
-    mode: str = "local"
-    window: int = 0  # micro-batches in flight; 0 = lockstep
-    codec: str = "none"
-    peer: LinkSettings | None = None  # grpc mode, unless spawning
-    spawn_backbone: bool = False
-    spawn_insecure: bool = False
-    connect_timeout_s: float = 60.0
-    recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S  # None: forever
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"--mode {self.mode!r}: use local or grpc")
-        if self.window < 0:
-            raise ValueError(f"--pipeline {self.window}: must be >= 0")
-        if self.mode == "grpc" and self.peer is None and not self.spawn_backbone:
-            raise ValueError("--mode grpc needs --peer HOST:PORT or --spawn-backbone")
-        if self.mode == "local" and (self.peer is not None or self.spawn_backbone):
-            raise ValueError("--peer/--spawn-backbone need --mode grpc")
-
-    def record(self) -> dict:
-        d = asdict(self)
-        d["peer"] = self.peer.to_dict() if self.peer else None
-        return d
-
-
 def model_config_for(model: PanguConfig | str | Path, tokenizer: dict) -> PanguConfig:
     """The model config, with the vocabulary of the data's tokenizer (as
     ``aisyn train`` does, so both runs build the same model)."""
@@ -92,59 +56,6 @@ def model_config_for(model: PanguConfig | str | Path, tokenizer: dict) -> PanguC
     if mcfg.vocab_size != tokenizer["vocab_size"]:
         mcfg = PanguConfig(**{**mcfg.to_dict(), "vocab_size": tokenizer["vocab_size"]})
     return mcfg
-
-
-@contextlib.contextmanager
-def open_session(
-    run: RunDir,
-    mcfg: PanguConfig,
-    partition,
-    hello: dict,
-    opts: SplitOptions,
-    device: str,
-    init_from: Path | None = None,
-):
-    """Yields an ``Opened`` session with the compute party, however reached;
-    one this process starts (local, spawned) gets ``init_from`` as its base."""
-    if opts.mode == "local":
-        with open_local(
-            mcfg,
-            partition,
-            run.path / COMPUTE_DIR,
-            hello,
-            codec=opts.codec,
-            device=device,
-            recv_timeout_s=opts.recv_timeout_s,
-            init_from=init_from,
-        ) as opened:
-            yield opened
-        return
-    server = None
-    settings = opts.peer
-    try:
-        if opts.spawn_backbone:
-            server = spawn_compute_party(
-                run.path / SPAWN_DIR,
-                mcfg,
-                partition,
-                run.path / COMPUTE_DIR,
-                device=device,
-                insecure=opts.spawn_insecure,
-                init_from=init_from,
-            )
-            settings = server.settings
-        assert settings is not None
-        with open_grpc(
-            settings,
-            hello,
-            codec=opts.codec,
-            connect_timeout_s=opts.connect_timeout_s,
-            recv_timeout_s=opts.recv_timeout_s,
-        ) as opened:
-            yield opened
-    finally:
-        if server is not None:
-            server.stop()
 
 
 def secret_seed(out: str | Path, resume: bool) -> int:
