@@ -10,6 +10,7 @@ import pytest
 
 from aisyn.fl import runtime
 from aisyn.fl.node_keys import make_node_keys
+from aisyn.net import free_port
 
 
 def test_keygen_writes_a_key_pair_flower_accepts(tmp_path):
@@ -104,7 +105,7 @@ def test_only_a_supernode_with_a_registered_key_is_admitted(tmp_path):
     tls = runtime.ServerTls(certs.server_cert, certs.server_key, certs.ca_cert)
     registered = make_node_keys(tmp_path / "keys", "registered")
     stranger = make_node_keys(tmp_path / "keys", "stranger")
-    port = runtime.free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     procs = []
     try:

@@ -33,6 +33,7 @@ from aisyn.fl.node_keys import (
 )
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.task import RESULT_FILE, ServerNode, server_run_config
+from aisyn.net import free_port
 from aisyn.train.finetune import check_data_matches, describe_base
 
 log = logging.getLogger("aisyn.fl")
@@ -153,7 +154,7 @@ def simulate(
     t0 = time.perf_counter()
     procs: list[runtime.Process] = []
     try:
-        port = runtime.free_port()
+        port = free_port()
         address = f"127.0.0.1:{port}"
         superlink = runtime.start_superlink(
             "127.0.0.1", port, out / "runtime" / "superlink", tls, node_auth=bool(tls)

@@ -28,12 +28,10 @@ run, and each SuperNode signs its requests with its private key
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import logging
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -44,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aisyn.fl.node_keys import check_private_key, check_public_key
+from aisyn.net import free_port, is_loopback, split_host_port
 from aisyn.procs import child_env
 
 log = logging.getLogger("aisyn.fl.runtime")
@@ -72,22 +71,6 @@ class ServerTls:
                 raise FileNotFoundError(f"{p}: TLS file not found")
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{address!r}: expected HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
 def check_transport(host: str, tls: object | None, allow_insecure: bool) -> None:
     """Plaintext only on loopback (or when explicitly allowed)."""
     if tls is None and not is_loopback(host) and not allow_insecure:
@@ -96,12 +79,6 @@ def check_transport(host: str, tls: object | None, allow_insecure: bool) -> None
             "--ssl-keyfile/--ssl-ca-certfile on the server, --root-certificates "
             "on clients) or pass --insecure-remote knowingly"
         )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def flower_env(flwr_home: Path) -> dict[str, str]:
@@ -255,7 +232,7 @@ def wait_ready(
     """Wait until the SuperLink answers on its HTTP health endpoint."""
     import httpx
 
-    host, port = split_address(address)
+    host, port = split_host_port(address)
     scheme = "https" if root_certificates else "http"
     url = f"{scheme}://{host if ':' not in host else f'[{host}]'}:{port}/health"
     verify = (
@@ -299,7 +276,7 @@ def start_supernode(
     otherwise oversubscribe it, which costs far more than it gains).
     ``auth_key`` is its private key, for a SuperLink with SuperNode
     authentication (TLS only)."""
-    host, _ = split_address(superlink)
+    host, _ = split_host_port(superlink)
     check_transport(host, root_certificates, allow_insecure)
     config_file = write_node_config(workdir / "node-config.toml", node_config)
     cmd = [

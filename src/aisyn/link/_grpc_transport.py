@@ -11,13 +11,14 @@ deserialiser.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import queue
 import threading
 from collections.abc import Iterable, Iterator
 
 import grpc
+
+from aisyn.net import is_loopback, split_host_port
 
 from ._core import LinkCore
 from .base import LinkOptions, PeerHello
@@ -47,23 +48,6 @@ def identity(frame: bytes) -> bytes:
 
 
 # ------------------------------------------------------------------ addresses
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` / ``"[v6]:port"`` -> (host, port); ValueError if malformed."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"expected 'host:port', got {address!r}")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_plaintext(

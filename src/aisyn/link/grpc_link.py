@@ -24,6 +24,8 @@ from typing import NamedTuple, Self
 
 import grpc
 
+from aisyn.net import split_host_port
+
 from ._grpc_transport import (
     METHOD,
     SERVICE,
@@ -32,7 +34,6 @@ from ._grpc_transport import (
     check_plaintext,
     grpc_options,
     identity,
-    split_host_port,
     status_for,
 )
 from .base import LinkOptions, PeerHello

@@ -8,13 +8,13 @@ environment variable, and run folders record only file paths.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from aisyn.link.base import LinkOptions
 from aisyn.link.certs import TlsConfig
+from aisyn.net import is_loopback, split_host_port
 
 TOKEN_ENV = "AISYN_SPLIT_TOKEN"
 
@@ -60,8 +60,8 @@ class LinkSettings:
         """Fail early (before any run folder is written) on bad settings."""
         self.tls()
         self.token()
-        host = self.address.rpartition(":")[0].strip("[]")
-        if self.insecure and not self.allow_insecure_remote and not _loopback(host):
+        host = split_host_port(self.address)[0]
+        if self.insecure and not self.allow_insecure_remote and not is_loopback(host):
             raise ValueError(
                 f"refusing plaintext to non-loopback {self.address}: use mutual TLS "
                 "(activations and gradients reveal training data), or force it "
@@ -109,15 +109,6 @@ class LinkSettings:
     @classmethod
     def from_dict(cls, d: dict) -> LinkSettings:
         return cls(**d)
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def link_options(

@@ -1,0 +1,38 @@
+"""aisyn.net: the one loopback rule the link, split and fl all use."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from aisyn.net import free_port, is_loopback, split_host_port
+
+
+@pytest.mark.parametrize(
+    "host", ["localhost", "127.0.0.1", "127.8.9.10", "::1", "[::1]"]
+)
+def test_loopback_hosts(host):
+    assert is_loopback(host)
+
+
+@pytest.mark.parametrize(
+    "host", ["10.0.0.1", "0.0.0.0", "::", "example.org", "localhost.example.org", ""]
+)
+def test_other_hosts_are_remote(host):
+    # names are not resolved: only "localhost" itself counts
+    assert not is_loopback(host)
+
+
+def test_split_host_port():
+    assert split_host_port("127.0.0.1:50051") == ("127.0.0.1", 50051)
+    assert split_host_port("[::1]:9092") == ("::1", 9092)
+    for bad in ["127.0.0.1", ":80", "host:", "host:x"]:
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
+            split_host_port(bad)
+
+
+def test_free_port_can_be_bound():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
