@@ -30,14 +30,9 @@ from aisyn.model.segments import (
 )
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import TrainConfig, make_optimizer
+from aisyn.train.update import SkippedStep, apply_update, grad_sq_norm
 
 log = logging.getLogger(__name__)
-
-
-class SkippedStep(FloatingPointError):
-    """Both parties skipped an optimizer step: a loss, gradient or value
-    received from the peer was not finite, or the peer's squared gradient norm
-    was out of range. The message names the step and the culprit."""
 
 
 class PartyState:
@@ -91,19 +86,11 @@ class PartyState:
         return t
 
     def local_sq_norm(self) -> float:
-        """Sum over own parameters of the squared L2 norm of their gradients,
-        or NaN when this step must be skipped (what the peer is sent).
-
-        Per-tensor norms as ``clip_grad_norm_`` takes them, summed in float64 so
-        the global norm does not depend on how parameters are split.
-        """
+        """This party's squared gradient norm (``grad_sq_norm``), or NaN when
+        this step must be skipped (what the peer is sent)."""
         if self.problem is not None:
             return math.nan
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return 0.0
-        norms = torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads])
-        total = float(norms.double().pow(2).sum())
+        total = grad_sq_norm(self.params)
         if not math.isfinite(total):
             self.problem = "non-finite gradients on this party"
         return total
@@ -115,7 +102,8 @@ class PartyState:
         they compute the same coefficient to the bit -- and take the same
         decision to skip: a squared norm that is NaN (a party found a problem),
         infinite or negative, or a sum that overflows, skips the step on both
-        sides with ``SkippedStep``; nothing non-finite ever reaches a weight.
+        sides with ``SkippedStep``; the rest is the one update every regime
+        takes (``train.update.apply_update``).
         """
         mine, theirs = (
             (sq_norm_a, sq_norm_b)
@@ -138,25 +126,17 @@ class PartyState:
         elif not math.isfinite(total_sq):
             reason = f"the global squared gradient norm overflows ({total_sq})"
         if reason is not None:
-            self.problem = None
             self.zero_grad()
-            raise SkippedStep(
-                f"step {step + 1}: {reason}; both parties skipped the optimizer "
-                "step and the last checkpoint is kept"
-            )
-        total = math.sqrt(total_sq)
-        lr = self.train_cfg.lr_at(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        clip = self.train_cfg.grad_clip
-        if clip > 0:
-            coef = min(clip / (total + 1e-6), 1.0)  # as clip_grad_norm_
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
-        self.zero_grad()
-        return total
+            raise SkippedStep.at(step, reason, both_parties=True)
+        return apply_update(
+            self.optimizer,
+            self.params,
+            step=step,
+            lr=self.train_cfg.lr_at(step),
+            grad_clip=self.train_cfg.grad_clip,
+            total_norm=math.sqrt(total_sq),
+            both_parties=True,
+        )
 
     def zero_grad(self) -> None:
         self.problem = None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +44,7 @@ from aisyn.train.lora import Method, apply_method, merged_state_dict
 from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
 from aisyn.train.run import TOKENIZER, RunDir
 from aisyn.train.sampler import BatchSampler
+from aisyn.train.update import apply_update
 
 log = logging.getLogger("aisyn.finetune")
 
@@ -183,11 +183,10 @@ def sft_step(
     grad_clip: float,
     prox_mu: float = 0.0,
     anchor: dict[str, torch.Tensor] | None = None,
+    step: int = 0,
 ) -> dict:
-    """One optimizer step on a batch; the loss is the mean over supervised tokens,
-    whatever the micro-batching."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    """One optimizer step (number ``step``, for messages) on a batch; the loss
+    is the mean over supervised tokens, whatever the micro-batching."""
     n_tok = int((targets != IGNORE).sum())
     if n_tok == 0:
         raise ValueError("a batch without supervised tokens (corrupt SFT data?)")
@@ -198,20 +197,20 @@ def sft_step(
             (loss_sum / n_tok).backward()
             total += loss_sum.item()
     loss = total / n_tok
-    if not math.isfinite(loss):
-        raise FloatingPointError(
-            f"non-finite fine-tuning loss ({loss}); lower the learning rate"
-        )
     record: dict = {"loss": loss, "lr": lr, "answer_tokens": n_tok}
     if prox_mu > 0:
         if anchor is None:
             raise ValueError("FedProx needs the global weights as anchor")
         record["prox"] = add_proximal_grad(trainable, anchor, prox_mu)
-    params = [p for _, p in trainable]
-    if grad_clip > 0:
-        record["grad_norm"] = nn.utils.clip_grad_norm_(params, grad_clip).item()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    record["grad_norm"] = apply_update(
+        optimizer,
+        [p for _, p in trainable],
+        step=step,
+        lr=lr,
+        grad_clip=grad_clip,
+        loss=loss,
+        hint=" (lower the learning rate?)",
+    )
     return record
 
 
@@ -280,6 +279,7 @@ def train_steps(
             optimizer,
             inputs,
             targets,
+            step=step,
             lr=lr_at(step),
             micro=cfg.micro,
             grad_clip=cfg.grad_clip,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -37,6 +36,7 @@ from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
 from aisyn.train.run import RunDir
 from aisyn.train.sampler import BatchSampler
 from aisyn.train.schedule import lr_at
+from aisyn.train.update import apply_update
 from aisyn.validate import check_device, check_int, check_number
 
 log = logging.getLogger("aisyn.train")
@@ -195,26 +195,15 @@ def train_step(
     eod_id: int | None,
 ) -> dict:
     lr = cfg.lr_at(step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
     loss = forward_backward(model, batch, cfg, eod_id)
-    if not math.isfinite(loss):
-        raise FloatingPointError(
-            f"non-finite loss ({loss}) at step {step + 1}; the optimizer step was "
-            "skipped and the last checkpoint is kept (lower --lr?)"
-        )
-    if cfg.grad_clip > 0:
-        norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-    else:
-        norm = math.sqrt(
-            sum(
-                float(p.grad.pow(2).sum())
-                for p in model.parameters()
-                if p.grad is not None
-            )
-        )
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    norm = apply_update(
+        optimizer,
+        list(model.parameters()),
+        step=step,
+        lr=lr,
+        grad_clip=cfg.grad_clip,
+        loss=loss,
+    )
     return {"loss": loss, "lr": lr, "grad_norm": norm}
 
 
