@@ -34,6 +34,7 @@ from aisyn.fl.node_keys import (
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.task import RESULT_FILE, ServerNode, server_run_config
 from aisyn.net import free_port
+from aisyn.procs import ChildProcess
 from aisyn.train.finetune import check_data_matches, describe_base
 
 log = logging.getLogger("aisyn.fl")
@@ -94,7 +95,7 @@ def run_server_side(
     base: Path,
     out: Path,
     settings: FLSettings,
-    superlink: runtime.Process,
+    superlink: ChildProcess,
     address: str,
     root_certificates: Path | None,
     echo: bool,
@@ -152,7 +153,7 @@ def simulate(
     _check_fresh(out / "server")
     threads = max(1, (os.cpu_count() or 1) // len(clients))
     t0 = time.perf_counter()
-    procs: list[runtime.Process] = []
+    procs: list[ChildProcess] = []
     try:
         port = free_port()
         address = f"127.0.0.1:{port}"
@@ -292,6 +293,6 @@ def join(
         node.log_path,
     )
     try:
-        return node.popen.wait()
+        return node.wait()
     finally:
         node.stop()

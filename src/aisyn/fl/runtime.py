@@ -36,14 +36,13 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from aisyn.fl.node_keys import check_private_key, check_public_key
 from aisyn.net import free_port, is_loopback, split_host_port
-from aisyn.procs import child_env
+from aisyn.procs import ChildProcess, child_env
 
 log = logging.getLogger("aisyn.fl.runtime")
 
@@ -123,66 +122,6 @@ def toml_table(name: str, d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-class Process:
-    """A started Flower process in its own process group (so its children —
-    SuperExec, ServerApp/ClientApp processes — stop with it)."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path) -> None:
-        self.name = name
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("ab")
-        log.debug("starting %s: %s", name, " ".join(cmd))
-        self.popen = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def tail(self, lines: int = 5) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return " | ".join(t.strip() for t in text[-lines:])
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the group, then SIGKILL what is left after ``grace_s``."""
-        try:
-            pgid = os.getpgid(self.popen.pid)
-        except ProcessLookupError:
-            pgid = None
-        if pgid is not None:
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        try:
-            self.popen.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        if pgid is not None:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.popen.wait(5)
-        except subprocess.TimeoutExpired:
-            log.warning("%s (pid %d) did not exit", self.name, self.popen.pid)
-        self._log.close()
-
-
 def start_superlink(
     host: str,
     port: int,
@@ -190,7 +129,7 @@ def start_superlink(
     tls: ServerTls | None = None,
     allow_insecure: bool = False,
     node_auth: bool = False,
-) -> Process:
+) -> ChildProcess:
     """The SuperLink; with ``node_auth`` (TLS only: Flower refuses it in
     plaintext) it accepts only SuperNodes registered with ``register_supernodes``.
     """
@@ -220,16 +159,17 @@ def start_superlink(
     if node_auth:
         cmd.append("--enable-supernode-auth")
     env = flower_env(workdir / "flwr_home")
-    return Process("superlink", cmd, env, workdir / "superlink.log")
+    return ChildProcess("superlink", cmd, workdir / "superlink.log", env=env)
 
 
 def wait_ready(
-    proc: Process,
+    proc: ChildProcess,
     address: str,
     root_certificates: Path | None,
     timeout: float = 60.0,
 ) -> None:
-    """Wait until the SuperLink answers on its HTTP health endpoint."""
+    """Wait until the SuperLink answers on its HTTP health endpoint (a SuperLink
+    that exits or is not ready in time is stopped: ``aisyn.procs``)."""
     import httpx
 
     host, port = split_host_port(address)
@@ -240,19 +180,14 @@ def wait_ready(
         if root_certificates
         else False
     )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeStartError(
-                f"{proc.name} exited with code {proc.popen.returncode}: {proc.tail()}"
-            )
+
+    def healthy() -> bool:
         try:
-            if httpx.get(url, timeout=1.0, verify=verify).is_success:
-                return
+            return httpx.get(url, timeout=1.0, verify=verify).is_success
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeStartError(f"{proc.name} not ready on {address} after {timeout:.0f} s")
+            return False
+
+    proc.wait_ready(healthy, timeout, poll_s=0.2)
 
 
 def write_node_config(path: Path, node_config: dict) -> Path:
@@ -269,7 +204,7 @@ def start_supernode(
     allow_insecure: bool = False,
     threads: int | None = None,
     auth_key: Path | None = None,
-) -> Process:
+) -> ChildProcess:
     """One organisation's SuperNode; ``node_config`` is visible only to its
     ClientApp (data path, base model, run folder). ``threads`` caps the CPU
     threads of its ClientApp processes (several nodes sharing one machine would
@@ -303,8 +238,11 @@ def start_supernode(
     if threads and "OMP_NUM_THREADS" not in os.environ:
         # Inherited by the SuperExec and every ClientApp process it starts.
         env["OMP_NUM_THREADS"] = str(threads)
-    return Process(
-        f"supernode {node_config.get('name', '')}", cmd, env, workdir / "supernode.log"
+    return ChildProcess(
+        f"supernode {node_config.get('name', '')}",
+        cmd,
+        workdir / "supernode.log",
+        env=env,
     )
 
 

@@ -16,10 +16,8 @@ import contextlib
 import logging
 import os
 import secrets
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ from aisyn.link.errors import LinkError, LinkTimeoutError
 from aisyn.link.memory import memory_pair
 from aisyn.model.pangu import PanguConfig
 from aisyn.model.segments import Partition
+from aisyn.procs import ChildProcess, child_env
 from aisyn.split import protocol as proto
 from aisyn.split.compute_party import ComputeParty
 from aisyn.split.transport import (
@@ -175,22 +174,20 @@ def open_grpc(
         link.close()
 
 
+@dataclass
 class SpawnedServer:
     """``aisyn split serve`` started on this machine for one run."""
 
-    def __init__(self, proc: subprocess.Popen, settings: LinkSettings, log_path: Path):
-        self.proc = proc
-        self.settings = settings
-        self.log_path = log_path
+    proc: ChildProcess
+    settings: LinkSettings  # how to reach it
+
+    @property
+    def log_path(self) -> Path:
+        return self.proc.log_path
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        # 15 s: time for a compute party to finish writing a checkpoint
+        self.proc.stop(grace_s=15.0)
 
 
 def spawn_compute_party(
@@ -262,37 +259,19 @@ def spawn_compute_party(
             "tls_key": str(certs.client_key),
             "tls_ca": str(certs.ca_cert),
         }
-    log_path = workdir / "server.log"
-    with log_path.open("ab") as log_file:
-        proc = subprocess.Popen(
-            args,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-        )
-    deadline = time.monotonic() + start_timeout_s
-    while not port_file.is_file():
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:]
-            raise OSError(
-                f"the spawned compute party exited with status {proc.returncode}: "
-                f"{tail[0] if tail else '(no output)'} (log: {log_path})"
-            )
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait(5)
-            raise TimeoutError(
-                f"the spawned compute party did not start within {start_timeout_s:g} "
-                f"s (log: {log_path})"
-            )
-        time.sleep(0.05)
+    proc = ChildProcess(
+        "the spawned compute party",
+        args,
+        workdir / "server.log",
+        env=child_env(**(env or {})),
+    )
+    proc.wait_ready(port_file.is_file, start_timeout_s)
     address = port_file.read_text().strip()
     settings = LinkSettings(
         address, token_file=str(token_file), insecure=insecure, **tls
     )
     log.info("spawned compute party pid %d on %s", proc.pid, address)
-    return SpawnedServer(proc, settings, log_path)
+    return SpawnedServer(proc, settings)
 
 
 @contextlib.contextmanager
