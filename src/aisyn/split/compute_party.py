@@ -33,8 +33,6 @@ from aisyn.split import schedule
 from aisyn.split.party import (
     PartyState,
     SkippedStep,
-    checkpoint_folder,
-    checkpoint_steps,
     describe_base,
     open_base,
 )
@@ -153,7 +151,7 @@ class ComputeParty:
         ):
             raise proto.ProtocolError("hello: a_steps must be a list of steps")
         run = self.run_dir(run_id)
-        b_steps = checkpoint_steps(run.checkpoints) if run is not None else []
+        b_steps = ckpt.complete_steps(run.checkpoints) if run is not None else []
         if purpose == "eval":
             step = h.get("eval_step")
             if not isinstance(step, int) or step not in b_steps:
@@ -202,7 +200,7 @@ class ComputeParty:
         if start:
             # Fail the handshake, with the reason, rather than the first round.
             assert run is not None
-            folder = checkpoint_folder(run.checkpoints, start)
+            folder = ckpt.step_folder(run.checkpoints, start)
             state = ckpt.read_state(folder)
             for name in (ckpt.MODEL_FILE, ckpt.OPTIM_FILE):
                 if not (folder / name).is_file():
@@ -242,7 +240,7 @@ class ComputeParty:
         if session.start_step:
             run = self.run_dir(session.run_id)
             assert run is not None  # negotiate() only resumes with a folder
-            folder = checkpoint_folder(run.checkpoints, session.start_step)
+            folder = ckpt.step_folder(run.checkpoints, session.start_step)
             state.load(folder)
             log.info("loaded %s", folder)
         elif session.purpose == "train" and self.base is not None:

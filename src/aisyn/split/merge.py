@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from aisyn.model.pangu import PanguConfig, build_model
-from aisyn.split.party import checkpoint_folder, checkpoint_steps
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.run import METRICS, TOKENIZER, RunDir
 
@@ -63,8 +62,8 @@ def merge(
     for key in ("model", "partition"):
         if a_cfg[key] != b_cfg.get(key):
             raise MergeError(f"{b_run.path}: {key} differs from {a_run.path}'s")
-    a_steps = checkpoint_steps(a_run.checkpoints)
-    b_steps = checkpoint_steps(b_run.checkpoints)
+    a_steps = ckpt.complete_steps(a_run.checkpoints)
+    b_steps = ckpt.complete_steps(b_run.checkpoints)
     common = sorted(set(a_steps) & set(b_steps))
     if step is None:
         if not common:
@@ -78,8 +77,8 @@ def merge(
             f"step {step} is not checkpointed by both parties (both have "
             f"{common or 'none'})"
         )
-    a_dir = checkpoint_folder(a_run.checkpoints, step)
-    b_dir = checkpoint_folder(b_run.checkpoints, step)
+    a_dir = ckpt.step_folder(a_run.checkpoints, step)
+    b_dir = ckpt.step_folder(b_run.checkpoints, step)
     files = {}
     for name in (ckpt.MODEL_FILE, ckpt.OPTIM_FILE):
         a_t = ckpt.read_tensors(a_dir / name)

@@ -263,22 +263,3 @@ def load_own_weights(
     with torch.no_grad():
         for name, t in expected.items():
             t.copy_(tensors[name])
-
-
-def checkpoint_steps(root: Path) -> list[int]:
-    """Steps of the complete checkpoints under ``root`` (oldest first)."""
-    if not root.is_dir():
-        return []
-    out = []
-    for d in root.glob("step_*"):
-        try:
-            step = int(d.name.removeprefix("step_"))
-        except ValueError:
-            continue
-        if (d / ckpt.STATE_FILE).is_file():
-            out.append(step)
-    return sorted(out)
-
-
-def checkpoint_folder(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"

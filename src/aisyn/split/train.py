@@ -33,13 +33,7 @@ from aisyn.model.segments import (
 )
 from aisyn.split import protocol as proto
 from aisyn.split.data_party import DataSession, SplitModel
-from aisyn.split.party import (
-    Base,
-    PartyState,
-    checkpoint_folder,
-    checkpoint_steps,
-    open_base,
-)
+from aisyn.split.party import Base, PartyState, open_base
 from aisyn.split.session import SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import TrainConfig, evaluate_loss, resolve_device
@@ -160,7 +154,7 @@ def split_train(
     sampler = BatchSampler(sources, seed=cfg.seed)
     eod_id = tok["eod_id"] if cfg.eod_reset else None
     valid = open_many(data_dirs[:1], "valid")[0] if cfg.eval_every else None
-    a_steps = checkpoint_steps(run.checkpoints) if resume else []
+    a_steps = ckpt.complete_steps(run.checkpoints) if resume else []
     hello = proto.hello(
         purpose="train",
         run_id=run_id,
@@ -212,7 +206,7 @@ def _train_loop(
     session = DataSession(state, link, eod_id=eod_id, window=opts.window)
     start_step, elapsed0, tokens = opened.reply["start_step"], 0.0, 0
     if start_step:
-        folder = checkpoint_folder(run.checkpoints, start_step)
+        folder = ckpt.step_folder(run.checkpoints, start_step)
         saved = state.load(folder)
         sampler.load_state_dict(saved["sampler"])
         elapsed0, tokens = saved["elapsed_s"], saved["tokens"]

@@ -141,8 +141,8 @@ def save(
                 "non-finite values; the earlier checkpoints are kept"
             )
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".step_{step:08d}.tmp"
+    final = step_folder(root, step)
+    tmp = root / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     for name, tensors in files.items():
@@ -150,7 +150,7 @@ def save(
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
     _fsync_dir(tmp)
     if final.exists():  # re-saving the same step (e.g. after resume): swap safely
-        old = root / f".step_{step:08d}.old"
+        old = root / f".{final.name}.old"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
@@ -162,6 +162,28 @@ def save(
         for old in sorted(root.glob("step_*"))[:-keep]:
             shutil.rmtree(old)
     return final
+
+
+def step_folder(root: Path, step: int) -> Path:
+    """The folder of step ``step``'s checkpoint under ``root`` (``step_00000100``;
+    zero-padded, so that names sort by step)."""
+    return root / f"step_{step:08d}"
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps of the complete checkpoints under ``root`` (oldest first); a folder
+    without its state file is one a crash interrupted."""
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.glob("step_*"):
+        try:
+            step = int(d.name.removeprefix("step_"))
+        except ValueError:
+            continue
+        if (d / STATE_FILE).is_file():
+            out.append(step)
+    return sorted(out)
 
 
 def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
