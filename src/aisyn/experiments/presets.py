@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from aisyn.model.pangu import CONFIGS
 from aisyn.train.loop import TrainConfig
 
 
@@ -86,19 +87,11 @@ class Preset:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
-TINY = dict(
-    vocab_size=8000,
-    hidden_size=128,
-    num_layers=4,
-    num_heads=4,
-    ffn_size=512,
-    seq_len=128,
-)
-
 PRESETS: dict[str, Preset] = {
     "ci": Preset(
         name="ci",
-        model=dict(TINY, hidden_size=64, num_heads=4, ffn_size=256, num_layers=3),
+        # the tiny model, narrower and shallower
+        model=dict(CONFIGS["tiny"], hidden_size=64, ffn_size=256, num_layers=3),
         seq_len=64,
         pretrain_steps=30,
         pretrain_batch=8,
@@ -115,7 +108,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "full": Preset(
         name="full",
-        model=dict(TINY),
+        model=dict(CONFIGS["tiny"]),
         seq_len=128,
         pretrain_steps=2500,
         pretrain_batch=16,
