@@ -6,12 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aisyn.model.pangu import build_model, eod_reset_masks
+from aisyn.model.pangu import (
+    build_model,
+    document_index,
+    eod_reset_masks,
+    masks_from_documents,
+)
 from aisyn.model.segments import (
     PartitionError,
     build_party_model,
-    document_index,
-    masks_from_documents,
     own_named_parameters,
     own_state_dict,
     parse_partition,

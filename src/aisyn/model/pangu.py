@@ -215,23 +215,36 @@ class Block(nn.Module):
 def eod_reset_masks(
     tokens: torch.Tensor, eod_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention mask and position ids that restart after every EOD token.
+    """Attention mask and position ids that restart after every EOD token:
+    ``masks_from_documents`` of the tokens' ``document_index``."""
+    return masks_from_documents(document_index(tokens, eod_id))
+
+
+def document_index(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """Per-position document index (B, T): the number of EODs strictly before
+    it, so that an EOD belongs to the document it ends."""
+    is_eod = (tokens == eod_id).to(torch.int64)
+    return torch.cumsum(is_eod, dim=1) - is_eod
+
+
+def masks_from_documents(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention mask and position ids that restart with every document.
 
     The reference resets both at each end-of-document inside a packed sample, so
-    no token attends across a document boundary. Returns a boolean mask of shape
-    (B, 1, T, T) (True = may attend) and position ids of shape (B, T).
-    Vectorised: a token's document index is the number of EODs strictly before it.
+    no token attends across a document boundary. ``doc`` (B, T) is each
+    position's ``document_index``: a party that must apply the reset but may not
+    see the tokens (the split compute party) is given it instead of them.
+    Returns a boolean mask of shape (B, 1, T, T) (True = may attend) and
+    position ids of shape (B, T).
     """
-    B, T = tokens.shape
-    is_eod = (tokens == eod_id).to(torch.int64)
-    doc = torch.cumsum(is_eod, dim=1) - is_eod  # (B, T): EOD belongs to its document
+    B, T = doc.shape
     same_doc = doc.unsqueeze(2) == doc.unsqueeze(1)  # (B, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
     mask = (same_doc & causal).unsqueeze(1)
     # Position = index minus the index of the first token of its document.
-    idx = torch.arange(T, device=tokens.device).expand(B, T)
-    start = torch.zeros(B, T, dtype=torch.int64, device=tokens.device)
-    start[:, 1:] = torch.where(is_eod[:, :-1].bool(), idx[:, 1:], 0)
+    idx = torch.arange(T, device=doc.device).expand(B, T)
+    start = torch.zeros(B, T, dtype=torch.int64, device=doc.device)
+    start[:, 1:] = torch.where(doc[:, 1:] != doc[:, :-1], idx[:, 1:], 0)
     start = torch.cummax(start, dim=1).values
     return mask, idx - start
 

@@ -329,30 +329,5 @@ def segments_of(
     return tuple(Segment(model, s) for s in partition.stages_of(party))
 
 
-def masks_from_documents(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """EOD-reset attention mask and position ids from per-position document index.
-
-    ``doc`` (B, T) counts the EODs strictly before each position (what
-    ``eod_reset_masks`` derives from the tokens). A party that must apply the
-    EOD reset but may not see tokens gets ``doc`` instead; the result equals
-    ``eod_reset_masks(tokens, eod_id)`` exactly.
-    """
-    B, T = doc.shape
-    same_doc = doc.unsqueeze(2) == doc.unsqueeze(1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
-    mask = (same_doc & causal).unsqueeze(1)
-    idx = torch.arange(T, device=doc.device).expand(B, T)
-    start = torch.zeros(B, T, dtype=torch.int64, device=doc.device)
-    start[:, 1:] = torch.where(doc[:, 1:] != doc[:, :-1], idx[:, 1:], 0)
-    start = torch.cummax(start, dim=1).values
-    return mask, idx - start
-
-
-def document_index(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
-    """Per-position document index: the number of EODs strictly before it."""
-    is_eod = (tokens == eod_id).to(torch.int64)
-    return torch.cumsum(is_eod, dim=1) - is_eod
-
-
 def parameter_count(named: Iterable[tuple[str, nn.Parameter]]) -> int:
     return sum(p.numel() for _, p in named)

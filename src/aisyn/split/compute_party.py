@@ -21,13 +21,8 @@ import torch
 from aisyn.link.base import Link
 from aisyn.link.codec import CODECS
 from aisyn.link.errors import HandshakeError
-from aisyn.model.pangu import PanguConfig, build_model
-from aisyn.model.segments import (
-    COMPUTE_PARTY,
-    Partition,
-    PartitionError,
-    masks_from_documents,
-)
+from aisyn.model.pangu import PanguConfig, build_model, masks_from_documents
+from aisyn.model.segments import COMPUTE_PARTY, Partition, PartitionError
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import (

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from aisyn.link.base import Link
-from aisyn.model.pangu import lm_loss
-from aisyn.model.segments import document_index
+from aisyn.model.pangu import document_index, lm_loss
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import PartyState
