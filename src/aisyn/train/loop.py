@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
@@ -18,8 +17,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from aisyn.data.shards import TokenShards, open_many
 from aisyn.model.pangu import (
@@ -32,6 +29,7 @@ from aisyn.model.pangu import (
 )
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import distributed
+from aisyn.train.engine import Engine, Regime
 from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
 from aisyn.train.run import RunDir
 from aisyn.train.sampler import BatchSampler
@@ -250,6 +248,7 @@ def train(
     resume: bool = False,
     init_from: str | Path | None = None,
     progress: bool = True,
+    tensorboard: bool = False,
 ) -> dict:
     """Train from scratch (or ``init_from`` a checkpoint) and write a run folder.
 
@@ -313,122 +312,123 @@ def train(
     if cfg.eval_every:
         valid = open_many(data_dirs[:1], "valid")[0]
 
-    start_step, elapsed0, tokens = 0, 0.0, 0
+    regime = Pretraining(
+        net, model, optimizer, named, sampler, ctx, cfg, eod_id, valid, run, mcfg
+    )
+    engine = Engine(
+        run,
+        total_steps=cfg.steps,
+        log_every=cfg.log_every,
+        eval_every=cfg.eval_every,
+        ckpt_every=cfg.ckpt_every,
+        desc="train",
+        progress=progress,
+        main=ctx.is_main,
+        tensorboard=tensorboard,
+    )
+    start_step = 0
     if resume and (last := ckpt.latest(run.checkpoints)) is not None:
         state = ckpt.read_state(last)
         ckpt.load_weights(model, ckpt.read_tensors(last / ckpt.MODEL_FILE), str(last))
         opt_t = ckpt.read_tensors(last / ckpt.OPTIM_FILE)
         ckpt.load_optimizer_tensors(optimizer, dict(named), opt_t, str(last))
         ckpt.restore_rng(opt_t)
-        sampler.load_state_dict(state["sampler"])
-        start_step, elapsed0, tokens = (
-            state["step"],
-            state["elapsed_s"],
-            state["tokens"],
-        )
+        engine.load_state_dict(state)
+        regime.load_state_dict(state)
+        start_step = state["step"]
         if ctx.is_main:
             run.truncate_metrics(start_step)
         log.info("resumed from %s (step %d)", last, start_step)
     elif resume:
         log.info("%s: no checkpoint yet; starting from step 0", run.path)
 
-    def save(step: int, elapsed: float) -> Path:
-        names = {p: n for n, p in named}
-        return ckpt.save(
-            run.checkpoints,
+    model.train()
+    try:
+        summary = engine.run(regime, range(start_step, cfg.steps))
+    finally:
+        distributed.teardown(ctx)
+    del summary["records"]
+    return summary
+
+
+class Pretraining(Regime):
+    """Standalone (or data-parallel) language-model training on token shards."""
+
+    def __init__(
+        self,
+        net: nn.Module,
+        model: PanguAlpha,
+        optimizer: torch.optim.Optimizer,
+        named: list[tuple[str, nn.Parameter]],
+        sampler: BatchSampler,
+        ctx: distributed.DistContext,
+        cfg: TrainConfig,
+        eod_id: int | None,
+        valid: TokenShards | None,
+        run: RunDir,
+        mcfg: PanguConfig,
+    ) -> None:
+        self.net, self.model, self.optimizer = net, model, optimizer
+        self.named, self.sampler, self.ctx = named, sampler, ctx
+        self.cfg, self.eod_id, self.valid, self.run, self.mcfg = (
+            cfg,
+            eod_id,
+            valid,
+            run,
+            mcfg,
+        )
+        self.device = next(model.parameters()).device
+        self.tokens_per_step = cfg.batch_size * sampler.sources[0].seq_len
+        self.steps_per_epoch = max(1, sampler.total // cfg.batch_size)
+
+    def train_step(self, step: int) -> dict:
+        batch = self.sampler.next_batch(self.cfg.batch_size)
+        batch = self.ctx.shard(batch).to(self.device)
+        result = train_step(
+            self.net, self.optimizer, batch, step, self.cfg, self.eod_id
+        )
+        result["loss"] = self.ctx.mean(result["loss"], self.device)
+        return result
+
+    def record_fields(self) -> dict:
+        return {"epoch": self.sampler.epoch}
+
+    def log_line(self, done: int, total: int, record: dict) -> str:
+        epoch = (done - 1) // self.steps_per_epoch
+        return f"epoch {epoch} step {done}/{total} loss: {record['loss']:.6f}"
+
+    def validate(self) -> float | None:
+        if self.valid is None:
+            return None
+        return evaluate_loss(
+            self.model,
+            self.valid,
+            batch_size=self.cfg.batch_size,
+            max_batches=self.cfg.eval_batches,
+            eod_id=self.eod_id,
+        )
+
+    def save(self, step: int, state: dict) -> None:
+        names = {p: n for n, p in self.named}
+        ckpt.save(
+            self.run.checkpoints,
             step,
             {
-                ckpt.MODEL_FILE: ckpt.unique_state_dict(model),
+                ckpt.MODEL_FILE: ckpt.unique_state_dict(self.model),
                 ckpt.OPTIM_FILE: {
-                    **ckpt.optimizer_tensors(optimizer, names),
+                    **ckpt.optimizer_tensors(self.optimizer, names),
                     **ckpt.rng_tensors(),
                 },
             },
-            {
-                "sampler": sampler.state_dict(),
-                "elapsed_s": elapsed,
-                "tokens": tokens,
-                "model": mcfg.to_dict(),
-                "train": cfg.to_dict(),
-            },
-            keep=cfg.keep_checkpoints,
+            {**state, "model": self.mcfg.to_dict(), "train": self.cfg.to_dict()},
+            keep=self.cfg.keep_checkpoints,
         )
 
-    model.train()
-    t0 = time.perf_counter() - elapsed0
-    tokens_per_step = cfg.batch_size * sources[0].seq_len
-    steps_per_epoch = max(1, sampler.total // cfg.batch_size)
-    result: dict = {}
-    bar = tqdm(
-        total=cfg.steps,
-        initial=start_step,
-        disable=not (progress and ctx.is_main) or None,
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-    )
-    try:
-        with logging_redirect_tqdm():
-            for step in range(start_step, cfg.steps):
-                batch = ctx.shard(sampler.next_batch(cfg.batch_size)).to(device)
-                result = train_step(net, optimizer, batch, step, cfg, eod_id)
-                result["loss"] = ctx.mean(result["loss"], device)
-                tokens += tokens_per_step
-                done = step + 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{result['loss']:.4f}")
-                if not ctx.is_main:
-                    continue  # rank 0 alone logs, evaluates and checkpoints
-                record = None
-                if done % cfg.log_every == 0 or done == cfg.steps or done == 1:
-                    record = {
-                        "step": done,
-                        "epoch": sampler.epoch,
-                        **result,
-                        "tokens": tokens,
-                        "elapsed_s": round(time.perf_counter() - t0, 4),
-                    }
-                    log.info(
-                        "epoch %d step %d/%d loss: %.6f",
-                        step // steps_per_epoch,
-                        done,
-                        cfg.steps,
-                        result["loss"],
-                    )
-                if valid is not None and (
-                    done % cfg.eval_every == 0 or done == cfg.steps
-                ):
-                    record = record or {
-                        "step": done,
-                        "tokens": tokens,
-                        "elapsed_s": round(time.perf_counter() - t0, 4),
-                    }
-                    record["val_loss"] = evaluate_loss(
-                        model,
-                        valid,
-                        batch_size=cfg.batch_size,
-                        max_batches=cfg.eval_batches,
-                        eod_id=eod_id,
-                    )
-                    log.info("step %d valid loss: %.6f", done, record["val_loss"])
-                if record:
-                    run.log_metrics(record)
-                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
-                    save(done, time.perf_counter() - t0)
-                    run.plot()
-    finally:
-        bar.close()
-        distributed.teardown(ctx)
-    elapsed = time.perf_counter() - t0
-    plot = run.plot() if ctx.is_main else None
-    return {
-        "run": str(run.path),
-        "steps": cfg.steps,
-        "tokens": tokens,
-        "final_loss": result.get("loss"),
-        "elapsed_s": elapsed,
-        "plot": str(plot) if plot else None,
-    }
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
 
 
 def load_model_checkpoint(model: nn.Module, path: str | Path) -> Path:

@@ -1,0 +1,223 @@
+"""The one training loop every regime runs in: ``Engine(...).run(regime, steps)``.
+
+The engine owns what all regimes share: the step cadence (log, validate,
+checkpoint, plot), the metrics record, the progress bar, TensorBoard event
+files, the summary, the resume state (``state_dict`` / ``load_state_dict``)
+and a shutdown that closes what it opened however the loop ends. A regime
+(standalone pre-training, the split data party, supervised fine-tuning, a
+federated client's local steps) supplies only what differs: its step
+function, what it adds to a record, how it validates and what it saves.
+
+The update itself (lr, finiteness, clip, step) is ``train.update.apply_update``,
+called from each regime's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from aisyn.train.run import RunDir
+
+log = logging.getLogger("aisyn.train")
+
+#: sub-folder of a run folder that ``--tensorboard`` writes event files to
+TENSORBOARD_DIR = "tensorboard"
+
+
+class Regime:
+    """What a training regime plugs into the engine (override what applies)."""
+
+    #: tokens one optimizer step consumes (for the ``tokens`` metric)
+    tokens_per_step: int = 0
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step (0-based ``step``); its record: ``loss``, ``lr``,
+        ``grad_norm`` and whatever else the regime measures."""
+        raise NotImplementedError
+
+    def record_fields(self) -> dict:
+        """Fields every metrics record of this regime carries (e.g. epoch)."""
+        return {}
+
+    def log_line(self, done: int, total: int, record: dict) -> str:
+        return f"step {done}/{total} loss: {record['loss']:.6f}"
+
+    def validate(self) -> float | None:
+        """Validation loss, or None if this regime does not validate."""
+        return None
+
+    def save(self, step: int, state: dict) -> None:
+        """Checkpoint after ``step`` steps; ``state`` is the resume state
+        (the engine's and this regime's ``state_dict``), for ``state.json``."""
+
+    def state_dict(self) -> dict:
+        """What this regime needs to resume (e.g. the data position)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class Engine:
+    """Runs a regime's steps with one cadence.
+
+    ``log_every``, ``eval_every`` and ``ckpt_every`` count completed steps (0:
+    never; the last step always logs, validates when validation is on, and
+    checkpoints); ``main`` is False on data-parallel ranks other than 0, which
+    step but write nothing.
+    """
+
+    def __init__(
+        self,
+        run: RunDir | None,
+        *,
+        total_steps: int,
+        log_every: int,
+        eval_every: int = 0,
+        ckpt_every: int = 0,
+        desc: str = "train",
+        progress: bool = True,
+        main: bool = True,
+        tensorboard: bool = False,
+        plot_title: str | None = None,
+        time_key: str = "elapsed_s",
+        log_range_edges: bool = False,
+    ) -> None:
+        self.run_dir = run
+        self.total_steps = total_steps
+        self.log_every = log_every
+        self.eval_every = eval_every
+        self.ckpt_every = ckpt_every
+        self.desc = desc
+        self.progress = progress
+        self.main = main
+        self.tensorboard = tensorboard and run is not None and main
+        self.plot_title = plot_title
+        self.time_key = time_key
+        #: also log the first and last step of every ``run`` (a federated
+        #: client's round), not only of the whole run
+        self.log_range_edges = log_range_edges
+        self.tokens = 0
+        self.elapsed0 = 0.0
+        self._t0 = time.perf_counter()
+
+    # --- resume state ---------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"elapsed_s": self.elapsed(), "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.elapsed0 = float(state.get("elapsed_s", 0.0))
+        self.tokens = int(state.get("tokens", 0))
+
+    def elapsed(self) -> float:
+        return self.elapsed0 + time.perf_counter() - self._t0
+
+    # --- the loop ---------------------------------------------------------------
+
+    def run(self, regime: Regime, steps: range) -> dict:
+        """Run ``steps`` (0-based global step indices); returns the summary.
+
+        The last step of ``steps`` checkpoints; it validates and logs too when
+        it is the run's last step (``total_steps``).
+        """
+        self._t0 = time.perf_counter()
+        last: dict = {}
+        records: list[dict] = []
+        writer = self._open_tensorboard()
+        bar = tqdm(
+            total=self.total_steps,
+            initial=steps.start,
+            disable=not (self.progress and self.main) or None,
+            desc=self.desc,
+            unit="step",
+            dynamic_ncols=True,
+        )
+        try:
+            with logging_redirect_tqdm():
+                for step in steps:
+                    last = regime.train_step(step)
+                    self.tokens += regime.tokens_per_step
+                    done = step + 1
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{last['loss']:.4f}")
+                    if not self.main:
+                        continue
+                    record = self._after_step(regime, done, last, steps)
+                    if record is not None:
+                        records.append(record)
+                        self._write(record, writer)
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.close()
+        plot = self._plot() if self.main else None
+        return {
+            "run": str(self.run_dir.path) if self.run_dir else None,
+            "steps": self.total_steps,
+            "tokens": self.tokens,
+            "final_loss": last.get("loss", math.nan),
+            "elapsed_s": self.elapsed(),
+            "plot": str(plot) if plot else None,
+            "records": records,
+        }
+
+    def _after_step(
+        self, regime: Regime, done: int, result: dict, steps: range
+    ) -> dict | None:
+        final = done == self.total_steps
+        edge = self.log_range_edges and done in (steps.start + 1, steps.stop)
+        record = None
+        if (
+            (self.log_every and done % self.log_every == 0)
+            or final
+            or done == 1
+            or edge
+        ):
+            record = {"step": done, **regime.record_fields(), **result}
+            record.update(self._progress_fields())
+            log.info("%s", regime.log_line(done, self.total_steps, result))
+        if self.eval_every and (done % self.eval_every == 0 or final):
+            val = regime.validate()
+            if val is not None:
+                record = record or {"step": done, **self._progress_fields()}
+                record["val_loss"] = val
+                log.info("step %d valid loss: %.6f", done, val)
+        if (self.ckpt_every and done % self.ckpt_every == 0) or done == steps.stop:
+            regime.save(done, {**self.state_dict(), **regime.state_dict()})
+            self._plot()
+        return record
+
+    def _progress_fields(self) -> dict:
+        fields: dict = {"tokens": self.tokens} if self.tokens else {}
+        fields[self.time_key] = round(self.elapsed(), 4)
+        return fields
+
+    # --- outputs ----------------------------------------------------------------
+
+    def _write(self, record: dict, writer) -> None:
+        if self.run_dir is not None:
+            self.run_dir.log_metrics(record)
+        if writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    writer.add_scalar(key, value, record["step"])
+
+    def _plot(self) -> Path | None:
+        if self.run_dir is None:
+            return None
+        return self.run_dir.plot(self.plot_title)
+
+    def _open_tensorboard(self):
+        if not self.tensorboard:
+            return None
+        assert self.run_dir is not None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.run_dir.path / TENSORBOARD_DIR))
