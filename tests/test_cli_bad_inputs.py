@@ -225,7 +225,7 @@ BAD_INPUTS = [
         "garbage PEM key",
         lambda f: (
             ["fl", "server", "--base", "b", "--out", "o"]
-            + ["--ssl-keyfile", str(f / "garbage.key")]
+            + ["--tls-key", str(f / "garbage.key")]
         ),
         "garbage.key: not a PEM private key",
     ),

@@ -70,7 +70,7 @@ def test_client_with_tls_needs_its_key(tmp_path):
 
 
 def test_flower_cli_config_gets_an_absolute_certificate_path(tmp_path, monkeypatch):
-    """`aisyn fl server --ssl-ca-certfile certs/ca.pem` (relative): Flower's CLI
+    """`aisyn fl server --tls-ca certs/ca.pem` (relative): Flower's CLI
     refuses a relative path in its config, so the run (and registering the
     clients' keys) failed."""
     import tomllib

@@ -16,6 +16,14 @@ from aisyn.fl.settings import (
     FLSettings,
     load_settings,
 )
+from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
+
+#: the server's TLS flags as spelled before they matched ``aisyn split``'s
+OLD_SERVER_TLS_FLAGS = {
+    "--tls-cert": "--ssl-certfile",
+    "--tls-key": "--ssl-keyfile",
+    "--tls-ca": "--ssl-ca-certfile",
+}
 
 _HELP = {
     "rounds": "federated rounds R",
@@ -135,9 +143,9 @@ def cmd_server(args) -> None:
     from aisyn.fl.launch import serve
     from aisyn.fl.runtime import ServerTls
 
-    tls_files = (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile)
+    tls_files = (args.tls_cert, args.tls_key, args.tls_ca)
     if any(tls_files) and not all(tls_files):
-        raise ValueError("give all of --ssl-certfile, --ssl-keyfile, --ssl-ca-certfile")
+        raise ValueError("give all of --tls-cert, --tls-key, --tls-ca")
     tls = ServerTls(*map(Path, tls_files)) if all(tls_files) else None
     result = serve(
         args.base,
@@ -146,7 +154,7 @@ def cmd_server(args) -> None:
         host=args.host,
         port=args.port,
         tls=tls,
-        allow_insecure=args.insecure_remote,
+        allow_insecure=args.allow_insecure_remote,
         client_keys=args.client_key or (),
     )
     _print_result(result)
@@ -161,10 +169,8 @@ def cmd_client(args) -> None:
         args.data,
         args.base,
         args.out,
-        root_certificates=Path(args.root_certificates)
-        if args.root_certificates
-        else None,
-        allow_insecure=args.insecure_remote,
+        root_certificates=Path(args.tls_ca) if args.tls_ca else None,
+        allow_insecure=args.allow_insecure_remote,
         auth_key=args.auth_key,
     )
     if rc:
@@ -224,28 +230,17 @@ def register(sub) -> None:
     sv.add_argument("--out", required=True, help="server run folder")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sv.add_argument("--port", type=validate.port, default=9092)
-    sv.add_argument(
-        "--ssl-certfile",
-        type=validate.pem_certificates,
-        default=None,
-        help="server certificate (PEM)",
+    add_tls_files(
+        sv,
+        cert="server certificate (PEM)",
+        key="server private key (PEM)",
+        ca="CA certificate (PEM)",
+        old=OLD_SERVER_TLS_FLAGS,
     )
-    sv.add_argument(
-        "--ssl-keyfile",
-        type=validate.pem_private_key,
-        default=None,
-        help="server private key (PEM)",
-    )
-    sv.add_argument(
-        "--ssl-ca-certfile",
-        type=validate.pem_certificates,
-        default=None,
-        help="CA certificate (PEM)",
-    )
-    sv.add_argument(
-        "--insecure-remote",
-        action="store_true",
-        help="allow plaintext on a non-loopback address (not recommended)",
+    add_allow_insecure_remote(
+        sv,
+        "allow plaintext on a non-loopback address (not recommended)",
+        old="--insecure-remote",
     )
     sv.add_argument(
         "--client-key",
@@ -268,16 +263,17 @@ def register(sub) -> None:
     c.add_argument("--data", required=True, help="SFT folder (aisyn prepare-sft)")
     c.add_argument("--base", required=True, help="base model run folder")
     c.add_argument("--out", required=True, help="this client's run folder")
-    c.add_argument(
-        "--root-certificates",
-        type=validate.pem_certificates,
-        default=None,
-        help="CA certificate (PEM)",
+    add_tls_files(
+        c,
+        cert=None,  # a client proves who it is with --auth-key
+        key=None,
+        ca="CA certificate (PEM) that signed the server's",
+        old={"--tls-ca": "--root-certificates"},
     )
-    c.add_argument(
-        "--insecure-remote",
-        action="store_true",
-        help="allow plaintext to a non-loopback server (not recommended)",
+    add_allow_insecure_remote(
+        c,
+        "allow plaintext to a non-loopback server (not recommended)",
+        old="--insecure-remote",
     )
     c.add_argument(
         "--auth-key",

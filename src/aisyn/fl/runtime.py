@@ -74,9 +74,9 @@ def check_transport(host: str, tls: object | None, allow_insecure: bool) -> None
     """Plaintext only on loopback (or when explicitly allowed)."""
     if tls is None and not is_loopback(host) and not allow_insecure:
         raise ValueError(
-            f"{host} is not a loopback address: give TLS files (--ssl-certfile/"
-            "--ssl-keyfile/--ssl-ca-certfile on the server, --root-certificates "
-            "on clients) or pass --insecure-remote knowingly"
+            f"{host} is not a loopback address: give TLS files (--tls-cert/"
+            "--tls-key/--tls-ca on the server, --tls-ca on clients) or pass "
+            "--allow-insecure-remote knowingly"
         )
 
 
@@ -231,7 +231,7 @@ def start_supernode(
         cmd += ["--root-certificates", str(root_certificates)]
     if auth_key is not None:
         if root_certificates is None:
-            raise ValueError("SuperNode authentication needs TLS (--root-certificates)")
+            raise ValueError("SuperNode authentication needs TLS (--tls-ca)")
         private = check_private_key(auth_key).resolve()
         cmd += ["--auth-supernode-private-key", str(private)]
     env = flower_env(workdir / "flwr_home")

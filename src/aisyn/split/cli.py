@@ -15,26 +15,18 @@ from aisyn.split.transport import (
     link_options,
     parse_timeout,
 )
+from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
 
 log = logging.getLogger("aisyn.split")
 
 
 def _add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
     g = p.add_argument_group("link security")
-    g.add_argument(
-        "--tls-cert",
-        type=validate.pem_certificates,
-        help="this party's certificate (PEM) for mutual TLS",
-    )
-    g.add_argument(
-        "--tls-key",
-        type=validate.pem_private_key,
-        help="this party's private key (PEM)",
-    )
-    g.add_argument(
-        "--tls-ca",
-        type=validate.pem_certificates,
-        help="CA certificate (PEM) that signed the peer's",
+    add_tls_files(
+        g,
+        cert="this party's certificate (PEM) for mutual TLS",
+        key="this party's private key (PEM)",
+        ca="CA certificate (PEM) that signed the peer's",
     )
     if not server:
         g.add_argument(
@@ -54,10 +46,8 @@ def _add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
         help="plaintext, no TLS (refused on non-loopback addresses unless "
         "--allow-insecure-remote)",
     )
-    g.add_argument(
-        "--allow-insecure-remote",
-        action="store_true",
-        help="permit --insecure on a non-loopback address (activations leak data!)",
+    add_allow_insecure_remote(
+        g, "permit --insecure on a non-loopback address (activations leak data!)"
     )
 
 
