@@ -6,8 +6,6 @@ an independent code path: one model, one optimizer, ``clip_grad_norm_``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -233,10 +231,6 @@ def evaluate_loss(
     if count == 0:
         raise ValueError(f"{shards.data_dir}: the {shards.split!r} split is empty")
     return total / count
-
-
-def _fingerprint(d: dict) -> str:
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def train(

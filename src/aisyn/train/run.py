@@ -45,12 +45,11 @@ class RunDir:
             )
         if resume and has_run:
             old = self.read_config()
-            for key in ("model", "train_fingerprint"):
-                if key in config and old.get(key) != config.get(key):
-                    raise ValueError(
-                        f"{self.path}: --resume with a different {key} than the run "
-                        f"was started with ({old.get(key)} vs {config.get(key)})"
-                    )
+            if "model" in config and old.get("model") != config["model"]:
+                raise ValueError(
+                    f"{self.path}: --resume with a different model than the run "
+                    f"was started with ({old.get('model')} vs {config['model']})"
+                )
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / CONFIG, config)
 
