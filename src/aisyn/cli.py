@@ -46,14 +46,8 @@ def cmd_tokenizer_train(args) -> None:
     )
 
 
-def _corpus_specs(specs: list[str]) -> list[str]:
-    from aisyn.data.corpora import BUILTIN_CORPORA
-
-    return [s if s in BUILTIN_CORPORA else str(Path(s).resolve()) for s in specs]
-
-
 def cmd_prepare(args) -> None:
-    from aisyn.data.corpora import load_corpora
+    from aisyn.data.corpora import load_corpora, portable_specs
     from aisyn.data.shards import prepare
     from aisyn.data.tokenizer import PanguTokenizer
 
@@ -66,7 +60,7 @@ def cmd_prepare(args) -> None:
         args.out,
         max_documents=args.max_docs,
         overwrite=args.overwrite,
-        corpus_specs=_corpus_specs(args.corpus),
+        corpus_specs=portable_specs(args.corpus),
     )
     for split, s in m["splits"].items():
         print(
@@ -117,24 +111,16 @@ def cmd_train(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    from aisyn.eval.flags import eval_options
     from aisyn.eval.report import evaluate_run, summary_lines
     from aisyn.split.evaluate import evaluate_split_run
     from aisyn.train.run import RunDir
 
-    if args.data is None and args.cloze_file is None:
-        raise ValueError("give --data DIR (test loss + cloze) and/or --cloze-file F")
+    options = eval_options(args)
     # A split run holds only the data party's half: evaluate it through the link.
     split = RunDir(args.run).read_config().get("kind") == "split"
     evaluate = evaluate_split_run if split else evaluate_run
-    res = evaluate(
-        args.run,
-        data_dir=args.data,
-        cloze_file=args.cloze_file,
-        per_document=args.per_doc,
-        max_items=args.max_items,
-        cloze_format=args.format,
-        device=args.device,
-    )
+    res = evaluate(args.run, **options)
     for line in summary_lines(res):
         print(line)
     print(f"wrote {Path(args.run) / 'eval.json'}")
@@ -160,6 +146,7 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from aisyn.eval.flags import add_eval_args
     from aisyn.train.flags import add_train_args
 
     p = argparse.ArgumentParser(
@@ -273,27 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate a run's latest checkpoint; writes RUN/eval.json.",
     )
     ev.add_argument("--run", required=True)
-    ev.add_argument(
-        "--data",
-        default=None,
-        help="prepared data folder: test-split loss, and cloze items "
-        "built from its corpus's test documents",
-    )
-    ev.add_argument("--cloze-file", default=None, help="score this .jsonl instead")
-    ev.add_argument(
-        "--per-doc",
-        type=validate.positive_int,
-        default=3,
-        help="cloze items per test document",
-    )
-    ev.add_argument("--max-items", type=validate.positive_int, default=None)
-    ev.add_argument(
-        "--format",
-        choices=["lm", "prompt"],
-        default=None,
-        help="scoring format (default: as the run was trained)",
-    )
-    ev.add_argument("--device", type=validate.device, default="auto")
+    add_eval_args(ev)
     ev.set_defaults(func=cmd_eval)
 
     c = sub.add_parser("cloze", help="build cloze items")

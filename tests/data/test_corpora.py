@@ -2,7 +2,13 @@ import collections
 
 import pytest
 
-from aisyn.data.corpora import CorpusError, load_corpus, parse_tagged_line, split_of
+from aisyn.data.corpora import (
+    CorpusError,
+    load_corpus,
+    parse_tagged_line,
+    portable_specs,
+    split_of,
+)
 
 
 def test_news_is_real_tagged_text(news_corpus):
@@ -69,3 +75,11 @@ def test_bad_corpus_files_get_clear_errors(tmp_path):
     with pytest.raises(CorpusError, match="unsupported corpus file type"):
         (tmp_path / "x.csv").write_text("a")
         load_corpus(tmp_path / "x.csv")
+
+
+def test_portable_specs_keep_builtin_names_and_make_paths_absolute(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    got = portable_specs(["news", "mine.txt", tmp_path / "other.jsonl"])
+    assert got == ["news", str(tmp_path / "mine.txt"), str(tmp_path / "other.jsonl")]

@@ -205,3 +205,12 @@ def load_corpora(specs: Sequence[str | Path]) -> Corpus:
         tuple(d for p in parts for d in p.documents),
         tuple(s for p in parts for s in p.sources),
     )
+
+
+def portable_specs(specs: Sequence[str | Path]) -> list[str]:
+    """Corpus specs as a data folder records them: built-in names as given,
+    files as absolute paths, so that ``aisyn eval`` finds the corpus of a
+    folder from wherever it runs."""
+    return [
+        s if s in BUILTIN_CORPORA else str(Path(s).resolve()) for s in map(str, specs)
+    ]

@@ -30,12 +30,11 @@ def cmd_compare(args) -> None:
 
 
 def cmd_prepare_sft(args) -> None:
-    from aisyn.data.corpora import BUILTIN_CORPORA, load_corpora
+    from aisyn.data.corpora import load_corpora, portable_specs
     from aisyn.data.sft import prepare_sft
     from aisyn.data.tokenizer import PanguTokenizer
 
     tok = PanguTokenizer.load(args.tokenizer)
-    specs = [s if s in BUILTIN_CORPORA else str(Path(s).resolve()) for s in args.corpus]
     m = prepare_sft(
         load_corpora(args.corpus),
         tok,
@@ -45,7 +44,7 @@ def cmd_prepare_sft(args) -> None:
         test_per_document=args.test_per_doc,
         seed=args.seed,
         max_documents=args.max_docs,
-        corpus_specs=specs,
+        corpus_specs=portable_specs(args.corpus),
         overwrite=args.overwrite,
     )
     for split, s in m["splits"].items():

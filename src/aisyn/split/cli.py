@@ -203,22 +203,13 @@ def cmd_serve(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    from aisyn.eval.flags import eval_options
     from aisyn.eval.report import summary_lines
     from aisyn.split.evaluate import evaluate_split_run
 
-    if args.data is None and args.cloze_file is None:
-        raise ValueError("give --data DIR (test loss + cloze) and/or --cloze-file F")
+    options = eval_options(args)
     peer = _settings(args, args.peer) if args.peer else None
-    res = evaluate_split_run(
-        args.run,
-        peer=peer,
-        data_dir=args.data,
-        cloze_file=args.cloze_file,
-        per_document=args.per_doc,
-        max_items=args.max_items,
-        cloze_format=args.format,
-        device=args.device,
-    )
+    res = evaluate_split_run(args.run, peer=peer, **options)
     for line in summary_lines(res):
         print(line)
     print(f"wrote {os.path.join(args.run, 'eval.json')}")
@@ -235,6 +226,7 @@ def cmd_merge(args) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from aisyn.eval.flags import add_eval_args
     from aisyn.train.flags import add_train_args
 
     s = sub.add_parser(
@@ -422,12 +414,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="override the compute party",
     )
-    e.add_argument("--data", default=None)
-    e.add_argument("--cloze-file", default=None)
-    e.add_argument("--per-doc", type=validate.positive_int, default=3)
-    e.add_argument("--max-items", type=validate.positive_int, default=None)
-    e.add_argument("--format", choices=["lm", "prompt"], default=None)
-    e.add_argument("--device", type=validate.device, default="auto")
+    add_eval_args(e)
     _add_link_args(e, server=False)
     e.set_defaults(func=cmd_eval)
 

@@ -1,0 +1,48 @@
+"""The evaluation flags of ``aisyn eval`` and ``aisyn split eval``, and the
+arguments of ``evaluate_run`` / ``evaluate_split_run`` they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from aisyn import validate
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    """What to evaluate on and how (``--run`` is each command's own)."""
+    p.add_argument(
+        "--data",
+        default=None,
+        help="prepared data folder: test-split loss, and cloze items "
+        "built from its corpus's test documents",
+    )
+    p.add_argument("--cloze-file", default=None, help="score this .jsonl instead")
+    p.add_argument(
+        "--per-doc",
+        type=validate.positive_int,
+        default=3,
+        help="cloze items per test document",
+    )
+    p.add_argument("--max-items", type=validate.positive_int, default=None)
+    p.add_argument(
+        "--format",
+        choices=["lm", "prompt"],
+        default=None,
+        help="scoring format (default: as the run was trained)",
+    )
+    p.add_argument("--device", type=validate.device, default="auto")
+
+
+def eval_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``evaluate_run`` the flags ``add_eval_args``
+    added say; ValueError if they leave nothing to evaluate."""
+    if args.data is None and args.cloze_file is None:
+        raise ValueError("give --data DIR (test loss + cloze) and/or --cloze-file F")
+    return {
+        "data_dir": args.data,
+        "cloze_file": args.cloze_file,
+        "per_document": args.per_doc,
+        "max_items": args.max_items,
+        "cloze_format": args.format,
+        "device": args.device,
+    }
