@@ -12,14 +12,10 @@ both have exists, and ``--resume`` continues from it.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from aisyn.data.shards import open_many
 from aisyn.model.pangu import PanguConfig, load_config
@@ -36,12 +32,14 @@ from aisyn.split.data_party import DataSession, SplitModel
 from aisyn.split.party import Base, PartyState, open_base
 from aisyn.split.session import SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
+from aisyn.train.engine import Engine, Regime
 from aisyn.train.loop import TrainConfig, evaluate_loss, resolve_device
 from aisyn.train.memory import check_fits, compute_dtype, party_bytes
 from aisyn.train.run import RunDir
 from aisyn.train.sampler import BatchSampler
 
 log = logging.getLogger("aisyn.split")
+
 
 def model_config_for(model: PanguConfig | str | Path, tokenizer: dict) -> PanguConfig:
     """The model config, with the vocabulary of the data's tokenizer (as
@@ -78,6 +76,7 @@ def split_train(
     resume: bool = False,
     init_from: str | Path | None = None,
     progress: bool = True,
+    tensorboard: bool = False,
 ) -> dict:
     """Train as the data party; returns a summary like ``train.loop.train``.
 
@@ -186,6 +185,7 @@ def split_train(
             a_steps,
             base,
             progress,
+            tensorboard,
         )
 
 
@@ -201,15 +201,26 @@ def _train_loop(
     a_steps: list[int],
     base: Base | None,
     progress: bool,
+    tensorboard: bool = False,
 ) -> dict:
-    link = opened.link
-    session = DataSession(state, link, eod_id=eod_id, window=opts.window)
-    start_step, elapsed0, tokens = opened.reply["start_step"], 0.0, 0
+    session = DataSession(state, opened.link, eod_id=eod_id, window=opts.window)
+    regime = DataPartyTraining(run, session, sampler, valid, eod_id, cfg)
+    engine = Engine(
+        run,
+        total_steps=cfg.steps,
+        log_every=cfg.log_every,
+        eval_every=cfg.eval_every if valid is not None else 0,
+        ckpt_every=cfg.ckpt_every,
+        desc="split train",
+        progress=progress,
+        tensorboard=tensorboard,
+    )
+    start_step = opened.reply["start_step"]
     if start_step:
         folder = ckpt.step_folder(run.checkpoints, start_step)
         saved = state.load(folder)
-        sampler.load_state_dict(saved["sampler"])
-        elapsed0, tokens = saved["elapsed_s"], saved["tokens"]
+        engine.load_state_dict(saved)
+        regime.load_state_dict(saved)
         run.truncate_metrics(start_step)
         if a_steps and start_step < a_steps[-1]:
             log.warning(
@@ -222,112 +233,93 @@ def _train_loop(
     elif base is not None:  # a fresh start; B did the same (the hello says so)
         state.init_from(base)
         log.info("initialised from %s", base.file)
+    summary = engine.run(regime, range(start_step, cfg.steps))
+    steps_run = cfg.steps - start_step
+    del summary["records"]
+    summary["bytes_sent_per_step"] = regime.sent_total / steps_run if steps_run else 0
+    summary["bytes_received_per_step"] = (
+        regime.received_total / steps_run if steps_run else 0
+    )
+    return summary
 
-    run_id = run.read_config()["run_id"]
 
-    def save(step: int, elapsed: float) -> None:
-        session.save_remote(step)
-        ckpt.save(
-            run.checkpoints,
-            step,
-            state.tensors(),
-            {
-                "party": DATA_PARTY,
-                "run_id": run_id,
-                "sampler": sampler.state_dict(),
-                "elapsed_s": elapsed,
-                "tokens": tokens,
-                "model": state.cfg.to_dict(),
-                "partition": state.partition.to_dict(),
-                "train": cfg.to_dict(),
-            },
-            keep=cfg.keep_checkpoints,
+class DataPartyTraining(Regime):
+    """The data party's side of split training: each step is one TRAIN round
+    with the compute party; checkpoints come in step-consistent pairs (B saves
+    step N first, then A)."""
+
+    def __init__(
+        self,
+        run: RunDir,
+        session: DataSession,
+        sampler: BatchSampler,
+        valid,
+        eod_id: int | None,
+        cfg: TrainConfig,
+    ) -> None:
+        self.run, self.session, self.sampler = run, session, sampler
+        self.valid, self.eod_id, self.cfg = valid, eod_id, cfg
+        self.state = session.state
+        self.link = session.link
+        self.run_id = run.read_config()["run_id"]
+        self.tokens_per_step = cfg.batch_size * sampler.sources[0].seq_len
+        self.sent_total = self.received_total = 0
+
+    def train_step(self, step: int) -> dict:
+        sent0, recv0 = self.link.bytes_sent, self.link.bytes_received
+        ts = time.perf_counter()
+        batch = self.sampler.next_batch(self.cfg.batch_size).to(self.state.device)
+        result = self.session.train_step(batch, step)
+        self.link.flush()
+        sent = self.link.bytes_sent - sent0
+        received = self.link.bytes_received - recv0
+        self.sent_total += sent
+        self.received_total += received
+        return {
+            **result,
+            "step_time_s": round(time.perf_counter() - ts, 4),
+            "bytes_sent": sent,
+            "bytes_received": received,
+        }
+
+    def record_fields(self) -> dict:
+        return {"epoch": self.sampler.epoch}
+
+    def log_line(self, done: int, total: int, record: dict) -> str:
+        return (
+            f"step {done}/{total} loss: {record['loss']:.6f} (sent "
+            f"{record['bytes_sent']} B, received {record['bytes_received']} B)"
         )
 
-    seq_len = sampler.sources[0].seq_len
-    tokens_per_step = cfg.batch_size * seq_len
-    t0 = time.perf_counter() - elapsed0
-    result: dict = {}
-    sent_total = recv_total = 0
-    bar = tqdm(
-        total=cfg.steps,
-        initial=start_step,
-        disable=not progress or None,
-        desc="split train",
-        unit="step",
-        dynamic_ncols=True,
-    )
-    try:
-        with logging_redirect_tqdm():
-            for step in range(start_step, cfg.steps):
-                sent0, recv0 = link.bytes_sent, link.bytes_received
-                ts = time.perf_counter()
-                batch = sampler.next_batch(cfg.batch_size).to(state.device)
-                result = session.train_step(batch, step)
-                link.flush()
-                step_time = time.perf_counter() - ts
-                sent = link.bytes_sent - sent0
-                received = link.bytes_received - recv0
-                sent_total += sent
-                recv_total += received
-                tokens += tokens_per_step
-                done = step + 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{result['loss']:.4f}")
-                record = None
-                if done % cfg.log_every == 0 or done == cfg.steps or done == 1:
-                    record = {
-                        "step": done,
-                        "epoch": sampler.epoch,
-                        **result,
-                        "tokens": tokens,
-                        "elapsed_s": round(time.perf_counter() - t0, 4),
-                        "step_time_s": round(step_time, 4),
-                        "bytes_sent": sent,
-                        "bytes_received": received,
-                    }
-                    log.info(
-                        "step %d/%d loss: %.6f (sent %d B, received %d B)",
-                        done,
-                        cfg.steps,
-                        result["loss"],
-                        sent,
-                        received,
-                    )
-                if valid is not None and (
-                    done % cfg.eval_every == 0 or done == cfg.steps
-                ):
-                    record = record or {
-                        "step": done,
-                        "tokens": tokens,
-                        "elapsed_s": round(time.perf_counter() - t0, 4),
-                    }
-                    record["val_loss"] = evaluate_loss(
-                        SplitModel(session),
-                        valid,
-                        batch_size=cfg.batch_size,
-                        max_batches=cfg.eval_batches,
-                        eod_id=eod_id,
-                        device=state.device,
-                    )
-                    log.info("step %d valid loss: %.6f", done, record["val_loss"])
-                if record:
-                    run.log_metrics(record)
-                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
-                    save(done, time.perf_counter() - t0)
-                    run.plot()
-    finally:
-        bar.close()
-    elapsed = time.perf_counter() - t0
-    plot = run.plot()
-    steps_run = cfg.steps - start_step
-    return {
-        "run": str(run.path),
-        "steps": cfg.steps,
-        "tokens": tokens,
-        "final_loss": result.get("loss", math.nan),
-        "elapsed_s": elapsed,
-        "plot": str(plot) if plot else None,
-        "bytes_sent_per_step": sent_total / steps_run if steps_run else 0,
-        "bytes_received_per_step": recv_total / steps_run if steps_run else 0,
-    }
+    def validate(self) -> float | None:
+        return evaluate_loss(
+            SplitModel(self.session),
+            self.valid,
+            batch_size=self.cfg.batch_size,
+            max_batches=self.cfg.eval_batches,
+            eod_id=self.eod_id,
+            device=self.state.device,
+        )
+
+    def save(self, step: int, state: dict) -> None:
+        self.session.save_remote(step)  # B's half first: pairs stay consistent
+        ckpt.save(
+            self.run.checkpoints,
+            step,
+            self.state.tensors(),
+            {
+                "party": DATA_PARTY,
+                "run_id": self.run_id,
+                **state,
+                "model": self.state.cfg.to_dict(),
+                "partition": self.state.partition.to_dict(),
+                "train": self.cfg.to_dict(),
+            },
+            keep=self.cfg.keep_checkpoints,
+        )
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])

@@ -149,10 +149,9 @@ class Engine:
                     bar.set_postfix(loss=f"{last['loss']:.4f}")
                     if not self.main:
                         continue
-                    record = self._after_step(regime, done, last, steps)
+                    record = self._after_step(regime, done, last, steps, writer)
                     if record is not None:
                         records.append(record)
-                        self._write(record, writer)
         finally:
             bar.close()
             if writer is not None:
@@ -169,7 +168,7 @@ class Engine:
         }
 
     def _after_step(
-        self, regime: Regime, done: int, result: dict, steps: range
+        self, regime: Regime, done: int, result: dict, steps: range, writer
     ) -> dict | None:
         final = done == self.total_steps
         edge = self.log_range_edges and done in (steps.start + 1, steps.stop)
@@ -189,6 +188,9 @@ class Engine:
                 record = record or {"step": done, **self._progress_fields()}
                 record["val_loss"] = val
                 log.info("step %d valid loss: %.6f", done, val)
+        if record is not None:
+            # Before the checkpoint: a step whose checkpoint exists is logged.
+            self._write(record, writer)
         if (self.ckpt_every and done % self.ckpt_every == 0) or done == steps.stop:
             regime.save(done, {**self.state_dict(), **regime.state_dict()})
             self._plot()
