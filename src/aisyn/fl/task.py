@@ -37,15 +37,16 @@ from aisyn.fl.records import (
 )
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import make_strategy
+from aisyn.train.engine import Engine
 from aisyn.train.finetune import (
     BaseModel,
+    FineTuning,
     SFTBatches,
     check_data_matches,
     describe_base,
     load_base,
     save_model,
     sft_eval_loss,
-    train_steps,
 )
 from aisyn.train.loop import make_optimizer, resolve_device
 from aisyn.train.lora import (
@@ -198,41 +199,38 @@ def client_train(
     batches = SFTBatches([ctx.data], settings.seed, ctx.device)
     batches.skip(first * settings.batch_size)  # resume this client's data order
     optimizer = make_optimizer(ctx.trainable, cfg)
-    t0 = time.perf_counter()
-
-    def on_step(done: int, rec: dict) -> None:
-        if done % 10 == 0 or done == first + 1 or done == first + E:
-            ctx.run.log_metrics(
-                {
-                    "round": server_round,
-                    **rec,
-                    "epoch": round(batches.epoch_float, 4),
-                    "train_s": round(time.perf_counter() - t0, 4),
-                }
-            )
-
-    records = train_steps(
+    regime = FineTuning(
         ctx.model,
         ctx.trainable,
         optimizer,
         batches,
         cfg,
-        range(first, first + E),
         lr_at=lambda step: settings.lr_at(server_round, step),
         prox_mu=settings.proximal_mu if settings.strategy == "fedprox" else 0.0,
         anchor=anchor,
-        on_step=on_step,
+        save=lambda step, state: save_model(
+            ctx.run,
+            ctx.model,
+            step,
+            {"round": server_round, "elapsed_s": state["elapsed_s"]},
+            keep=1,
+        ),
+        fields={"round": server_round},
     )
-    train_s = time.perf_counter() - t0
-    reply = tensors_to_record(trainable_tensors(ctx.trainable))
-    mean_loss = sum(r["loss"] for r in records) / len(records)
-    save_model(
+    engine = Engine(
         ctx.run,
-        ctx.model,
-        first + E,
-        {"round": server_round, "elapsed_s": train_s},
-        keep=1,
+        total_steps=cfg.steps,
+        log_every=10,
+        desc=f"client {node.name}",
+        progress=False,
+        time_key="train_s",
+        log_range_edges=True,
+        plot=False,
     )
+    t0 = time.perf_counter()
+    train_s = engine.run(regime, range(first, first + E))["elapsed_s"]  # + save
+    reply = tensors_to_record(trainable_tensors(ctx.trainable))
+    mean_loss = sum(regime.losses) / len(regime.losses)
     ctx.run.log_metrics(
         {
             "round": server_round,

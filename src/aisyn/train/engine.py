@@ -88,6 +88,7 @@ class Engine:
         plot_title: str | None = None,
         time_key: str = "elapsed_s",
         log_range_edges: bool = False,
+        plot: bool = True,
     ) -> None:
         self.run_dir = run
         self.total_steps = total_steps
@@ -103,6 +104,8 @@ class Engine:
         #: also log the first and last step of every ``run`` (a federated
         #: client's round), not only of the whole run
         self.log_range_edges = log_range_edges
+        self.plot = plot  # the loss plot, redrawn at every checkpoint
+        self._last_plot: Path | None = None
         self.tokens = 0
         self.elapsed0 = 0.0
         self._t0 = time.perf_counter()
@@ -156,7 +159,7 @@ class Engine:
             bar.close()
             if writer is not None:
                 writer.close()
-        plot = self._plot() if self.main else None
+        plot = self._last_plot
         return {
             "run": str(self.run_dir.path) if self.run_dir else None,
             "steps": self.total_steps,
@@ -212,9 +215,9 @@ class Engine:
                     writer.add_scalar(key, value, record["step"])
 
     def _plot(self) -> Path | None:
-        if self.run_dir is None:
-            return None
-        return self.run_dir.plot(self.plot_title)
+        if self.run_dir is not None and self.plot:
+            self._last_plot = self.run_dir.plot(self.plot_title)
+        return self._last_plot
 
     def _open_tensorboard(self):
         if not self.tensorboard:

@@ -5,7 +5,8 @@ The same pieces serve every regime of the comparison:
 * ``finetune()`` — a standalone or data-fusion run (one or several SFT folders
   pooled) from a base model, writing a run folder of ``"kind": "finetune"`` so
   ``aisyn eval`` scores it in the ``prompt`` format it was trained on;
-* ``train_steps()`` — the local training a federated client runs for E steps per
+* ``FineTuning`` — the engine regime of both, and of the local training a
+  federated client runs for E steps per
   round (``aisyn.fl.task``), with an optional FedProx proximal term.
 
 Reuses the standalone loop's optimizer (``make_optimizer``), schedule
@@ -19,7 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +28,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from aisyn.data.cache import cache_dir
 from aisyn.data.sft import IGNORE, SFTData, cat_batches, open_sft_many
 from aisyn.model.pangu import PanguAlpha, PanguConfig, build_model
 from aisyn.train import checkpoint as ckpt
+from aisyn.train.engine import Engine, Regime
 from aisyn.train.loop import (
     TrainConfig,
     autocast_for,
@@ -255,42 +255,68 @@ class SFTBatches:
         return inputs.to(self.device), targets.to(self.device)
 
 
-def train_steps(
-    model: PanguAlpha,
-    trainable: Sequence[tuple[str, nn.Parameter]],
-    optimizer: torch.optim.Optimizer,
-    batches: SFTBatches,
-    cfg: TrainConfig,
-    steps: range,
-    *,
-    lr_at: Callable[[int], float] | None = None,
-    prox_mu: float = 0.0,
-    anchor: dict[str, torch.Tensor] | None = None,
-    on_step: Callable[[int, dict], None] | None = None,
-) -> list[dict]:
-    """Run optimizer steps ``steps`` (global step indices, for the schedule)."""
-    lr_at = lr_at or cfg.lr_at
-    records = []
-    for step in steps:
-        inputs, targets = batches.next(cfg.batch_size)
-        rec = sft_step(
-            model,
-            trainable,
-            optimizer,
+class FineTuning(Regime):
+    """Supervised fine-tuning steps (loss on answer tokens only): a standalone
+    or data-fusion run, or one federated client's local steps in a round
+    (``lr_at`` its round's schedule, ``prox_mu`` FedProx's pull to ``anchor``)."""
+
+    def __init__(
+        self,
+        model: PanguAlpha,
+        trainable: Sequence[tuple[str, nn.Parameter]],
+        optimizer: torch.optim.Optimizer,
+        batches: SFTBatches,
+        cfg: TrainConfig,
+        *,
+        lr_at: Callable[[int], float] | None = None,
+        prox_mu: float = 0.0,
+        anchor: dict[str, torch.Tensor] | None = None,
+        valid: SFTData | None = None,
+        save: Callable[[int, dict], None] | None = None,
+        fields: dict | None = None,
+    ) -> None:
+        self.model, self.trainable, self.optimizer = model, trainable, optimizer
+        self.batches, self.cfg = batches, cfg
+        self.lr_at = lr_at or cfg.lr_at
+        self.prox_mu, self.anchor, self.valid = prox_mu, anchor, valid
+        self._save, self.fields = save, fields or {}
+        self.losses: list[float] = []  # every step's, logged or not
+
+
+    def train_step(self, step: int) -> dict:
+        inputs, targets = self.batches.next(self.cfg.batch_size)
+        record = sft_step(
+            self.model,
+            self.trainable,
+            self.optimizer,
             inputs,
             targets,
             step=step,
-            lr=lr_at(step),
-            micro=cfg.micro,
-            grad_clip=cfg.grad_clip,
-            prox_mu=prox_mu,
-            anchor=anchor,
+            lr=self.lr_at(step),
+            micro=self.cfg.micro,
+            grad_clip=self.cfg.grad_clip,
+            prox_mu=self.prox_mu,
+            anchor=self.anchor,
         )
-        rec["step"] = step + 1
-        records.append(rec)
-        if on_step is not None:
-            on_step(step + 1, rec)
-    return records
+        self.losses.append(record["loss"])
+        return record
+
+    def record_fields(self) -> dict:
+        return {**self.fields, "epoch": round(self.batches.epoch_float, 4)}
+
+    def validate(self) -> float | None:
+        if self.valid is None:
+            return None
+        return sft_eval_loss(
+            self.model,
+            self.valid,
+            batch_size=self.cfg.batch_size,
+            max_items=self.cfg.eval_batches * self.cfg.batch_size,
+        )
+
+    def save(self, step: int, state: dict) -> None:
+        if self._save is not None:
+            self._save(step, state)
 
 
 @torch.no_grad()
@@ -361,6 +387,7 @@ def finetune(
     method: Method | None = None,
     *,
     progress: bool = True,
+    tensorboard: bool = False,
 ) -> dict:
     """Fine-tune ``base`` on the pooled SFT folders; returns a summary dict."""
     method = method or Method()
@@ -391,60 +418,38 @@ def finetune(
     valid = None
     if cfg.eval_every:
         valid = SFTData.open(data[0].data_dir, "valid")
-    t0 = time.perf_counter()
-    bar = tqdm(total=cfg.steps, disable=not progress or None, desc="finetune")
-    last: dict = {}
-
-    def on_step(done: int, rec: dict) -> None:
-        nonlocal last
-        last = rec
-        bar.update(1)
-        bar.set_postfix(loss=f"{rec['loss']:.4f}")
-        record = None
-        if done % cfg.log_every == 0 or done == cfg.steps or done == 1:
-            record = {
-                **rec,
-                "epoch": round(batches.epoch_float, 4),
-                "elapsed_s": round(time.perf_counter() - t0, 4),
-            }
-        if valid is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
-            record = record or {"step": done}
-            record["val_loss"] = sft_eval_loss(
-                model,
-                valid,
-                batch_size=cfg.batch_size,
-                max_items=cfg.eval_batches * cfg.batch_size,
-            )
-        if record:
-            run.log_metrics(record)
-        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
-            save_model(
-                run,
-                model,
-                done,
-                {"elapsed_s": time.perf_counter() - t0, "method": method.to_dict()},
-                cfg.keep_checkpoints,
-            )
-
-    try:
-        train_steps(
+    regime = FineTuning(
+        model,
+        trainable,
+        optimizer,
+        batches,
+        cfg,
+        valid=valid,
+        save=lambda step, state: save_model(
+            run,
             model,
-            trainable,
-            optimizer,
-            batches,
-            cfg,
-            range(cfg.steps),
-            on_step=on_step,
-        )
-    finally:
-        bar.close()
-    elapsed = time.perf_counter() - t0
-    plot = run.plot()
+            step,
+            {**state, "method": method.to_dict()},
+            cfg.keep_checkpoints,
+        ),
+    )
+    engine = Engine(
+        run,
+        total_steps=cfg.steps,
+        log_every=cfg.log_every,
+        eval_every=cfg.eval_every,
+        ckpt_every=cfg.ckpt_every,
+        desc="finetune",
+        progress=progress,
+        tensorboard=tensorboard,
+    )
+    result = engine.run(regime, range(cfg.steps))
+    elapsed, plot = result["elapsed_s"], result["plot"]
     summary = {
         "run": str(run.path),
         "steps": cfg.steps,
         "epochs": round(batches.epoch_float, 4),
-        "final_loss": last.get("loss"),
+        "final_loss": result["final_loss"],
         "elapsed_s": elapsed,
         "trainable_parameters": sum(p.numel() for _, p in trainable),
         "plot": str(plot) if plot else None,
