@@ -102,6 +102,7 @@ def cmd_train(args) -> None:
         resume=args.resume,
         init_from=args.init_from,
         progress=not args.quiet,
+        tensorboard=args.tensorboard,
     )
     print(
         f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "

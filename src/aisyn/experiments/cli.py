@@ -24,6 +24,7 @@ def cmd_compare(args) -> None:
         args.out,
         device=args.device,
         echo=args.echo,
+        tensorboard=args.tensorboard,
     )
     print((Path(args.out) / REPORT_MD).read_text(encoding="utf-8"))
     print(f"took {report['elapsed_s'] / 60:.1f} min; wrote {args.out}")
@@ -64,6 +65,7 @@ def cmd_finetune(args) -> None:
         train_config_from_args(args),
         Method(args.method, rank=args.lora_rank, alpha=args.lora_alpha),
         progress=not args.quiet,
+        tensorboard=args.tensorboard,
     )
     print(
         f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
@@ -121,6 +123,11 @@ def register(sub) -> None:
         help="override the fine-tuning lr",
     )
     c.add_argument("--echo", action="store_true", help="stream the Flower server log")
+    c.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="every run of the comparison also writes TensorBoard event files",
+    )
     c.set_defaults(func=cmd_compare)
 
     p = sub.add_parser(

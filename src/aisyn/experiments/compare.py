@@ -275,7 +275,11 @@ def run_compare(
     *,
     device: str = "auto",
     echo: bool = False,
+    tensorboard: bool = False,
 ) -> dict:
+    """Every regime of the comparison in ``out``; ``tensorboard``: each
+    fine-tuning run, the federated server and its clients also write
+    TensorBoard event files."""
     t_start = time.perf_counter()
     out = Path(out)
     if (out / REPORT_JSON).exists() or (out / "runs").exists():
@@ -327,7 +331,9 @@ def run_compare(
 
     def finetuned(name: str, data: list[Path]) -> None:
         run = runs / name.replace("+", "_")
-        summary = finetune(base, data, run, cfg, method, progress=False)
+        summary = finetune(
+            base, data, run, cfg, method, progress=False, tensorboard=tensorboard
+        )
         model, _ = load_run_model(run, dev)
         add_row(
             f"{name} ft",
@@ -347,7 +353,9 @@ def run_compare(
 
     from aisyn.fl.launch import simulate
 
-    settings = federated_settings(preset, len(names), device)
+    settings = federated_settings(
+        preset, len(names), device, tensorboard=tensorboard
+    )
     fed = simulate(
         base, {n: sft[n] for n in names}, runs / "federated", settings, echo=echo
     )

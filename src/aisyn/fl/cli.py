@@ -75,6 +75,10 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
             kw["choices"] = ("full", "lora")
         elif f.name == "aggregation":
             kw["choices"] = AGGREGATIONS
+        elif isinstance(f.default, bool):
+            kw.update(action="store_const", const=True)  # default None: unset
+            g.add_argument(flag, **kw)
+            continue
         elif isinstance(f.default, int | float) and not isinstance(f.default, bool):
             # the ranges FLSettings checks TOML values against, so that a bad
             # flag fails while parsing, with the flag named

@@ -98,6 +98,7 @@ class FLSettings:
     max_norm_ratio: float = 3.0
     eval_items: int = 256  # client validation items per evaluation (0: all)
     device: str = "auto"
+    tensorboard: bool = False  # server and clients also write TensorBoard files
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.local_steps < 1:

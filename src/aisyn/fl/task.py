@@ -140,6 +140,8 @@ class ClientContext:
         self.spec = {n: tuple(p.shape) for n, p in self.trainable}
         self.run = RunDir(node.out)
         self._ensure_run_folder()
+        if settings.tensorboard:
+            self.run.enable_tensorboard()
         self.load_s = time.perf_counter() - t0
 
     def _ensure_run_folder(self) -> None:
@@ -246,6 +248,7 @@ def client_train(
         }
     )
     ctx.run.plot(f"client {node.name}")
+    ctx.run.close()
     metrics = MetricRecord(
         {
             "num-examples": len(ctx.data),
@@ -337,6 +340,8 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         resume=False,
     )
     run.copy_tokenizer(info.path / TOKENIZER)
+    if settings.tensorboard:
+        run.enable_tensorboard()
     strategy = make_strategy(settings)
     spec = {n: tuple(p.shape) for n, p in trainable}
     history: list[dict] = []
@@ -396,6 +401,7 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         )
         plot_global(history, summary["final_global_valid_loss"], run.path / "loss.png")
     write_json_atomic(run.path / RESULT_FILE, summary)
+    run.close()
     log.info(
         "federated run finished: %s",
         json.dumps(

@@ -26,9 +26,6 @@ from aisyn.train.run import RunDir
 
 log = logging.getLogger("aisyn.train")
 
-#: sub-folder of a run folder that ``--tensorboard`` writes event files to
-TENSORBOARD_DIR = "tensorboard"
-
 
 class Regime:
     """What a training regime plugs into the engine (override what applies)."""
@@ -133,7 +130,8 @@ class Engine:
         self._t0 = time.perf_counter()
         last: dict = {}
         records: list[dict] = []
-        writer = self._open_tensorboard()
+        if self.tensorboard:
+            self.run_dir.enable_tensorboard()
         bar = tqdm(
             total=self.total_steps,
             initial=steps.start,
@@ -152,13 +150,13 @@ class Engine:
                     bar.set_postfix(loss=f"{last['loss']:.4f}")
                     if not self.main:
                         continue
-                    record = self._after_step(regime, done, last, steps, writer)
+                    record = self._after_step(regime, done, last, steps)
                     if record is not None:
                         records.append(record)
         finally:
             bar.close()
-            if writer is not None:
-                writer.close()
+            if self.tensorboard:
+                self.run_dir.close()
         plot = self._last_plot
         return {
             "run": str(self.run_dir.path) if self.run_dir else None,
@@ -171,7 +169,7 @@ class Engine:
         }
 
     def _after_step(
-        self, regime: Regime, done: int, result: dict, steps: range, writer
+        self, regime: Regime, done: int, result: dict, steps: range
     ) -> dict | None:
         final = done == self.total_steps
         edge = self.log_range_edges and done in (steps.start + 1, steps.stop)
@@ -193,7 +191,8 @@ class Engine:
                 log.info("step %d valid loss: %.6f", done, val)
         if record is not None:
             # Before the checkpoint: a step whose checkpoint exists is logged.
-            self._write(record, writer)
+            if self.run_dir is not None:
+                self.run_dir.log_metrics(record)
         if (self.ckpt_every and done % self.ckpt_every == 0) or done == steps.stop:
             regime.save(done, {**self.state_dict(), **regime.state_dict()})
             self._plot()
@@ -206,23 +205,7 @@ class Engine:
 
     # --- outputs ----------------------------------------------------------------
 
-    def _write(self, record: dict, writer) -> None:
-        if self.run_dir is not None:
-            self.run_dir.log_metrics(record)
-        if writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    writer.add_scalar(key, value, record["step"])
-
     def _plot(self) -> Path | None:
         if self.run_dir is not None and self.plot:
             self._last_plot = self.run_dir.plot(self.plot_title)
         return self._last_plot
-
-    def _open_tensorboard(self):
-        if not self.tensorboard:
-            return None
-        assert self.run_dir is not None
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(str(self.run_dir.path / TENSORBOARD_DIR))

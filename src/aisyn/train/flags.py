@@ -78,6 +78,11 @@ def add_train_args(
         default="auto",
         help="auto, cpu, cuda, cuda:1, ...",
     )
+    g.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write TensorBoard event files to OUT/tensorboard",
+    )
     if resumable:
         g.add_argument(
             "--resume",

@@ -23,9 +23,14 @@ PLOT = "loss.png"
 TOKENIZER = "tokenizer.model"
 
 
+#: sub-folder that TensorBoard event files go to (``--tensorboard``)
+TENSORBOARD_DIR = "tensorboard"
+
+
 class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._tensorboard = None  # a SummaryWriter once enabled
 
     @property
     def checkpoints(self) -> Path:
@@ -68,8 +73,30 @@ class RunDir:
             shutil.copyfile(src, dst)
 
     def log_metrics(self, record: dict) -> None:
+        """Append ``record`` to metrics.jsonl (and, once enabled, its numbers to
+        TensorBoard at its ``step``, or ``round`` for a federated server)."""
         with self.metrics_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            at = record.get("step", record.get("round"))
+            if isinstance(at, int):
+                for key, value in record.items():
+                    if key not in ("step", "round") and isinstance(value, int | float):
+                        self._tensorboard.add_scalar(key, value, at)
+                self._tensorboard.flush()  # a killed run keeps what it logged
+
+    def enable_tensorboard(self) -> None:
+        """Mirror every metrics record to TensorBoard event files in
+        ``tensorboard/`` (every regime logs through here, so all get it)."""
+        if self._tensorboard is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.path / TENSORBOARD_DIR))
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
     def read_metrics(self) -> list[dict]:
         return read_metrics(self.metrics_path)
