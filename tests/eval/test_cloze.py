@@ -13,7 +13,7 @@ from aisyn.data.cloze import (
     read_items,
     write_items,
 )
-from aisyn.eval.cloze import cloze_accuracy, encode_item, score_items
+from aisyn.eval.cloze import cloze_accuracy, encode_item, score_per_candidate
 
 
 class OracleLM(nn.Module):
@@ -69,7 +69,7 @@ def test_mean_per_token_score_does_not_favour_short_candidates(tokenizer):
     lengths = [len(c) for c in enc.continuations]
     assert max(lengths) >= 3 * min(lengths)  # the candidates really differ
 
-    scores = score_items(UniformLM(tokenizer.vocab_size), [enc])[0]
+    scores = score_per_candidate(UniformLM(tokenizer.vocab_size), [enc])[0]
 
     # A model indifferent between tokens gives every candidate the same score;
     # a summed log-likelihood would have preferred the shortest by a wide margin.
@@ -84,8 +84,8 @@ def test_real_model_scores_batch_independently(tokenizer, tiny_config):
     other = ClozeItem("今天天气很好，我们去公园", "吧。", ("散步", "游泳"), "散步")
     encs = [encode_item(i, tokenizer, 32) for i in (ITEM, other)]
 
-    together = score_items(model, encs, batch_size=16)
-    alone = [score_items(model, [e], batch_size=1)[0] for e in encs]
+    together = score_per_candidate(model, encs, batch_size=16)
+    alone = [score_per_candidate(model, [e], batch_size=1)[0] for e in encs]
 
     for a, b in zip(together, alone, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -33,8 +33,8 @@ from aisyn.data.corpora import BUILTIN_CORPORA, load_corpus
 from aisyn.data.sft import SFTData, prepare_sft
 from aisyn.data.shards import TokenShards, prepare, read_manifest
 from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.eval.cloze import encode_items, encoded_accuracy
 from aisyn.experiments.presets import Preset
-from aisyn.experiments.scoring import encode_items, fast_cloze_accuracy
 from aisyn.fl.settings import FLSettings
 from aisyn.model.pangu import PanguAlpha, PanguConfig
 from aisyn.train.finetune import finetune
@@ -173,7 +173,7 @@ class Evaluator:
         model = model.to(self.device).eval()
         out: dict = {"format": fmt}
         for d in self.domains:
-            out[f"acc_{d}"] = fast_cloze_accuracy(
+            out[f"acc_{d}"] = encoded_accuracy(
                 model,
                 self.encoded(d, fmt),
                 fmt=fmt,

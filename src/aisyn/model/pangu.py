@@ -341,9 +341,16 @@ class PanguAlpha(nn.Module):
     def embed(
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Word + position embeddings. (B, T) -> (B, T, C)."""
+        """Word + position embeddings. (B, T) -> (B, T, C).
+
+        ``seq_len`` bounds positions, not tokens: a row of several sequences
+        packed together (cloze candidates sharing a context) may be longer,
+        given position ids that restart below ``seq_len``.
+        """
         T = tokens.shape[1]
-        if T > self.config.seq_len:
+        limit = self.config.seq_len
+        # Checked only for long rows, so the usual path never syncs on a device.
+        if T > limit and (position_ids is None or int(position_ids.max()) >= limit):
             raise ValueError(
                 f"sequence of {T} tokens exceeds the model's seq_len "
                 f"{self.config.seq_len}"
