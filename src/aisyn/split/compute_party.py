@@ -28,7 +28,7 @@ from aisyn.split import schedule
 from aisyn.split.party import (
     PartyState,
     SkippedStep,
-    describe_base,
+    base_label,
     open_base,
 )
 from aisyn.train import checkpoint as ckpt
@@ -97,7 +97,7 @@ class ComputeParty:
             log.info(
                 "fresh runs start from %s (%s)",
                 self.base.file,
-                describe_base(self.base.fingerprint),
+                base_label(self.base.fingerprint),
             )
 
     # --- handshake -------------------------------------------------------------
@@ -183,8 +183,8 @@ class ComputeParty:
             # Each side loads its own part of the base: a fresh run from two
             # different starting points would train a model that never existed.
             raise proto.ProtocolError(
-                f"the data party starts from {describe_base(init)}, this compute "
-                f"party from {describe_base(mine_init)}; a fresh run needs both to "
+                f"the data party starts from {base_label(init)}, this compute "
+                f"party from {base_label(mine_init)}; a fresh run needs both to "
                 "--init-from the same base model"
             )
         if purpose == "train" and start == 0 and self.base is None and seeds is None:

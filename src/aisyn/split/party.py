@@ -9,7 +9,6 @@ gradient norm: it contributes its local squared norm and receives the peer's.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from dataclasses import dataclass
@@ -185,24 +184,9 @@ class Base:
     """The pre-trained model a fresh split run starts from (``--init-from``)."""
 
     file: Path  # the model.safetensors resolved from a run or checkpoint folder
-    fingerprint: str  # base_fingerprint of the data party's tensors in it
-
-
-def base_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over names, dtypes, shapes and bytes of ``tensors``.
-
-    Taken over the data party's tensors: A has at least those, and B, holding
-    the whole base it pre-trained, has them too, so each side computes it from
-    its own copy and the handshake refuses a fresh run whose parties start from
-    different bases (a header hash would not do: every checkpoint of one run
-    has the same header).
-    """
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
+    # tensors_fingerprint of the data party's tensors in it: A has at least
+    # those, and B, holding the whole base, has them too
+    fingerprint: str
 
 
 def open_base(
@@ -231,14 +215,14 @@ def open_base(
     data = ckpt.read_some_tensors(
         file, own_tensor_shapes(cfg, partition, DATA_PARTY), whose
     )
-    return Base(file, base_fingerprint(data))
+    return Base(file, ckpt.tensors_fingerprint(data))
 
 
 def _valid_sq_norm(x: float) -> bool:
     return math.isfinite(x) and x >= 0.0
 
 
-def describe_base(fingerprint: str | None) -> str:
+def base_label(fingerprint: str | None) -> str:
     return f"base {fingerprint[:12]}" if fingerprint else "random init"
 
 

@@ -13,15 +13,19 @@ Nothing here unpickles anything.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from aisyn.data.cache import cache_dir
 
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
@@ -246,6 +250,48 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+
+
+def tensors_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """The one fingerprint of model weights: sha256 over the names, dtypes,
+    shapes and bytes of ``tensors``, in name order.
+
+    Over tensors rather than file bytes, so it names the weights whatever file
+    holds them (a header differs between two saves of the same weights), and
+    over any subset: a split run's parties compare the base model by the data
+    party's tensors, which both hold; a federated run by all of them.
+    """
+    return _hash_tensors((name, tensors[name]) for name in sorted(tensors))
+
+
+def _hash_tensors(items: Iterable[tuple[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for name, t in items:
+        t = t.contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def file_fingerprint(path: Path) -> str:
+    """``tensors_fingerprint`` of every tensor in a safetensors file, memoised
+    by (path, size, mtime) so a large base is hashed once."""
+    st = path.stat()
+    key = hashlib.sha1(
+        f"tensors/1\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+    )
+    memo = cache_dir("fingerprints") / f"{key.hexdigest()}.txt"
+    if memo.is_file():
+        return memo.read_text().strip()
+    try:
+        with safe_open(str(path), framework="pt") as f:  # one tensor at a time
+            digest = _hash_tensors((n, f.get_tensor(n)) for n in sorted(f.keys()))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+    tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)
+    return digest
 
 
 def read_some_tensors(

@@ -16,10 +16,8 @@ carry a supervised target go through the (vocabulary-sized) output projection.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aisyn.data.cache import cache_dir
 from aisyn.data.sft import IGNORE, SFTData, cat_batches, open_sft_many
 from aisyn.model.pangu import PanguAlpha, PanguConfig, build_model
 from aisyn.train import checkpoint as ckpt
@@ -60,7 +57,7 @@ class BaseModel:
     checkpoint: Path  # the model.safetensors read
     model: PanguConfig
     tokenizer: dict  # sha256, vocab_size, eod_id, pad_id
-    fingerprint: str  # sha256 of the weights file
+    fingerprint: str  # checkpoint.tensors_fingerprint of its weights
 
     def to_dict(self) -> dict:
         return {
@@ -68,23 +65,6 @@ class BaseModel:
             "checkpoint": str(self.checkpoint),
             "fingerprint": self.fingerprint,
         }
-
-
-def file_fingerprint(path: Path) -> str:
-    """SHA-256 of a file, memoised by (path, size, mtime) so large bases hash once."""
-    st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    memo = cache_dir("fingerprints") / f"{key.hexdigest()}.txt"
-    if memo.is_file():
-        return memo.read_text().strip()
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
-    tmp.write_text(h.hexdigest())
-    os.replace(tmp, memo)
-    return h.hexdigest()
 
 
 def describe_base(base: str | Path) -> BaseModel:
@@ -104,7 +84,7 @@ def describe_base(base: str | Path) -> BaseModel:
     weights = last / ckpt.MODEL_FILE
     if not weights.is_file():
         raise ckpt.CheckpointError(f"{weights}: missing")
-    return BaseModel(run.path, weights, mcfg, tok, file_fingerprint(weights))
+    return BaseModel(run.path, weights, mcfg, tok, ckpt.file_fingerprint(weights))
 
 
 def load_base(
@@ -281,7 +261,6 @@ class FineTuning(Regime):
         self.prox_mu, self.anchor, self.valid = prox_mu, anchor, valid
         self._save, self.fields = save, fields or {}
         self.losses: list[float] = []  # every step's, logged or not
-
 
     def train_step(self, step: int) -> dict:
         inputs, targets = self.batches.next(self.cfg.batch_size)
