@@ -274,6 +274,7 @@ def _drive_b(split_config: PanguConfig, tmp_path: Path, act_fn, sqnorm: float):
     saved = link_a.recv_scalar("saved", step=1)
     link_a.close()
     thread.join(10)
+    link_b.close()  # as open_local does: its send thread would outlive the test
     return theirs, saved, tmp_path / "b" / "evil" / "checkpoints"
 
 
