@@ -205,12 +205,9 @@ def _train_loop(
 ) -> dict:
     session = DataSession(state, opened.link, eod_id=eod_id, window=opts.window)
     regime = DataPartyTraining(run, session, sampler, valid, eod_id, cfg)
-    engine = Engine(
+    engine = Engine.for_config(
         run,
-        total_steps=cfg.steps,
-        log_every=cfg.log_every,
-        eval_every=cfg.eval_every if valid is not None else 0,
-        ckpt_every=cfg.ckpt_every,
+        cfg,  # (valid is None exactly when cfg.eval_every is 0)
         desc="split train",
         progress=progress,
         tensorboard=tensorboard,

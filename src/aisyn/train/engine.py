@@ -18,11 +18,15 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from aisyn.train.run import RunDir
+
+if TYPE_CHECKING:
+    from aisyn.train.loop import TrainConfig
 
 log = logging.getLogger("aisyn.train")
 
@@ -106,6 +110,18 @@ class Engine:
         self.tokens = 0
         self.elapsed0 = 0.0
         self._t0 = time.perf_counter()
+
+    @classmethod
+    def for_config(cls, run: RunDir | None, cfg: TrainConfig, **kw) -> Engine:
+        """An engine with the steps and cadence of a ``TrainConfig``."""
+        return cls(
+            run,
+            total_steps=cfg.steps,
+            log_every=cfg.log_every,
+            eval_every=cfg.eval_every,
+            ckpt_every=cfg.ckpt_every,
+            **kw,
+        )
 
     # --- resume state ---------------------------------------------------------
 

@@ -412,12 +412,9 @@ def finetune(
             cfg.keep_checkpoints,
         ),
     )
-    engine = Engine(
+    engine = Engine.for_config(
         run,
-        total_steps=cfg.steps,
-        log_every=cfg.log_every,
-        eval_every=cfg.eval_every,
-        ckpt_every=cfg.ckpt_every,
+        cfg,
         desc="finetune",
         progress=progress,
         tensorboard=tensorboard,

@@ -309,12 +309,9 @@ def train(
     regime = Pretraining(
         net, model, optimizer, named, sampler, ctx, cfg, eod_id, valid, run, mcfg
     )
-    engine = Engine(
+    engine = Engine.for_config(
         run,
-        total_steps=cfg.steps,
-        log_every=cfg.log_every,
-        eval_every=cfg.eval_every,
-        ckpt_every=cfg.ckpt_every,
+        cfg,
         desc="train",
         progress=progress,
         main=ctx.is_main,
