@@ -207,6 +207,8 @@ class FakeParty:
         self.served: list[int] = []
         self.slow_s = slow_s
         self.max_server_link_threads = 0
+        # Another test's leftovers are not this server's sessions.
+        self._threads_before = set(threading.enumerate())
 
     def negotiate(self, hello_text: str) -> tuple[str, Session]:
         try:
@@ -236,7 +238,10 @@ class FakeParty:
 
     def _count_server_links(self) -> None:
         """Server-side links alive now (each has a send and a receive thread)."""
-        threads = sum(t.name.startswith("link[B<-") for t in threading.enumerate())
+        threads = sum(
+            t.name.startswith("link[B<-") and t not in self._threads_before
+            for t in threading.enumerate()
+        )
         self.max_server_link_threads = max(self.max_server_link_threads, threads)
 
 
@@ -323,6 +328,8 @@ def test_many_short_sessions_leave_nothing_behind(listen, caplog):
     kinds = ["drop", "drop", "ok", "drop", "protocol", "refuse", "deep"]
     reach_b = sum(kind in ("ok", "drop", "protocol") for kind in kinds)
     party = FakeParty(slow_s=0.05)  # slower than its clients
+    gc.collect()  # links another test left behind are not this test's
+    links_before = {id(o) for o in gc.get_objects() if type(o) in LINK_TYPES}
     # pytest keeps every log record of a test, and a record its exception's
     # frames: measure the server, not that.
     caplog.set_level(logging.CRITICAL, logger="aisyn")
@@ -348,8 +355,16 @@ def test_many_short_sessions_leave_nothing_behind(listen, caplog):
     assert party.max_server_link_threads <= 2, "sessions piled up behind one"
     assert after - before < 32 * 1024, f"aisyn memory grew by {after - before} B"
     gc.collect()
-    assert not [o for o in gc.get_objects() if type(o) in LINK_TYPES]
-    assert not [t for t in threading.enumerate() if t.name.startswith("link[")]
+    assert not [
+        o
+        for o in gc.get_objects()
+        if type(o) in LINK_TYPES and id(o) not in links_before
+    ]
+    assert not [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith("link[") and t not in party._threads_before
+    ]
 
 
 # --- 6. a reply the data party cannot act on -----------------------------------

@@ -210,9 +210,11 @@ class GrpcLink(LinkCore):
         except (FrameError, HandshakeError) as exc:
             self._fail(exc, notify_peer=True)
         except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            details = exc.details() if isinstance(exc, grpc.Call) else "stream aborted"
-            self._fail(error_for(code, details, self._remote), notify_peer=False)
+            if isinstance(exc, grpc.Call):  # the peer's status, with its reason
+                err = error_for(exc.code(), exc.details(), self._remote)
+            else:  # the call died under us (on a server: cancelled or dropped)
+                err = PeerLostError(self._ended_abruptly())
+            self._fail(err, notify_peer=False)
         except Exception as exc:  # a bug here must not leave recv() hanging
             log.exception("%s: receiver failed", self._name)
             self._fail(LinkError(f"receiver failed: {exc!r}"), notify_peer=False)

@@ -96,6 +96,7 @@ class _ClientLink(GrpcLink):
         super().__init__(options, name, None, target)
         self._channel = channel
         self._requests_done = threading.Event()
+        self._call_done = threading.Event()
         self._aborter: threading.Thread | None = None
         exchange = channel.stream_stream(
             METHOD, request_serializer=identity, response_deserializer=parse_frame
@@ -107,6 +108,7 @@ class _ClientLink(GrpcLink):
             metadata=((TOKEN_HEADER, f"Bearer {token}"),),
             wait_for_ready=False,
         )
+        self._call.add_done_callback(lambda _call: self._call_done.set())
         self._inbound = self._call
         self._sent += len(hello)
         self._reader.start()
@@ -132,10 +134,13 @@ class _ClientLink(GrpcLink):
             self._call.cancel()
 
     def _cancel_later(self) -> None:
-        # Cancelling at once could discard the ERROR frame; give gRPC a moment to
-        # write it and the server a moment to end the call itself.
+        # Cancelling at once could discard the ERROR frame: a server told of the
+        # cancel before it reads the frame reports a bare disconnect. Give gRPC
+        # a moment to write the frame and the server a moment to end the call
+        # itself. (Not the reader thread: it is the one that failed, and it
+        # stops reading as soon as it has queued the frame.)
         if self._requests_done.wait(1.0):
-            self._reader.join(2.0)
+            self._call_done.wait(2.0)
         self._call.cancel()
 
     def _shutdown(self, graceful: bool, timeout: float) -> None:
