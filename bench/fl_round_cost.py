@@ -76,16 +76,18 @@ def full_params(cfg: PanguConfig) -> int:
 
 
 def run_rounds(base: Path, sft: dict, out: Path, method: str, rounds: int) -> dict:
-    settings = FLSettings(
-        rounds=rounds,
-        local_steps=1,
-        batch_size=4,
-        lr=1e-4,
-        warmup=0,
-        method=method,
-        eval_items=8,
-        min_clients=len(sft),
-        round_timeout=900,
+    settings = FLSettings.from_dict(
+        dict(
+            rounds=rounds,
+            local_steps=1,
+            batch_size=4,
+            lr=1e-4,
+            warmup=0,
+            method=method,
+            eval_items=8,
+            min_clients=len(sft),
+            round_timeout=900,
+        )
     )
     result = simulate(base, sft, out, settings)
     rows = []

@@ -122,14 +122,16 @@ def test_client_round_in_process(base_run, sft_dirs, tmp_path):
     from aisyn.train.finetune import describe_base, load_base
 
     # Prepare: the server's view (global tensors, round config)
-    settings = FLSettings(
-        rounds=2,
-        local_steps=3,
-        batch_size=4,
-        lr=1e-3,
-        warmup=1,
-        eval_items=8,
-        min_clients=1,
+    settings = FLSettings.from_dict(
+        dict(
+            rounds=2,
+            local_steps=3,
+            batch_size=4,
+            lr=1e-3,
+            warmup=1,
+            eval_items=8,
+            min_clients=1,
+        )
     )
     info = describe_base(base_run)
     model, _ = load_base(info)

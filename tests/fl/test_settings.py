@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from aisyn.fl.settings import FLSettings, load_settings, shipped_configs
+from aisyn.train.loop import TrainConfig
 
 
 def test_shipped_scenarios_load_and_flags_override():
@@ -16,9 +17,29 @@ def test_shipped_scenarios_load_and_flags_override():
     assert FLSettings.from_run_config(s3.to_run_config()) == s3
 
 
+def test_settings_hold_each_clients_train_config():
+    s = FLSettings.from_dict(
+        {"rounds": 3, "local-steps": 4, "lr": 0.01, "micro-batch-size": 0}
+    )
+    assert isinstance(s.train, TrainConfig)
+    assert (s.train.steps, s.train.lr, s.train.warmup_steps) == (12, 0.01, 10)
+    assert s.train.micro_batch_size is None and s.train.min_lr is None  # defaults
+    assert "min-lr" not in s.to_run_config()  # TOML has no None
+    assert FLSettings.from_run_config(s.to_run_config()) == s
+    t = FLSettings.from_dict({"min_lr": 1e-5, "micro_batch_size": 4, "rounds": 2})
+    assert (t.train.min_lr, t.train.micro_batch_size, t.train.steps) == (1e-5, 4, 100)
+    assert FLSettings.from_run_config(t.to_run_config()) == t
+    with pytest.raises(ValueError, match="min-lr must be >= 0"):
+        FLSettings.from_dict({"min-lr": -1.0})
+
+
 def test_schedule_continues_across_rounds_or_restarts():
-    cont = FLSettings(rounds=4, local_steps=10, warmup=0, lr=1.0, schedule="continue")
-    rest = FLSettings(rounds=4, local_steps=10, warmup=0, lr=1.0, schedule="restart")
+    cont = FLSettings.from_dict(
+        dict(rounds=4, local_steps=10, warmup=0, lr=1.0, schedule="continue")
+    )
+    rest = FLSettings.from_dict(
+        dict(rounds=4, local_steps=10, warmup=0, lr=1.0, schedule="restart")
+    )
     # continue: round 3 picks up the one cosine where round 2 left it
     assert cont.lr_at(3, 20) < cont.lr_at(2, 19) < cont.lr_at(1, 0)
     # restart: every round starts again at the peak

@@ -29,7 +29,7 @@ def test_a_huge_num_examples_counts_as_the_most_a_client_can_train_on(
     strategy, claimed
 ):
     # Prepare: an honest client with 20 items, a liar claiming `claimed`
-    s = make_strategy(FLSettings(strategy=strategy, **SMALL_RUN))
+    s = make_strategy(FLSettings.from_dict({"strategy": strategy, **SMALL_RUN}))
     sent = configured(s, {"w": [0.0, 0.0]})
     honest = reply_to(sent[1], {"w": [1.0, 1.0]}, n=20)
     liar = reply_to(sent[2], {"w": [-1.0, 2.0]}, n=claimed)  # within the norm bound
@@ -43,7 +43,7 @@ def test_a_huge_num_examples_counts_as_the_most_a_client_can_train_on(
 
 
 def test_a_configured_max_examples_is_the_bound():
-    s = make_strategy(FLSettings(max_examples=100, **SMALL_RUN))
+    s = make_strategy(FLSettings.from_dict({"max_examples": 100, **SMALL_RUN}))
     sent = configured(s, {"w": [0.0]})
     replies = [
         reply_to(sent[1], {"w": [1.0]}, n=100),
@@ -55,7 +55,7 @@ def test_a_configured_max_examples_is_the_bound():
 
 def test_two_clients_at_1e308_examples_do_not_zero_the_model():
     # Prepare: their weights overflowed the sum, so every weight became 0
-    s = make_strategy(FLSettings(**SMALL_RUN))
+    s = make_strategy(FLSettings.from_dict(SMALL_RUN))
     sent = configured(s, {"w": [0.5, 0.5]})
     replies = [
         reply_to(sent[1], {"w": [1.0, 2.0]}, n=1e308),
@@ -68,7 +68,7 @@ def test_two_clients_at_1e308_examples_do_not_zero_the_model():
 
 
 def test_a_fractional_num_examples_is_rejected():
-    s = make_strategy(FLSettings(**SMALL_RUN))
+    s = make_strategy(FLSettings.from_dict(SMALL_RUN))
     sent = configured(s, {"w": [0.0]})
     arrays, _ = s.aggregate_train(
         1,
@@ -243,7 +243,7 @@ def test_a_rejected_aggregate_leaves_the_server_optimizer_untouched(
 
 def test_evaluation_loss_is_a_mean_with_bounded_weights():
     # Prepare: the final evaluation (round 2 of 2); both claim 1e308 items
-    s = make_strategy(FLSettings(**SMALL_RUN))
+    s = make_strategy(FLSettings.from_dict(SMALL_RUN))
     msgs = s.configure_evaluate(2, ArrayRecord(), ConfigRecord(), FakeGrid([1, 2]))
     replies = [
         Message(

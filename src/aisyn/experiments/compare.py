@@ -248,7 +248,7 @@ def federated_settings(
         local_steps=preset.local_steps(clients),
         batch_size=preset.batch_size,
         lr=preset.lr,
-        min_lr=-1.0 if preset.min_lr is None else preset.min_lr,
+        min_lr=preset.min_lr,
         warmup=preset.warmup,
         weight_decay=preset.weight_decay,
         seed=preset.seed,
@@ -265,7 +265,7 @@ def federated_settings(
     d.update(overrides)
     if "rounds" in overrides and "local_steps" not in overrides:
         d["local_steps"] = preset.finetune_steps // clients // d["rounds"]
-    return FLSettings(**d)
+    return FLSettings.from_dict(d)
 
 
 def run_compare(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
 from pathlib import Path
 
 from aisyn import validate
@@ -15,6 +14,7 @@ from aisyn.fl.settings import (
     STRATEGIES,
     FLSettings,
     load_settings,
+    setting_types,
 )
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
 
@@ -31,7 +31,7 @@ _HELP = {
     "batch_size": "samples per local optimizer step",
     "micro_batch_size": "samples per forward/backward (0: whole batch)",
     "lr": "peak local learning rate",
-    "min_lr": "final learning rate of the cosine decay (<0: lr/10)",
+    "min_lr": "final learning rate of the cosine decay (default lr/10)",
     "warmup": "linear warm-up steps",
     "schedule": "continue: one schedule across all rounds; restart: per round",
     "method": "full: train (and send) all weights; lora: only LoRA adapters",
@@ -51,48 +51,48 @@ _HELP = {
     "median (0: off)",
     "round_timeout": "seconds to wait for replies per round (dropouts)",
     "eval_items": "client validation items per evaluation (0: all)",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "clip the global gradient L2 norm (0: off)",
+    "device": "auto, cpu, cuda, cuda:1, ...",
+    "tensorboard": "also write TensorBoard event files (server and clients)",
+}
+
+
+_CHOICES = {
+    "strategy": STRATEGIES,
+    "schedule": SCHEDULES,
+    "method": ("full", "lora"),
+    "aggregation": AGGREGATIONS,
 }
 
 
 def add_settings_args(p: argparse.ArgumentParser) -> None:
+    """One flag per setting (``FLSettings.to_dict``'s keys), unset by default
+    so that a --config file's value stands unless a flag overrides it."""
     g = p.add_argument_group("federated settings (override --config)")
     g.add_argument(
         "--config",
         default=None,
         help="TOML of settings: a file or a shipped name (scenario3, scenario4)",
     )
-    for f in fields(FLSettings):
-        flag = "--" + f.name.replace("_", "-")
-        kw: dict = {
-            "default": None,
-            "help": _HELP.get(f.name, f.name.replace("_", " ")),
-        }
-        if f.name == "strategy":
-            kw["choices"] = STRATEGIES
-        elif f.name == "schedule":
-            kw["choices"] = SCHEDULES
-        elif f.name == "method":
-            kw["choices"] = ("full", "lora")
-        elif f.name == "aggregation":
-            kw["choices"] = AGGREGATIONS
-        elif isinstance(f.default, bool):
-            kw.update(action="store_const", const=True)  # default None: unset
-            g.add_argument(flag, **kw)
-            continue
-        elif isinstance(f.default, int | float) and not isinstance(f.default, bool):
+    for name, typ in setting_types().items():
+        kw: dict = {"default": None, "help": _HELP.get(name, name.replace("_", " "))}
+        if name in _CHOICES:
+            kw["choices"] = _CHOICES[name]
+        elif name == "device":
+            kw["type"] = validate.device
+        elif typ is bool:
+            kw.update(action="store_const", const=True)
+        elif typ in (int, float):
             # the ranges FLSettings checks TOML values against, so that a bad
             # flag fails while parsing, with the flag named
-            kw["type"] = validate.number_type(
-                type(f.default), **NUMBER_RANGES.get(f.name, {})
-            )
-        else:
-            kw["type"] = type(f.default)
-        g.add_argument(flag, **kw)
+            kw["type"] = validate.number_type(typ, **NUMBER_RANGES.get(name, {}))
+        g.add_argument("--" + name.replace("_", "-"), **kw)
 
 
 def settings_from_args(args) -> FLSettings:
-    overrides = {f.name: getattr(args, f.name) for f in fields(FLSettings)}
-    return load_settings(args.config, **overrides)
+    keys = FLSettings().to_dict()
+    return load_settings(args.config, **{k: getattr(args, k) for k in keys})
 
 
 def parse_clients(specs: list[str]) -> dict[str, str]:

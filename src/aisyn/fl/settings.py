@@ -11,7 +11,7 @@ reference's scenarios 3 and 4) are TOML files of the same keys under
 from __future__ import annotations
 
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 
@@ -25,14 +25,42 @@ STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm")
 AGGREGATIONS = ("mean", "trimmed-mean", "median", "krum", "multikrum", "bulyan")
 SCHEDULES = ("continue", "restart")
 
+#: the settings that are each client's ``TrainConfig`` (its local optimizer
+#: and schedule), by their flag / TOML name; FLSettings holds them as ``train``
+LOCAL_TRAIN_KEYS = {
+    "batch_size": "batch_size",
+    "micro_batch_size": "micro_batch_size",
+    "lr": "lr",
+    "min_lr": "min_lr",
+    "warmup": "warmup_steps",
+    "weight_decay": "weight_decay",
+    "grad_clip": "grad_clip",
+    "seed": "seed",
+    "device": "device",
+}
+#: federated defaults of those (the TrainConfig's own suit pre-training):
+#: (value, type); a key whose value is None is absent from a TOML file
+LOCAL_TRAIN_DEFAULTS: dict[str, tuple[object, type]] = {
+    "batch_size": (16, int),
+    "micro_batch_size": (None, int),  # None: no gradient accumulation
+    "lr": (3e-4, float),
+    "min_lr": (None, float),  # None: lr / 10
+    "warmup": (10, int),
+    "weight_decay": (0.0, float),
+    "grad_clip": (1.0, float),
+    "seed": (1234, int),
+    "device": ("auto", str),
+}
+
 #: bounds of numeric settings (``validate.number_problem`` keywords); a field
 #: not listed need only be finite
 NUMBER_RANGES: dict[str, dict] = {
     "rounds": {"low": 1},
     "local_steps": {"low": 1},
     "batch_size": {"low": 1},
-    "micro_batch_size": {"low": 0},
+    "micro_batch_size": {"low": 0},  # 0: no gradient accumulation
     "lr": {"low": 0, "low_open": True},
+    "min_lr": {"low": 0},
     "warmup": {"low": 0},
     "weight_decay": {"low": 0},
     "grad_clip": {"low": 0},
@@ -56,19 +84,22 @@ NUMBER_RANGES: dict[str, dict] = {
 }
 
 
+def local_train_config(**local) -> TrainConfig:
+    """A client's TrainConfig from ``LOCAL_TRAIN_KEYS`` values, the federated
+    defaults filling the rest (``steps`` is FLSettings' to set)."""
+    values = {k: default for k, (default, _) in LOCAL_TRAIN_DEFAULTS.items()}
+    values.update(local)
+    return TrainConfig(**{LOCAL_TRAIN_KEYS[k]: v for k, v in values.items()})
+
+
 @dataclass
 class FLSettings:
     # rounds and local work
     rounds: int = 5
     local_steps: int = 50  # E: optimizer steps per client per round
-    batch_size: int = 16
-    micro_batch_size: int = 0  # 0: no gradient accumulation
-    lr: float = 3e-4
-    min_lr: float = -1.0  # < 0: lr / 10
-    warmup: int = 10
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 1234
+    # each client's optimizer and schedule; its ``steps`` is always the run's
+    # rounds x local-steps (set here)
+    train: TrainConfig = field(default_factory=local_train_config)
     # "continue": one cosine schedule over all rounds' steps; "restart": per round
     schedule: str = "continue"
     # what is trained (and so what travels)
@@ -97,12 +128,12 @@ class FLSettings:
     # round's median update norm is rejected (0: no bound)
     max_norm_ratio: float = 3.0
     eval_items: int = 256  # client validation items per evaluation (0: all)
-    device: str = "auto"
     tensorboard: bool = False  # server and clients also write TensorBoard files
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.local_steps < 1:
             raise ValueError("rounds and local-steps must be >= 1")
+        self.train = replace(self.train, steps=self.total_local_steps)
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"unknown strategy {self.strategy!r}; expected one of {STRATEGIES}"
@@ -122,16 +153,8 @@ class FLSettings:
                 f"max-norm-ratio must be 0 (off) or >= 1, got {self.max_norm_ratio}"
             )
         self._check_aggregation()
-        # Every number is finite (TOML has nan and inf) and in its range; named
-        # as in the TOML file and the flags.
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                check_number(
-                    f.name.replace("_", "-"), value, **NUMBER_RANGES.get(f.name, {})
-                )
+        _check_numbers(self.to_dict())
         self.method_spec()  # validates method / rank
-        self.train_config()  # validates batch sizes and lr
 
     def _check_aggregation(self) -> None:
         a, f, n = self.aggregation, self.assumed_attackers, self.min_clients
@@ -168,58 +191,75 @@ class FLSettings:
     def method_spec(self) -> Method:
         return Method(self.method, rank=self.lora_rank, alpha=self.lora_alpha)
 
-    def train_config(self) -> TrainConfig:
-        """The optimizer/schedule settings of one client over the whole run."""
-        return TrainConfig(
-            steps=self.total_local_steps,
-            batch_size=self.batch_size,
-            micro_batch_size=self.micro_batch_size or None,
-            lr=self.lr,
-            min_lr=None if self.min_lr < 0 else self.min_lr,
-            warmup_steps=self.warmup,
-            weight_decay=self.weight_decay,
-            grad_clip=self.grad_clip,
-            seed=self.seed,
-            device=self.device,
-        )
-
     def lr_at(self, server_round: int, step: int) -> float:
         """Learning rate of global local-step index ``step`` in ``server_round``."""
         if self.schedule == "continue":
-            return self.train_config().lr_at(step)
-        per_round = TrainConfig(
-            **{**self.train_config().to_dict(), "steps": self.local_steps}
-        )
+            return self.train.lr_at(step)
+        per_round = replace(self.train, steps=self.local_steps)
         return per_round.lr_at(step - (server_round - 1) * self.local_steps)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Flat, by flag name with underscores (the client's training settings
+        among the others; None: the default rule, e.g. min-lr = lr / 10)."""
+        flat = {}
+        for f in fields(self):
+            if f.name == "train":  # in its place, in the flags' order
+                flat.update(
+                    {k: getattr(self.train, a) for k, a in LOCAL_TRAIN_KEYS.items()}
+                )
+            else:
+                flat[f.name] = getattr(self, f.name)
+        return flat
 
     def to_run_config(self) -> dict:
-        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+        """As a TOML / Flower run config: hyphenated keys, no None values."""
+        return {
+            k.replace("_", "-"): v for k, v in self.to_dict().items() if v is not None
+        }
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "settings") -> FLSettings:
-        known = {f.name for f in fields(cls)}
-        norm = {str(k).replace("-", "_"): v for k, v in d.items()}
-        unknown = sorted(set(norm) - set(known))
+        """From flat keys (``to_dict``'s, hyphens or underscores), defaults for
+        the rest and for None; ValueError naming ``source`` for an unknown key
+        or a bad value."""
+        types = setting_types()
+        norm = {str(k).replace("-", "_"): v for k, v in d.items() if v is not None}
+        unknown = sorted(set(norm) - set(types))
         if unknown:
             raise ValueError(f"{source}: unknown federated settings {unknown}")
-        kw = {}
-        for f in fields(cls):
-            if f.name in norm:
-                kw[f.name] = _coerce(f.name, norm[f.name], f.default, source)
+        kw = {k: _coerce(k, v, types[k], source) for k, v in norm.items()}
+        if kw.get("micro_batch_size") == 0:  # as the flag says: no accumulation
+            kw["micro_batch_size"] = None
+        local = {k: kw.pop(k) for k in LOCAL_TRAIN_KEYS if k in kw}
         try:
-            return cls(**kw)
+            _check_numbers(local)  # by their names here, before TrainConfig's
+            return cls(train=local_train_config(**local), **kw)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
 
     @classmethod
     def from_run_config(cls, run_config: dict) -> FLSettings:
-        known = {f.name.replace("_", "-") for f in fields(cls)}
+        known = {k.replace("_", "-") for k in cls().to_dict()}
         return cls.from_dict(
             {k: v for k, v in run_config.items() if k in known}, "run config"
         )
+
+
+def _check_numbers(flat: dict) -> None:
+    """Every number is finite (TOML has nan and inf) and in its range; named as
+    in the TOML file and the flags."""
+    for name, value in flat.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            check_number(name.replace("_", "-"), value, **NUMBER_RANGES.get(name, {}))
+
+
+def setting_types() -> dict[str, type]:
+    """Each flat setting's type, in ``FLSettings.to_dict``'s order."""
+    local = {k: t for k, (_, t) in LOCAL_TRAIN_DEFAULTS.items()}
+    return {
+        k: local[k] if k in local else type(getattr(FLSettings, k))
+        for k in FLSettings().to_dict()
+    }
 
 
 def min_updates(aggregation: str, attackers: int) -> int:
@@ -232,9 +272,8 @@ def min_updates(aggregation: str, attackers: int) -> int:
     return 1
 
 
-def _coerce(name: str, value, default, source: str):
-    """TOML/Flower values to the field's type (ints may stand for floats)."""
-    typ = type(default)
+def _coerce(name: str, value, typ: type, source: str):
+    """TOML/Flower values to the setting's type (ints may stand for floats)."""
     is_number = isinstance(value, int | float) and not isinstance(value, bool)
     if typ is float and is_number:
         return float(value)

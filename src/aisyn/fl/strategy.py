@@ -110,7 +110,7 @@ class UpdateGuard:
     def _guard_init(self, settings: FLSettings) -> None:
         self.num_rounds = settings.rounds
         self.max_examples = settings.max_examples or (
-            settings.rounds * settings.local_steps * settings.batch_size
+            settings.rounds * settings.local_steps * settings.train.batch_size
         )
         self.max_norm_ratio = settings.max_norm_ratio
         self.aggregation = settings.aggregation
@@ -449,7 +449,7 @@ def make_strategy(settings: FLSettings) -> Strategy:
         strategy = GuardedFedAdam(
             **common,
             eta=settings.eta,
-            eta_l=settings.lr,
+            eta_l=settings.train.lr,
             beta_1=settings.beta_1,
             beta_2=settings.beta_2,
             tau=settings.tau,

@@ -133,10 +133,12 @@ class ClientContext:
         except ValueError as e:
             raise ValueError(f"client {node.name}: {e}") from None
         check_data_matches(self.info, [self.data])
-        self.device = resolve_device(settings.device)
-        torch.manual_seed(settings.seed)
+        self.device = resolve_device(settings.train.device)
+        torch.manual_seed(settings.train.seed)
         self.model, _ = load_base(self.info, self.device)
-        self.trainable = apply_method(self.model, settings.method_spec(), settings.seed)
+        self.trainable = apply_method(
+            self.model, settings.method_spec(), settings.train.seed
+        )
         self.spec = {n: tuple(p.shape) for n, p in self.trainable}
         self.run = RunDir(node.out)
         self._ensure_run_folder()
@@ -181,7 +183,7 @@ class ClientContext:
             valid = self.data  # no valid split: use the train items' head
         n = self.settings.eval_items or None
         return sft_eval_loss(
-            self.model, valid, batch_size=self.settings.batch_size, max_items=n
+            self.model, valid, batch_size=self.settings.train.batch_size, max_items=n
         )
 
 
@@ -196,10 +198,10 @@ def client_train(
     ctx = ClientContext(node, settings, fingerprint)
     anchor = ctx.load_global(arrays)
     global_loss = ctx.valid_loss()
-    E, cfg = settings.local_steps, settings.train_config()
+    E, cfg = settings.local_steps, settings.train
     first = (server_round - 1) * E
-    batches = SFTBatches([ctx.data], settings.seed, ctx.device)
-    batches.skip(first * settings.batch_size)  # resume this client's data order
+    batches = SFTBatches([ctx.data], settings.train.seed, ctx.device)
+    batches.skip(first * settings.train.batch_size)  # resume this client's data order
     optimizer = make_optimizer(ctx.trainable, cfg)
     regime = FineTuning(
         ctx.model,
@@ -322,8 +324,8 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
     t_start = time.perf_counter()
     info = describe_base(node.base)
     model, _ = load_base(info, "cpu")
-    torch.manual_seed(settings.seed)
-    trainable = apply_method(model, settings.method_spec(), settings.seed)
+    torch.manual_seed(settings.train.seed)
+    trainable = apply_method(model, settings.method_spec(), settings.train.seed)
     initial = trainable_tensors(trainable)
     run = RunDir(node.out)
     run.create(
