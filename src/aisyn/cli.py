@@ -34,6 +34,9 @@ def _print_json(obj) -> None:
 
 
 def cmd_tokenizer_train(args) -> None:
+    """Train a SentencePiece unigram model on the jieba-segmented train split
+    of the given corpora."""
+
     from aisyn.data.corpora import load_corpora
     from aisyn.data.tokenizer import train_tokenizer
 
@@ -47,6 +50,9 @@ def cmd_tokenizer_train(args) -> None:
 
 
 def cmd_prepare(args) -> None:
+    """Tokenise documents into memory-mapped shards of seq_len+1 tokens per split
+    (train/valid/test by a hash of each document)."""
+
     from aisyn.data.corpora import load_corpora, portable_specs
     from aisyn.data.shards import prepare
     from aisyn.data.tokenizer import PanguTokenizer
@@ -71,6 +77,9 @@ def cmd_prepare(args) -> None:
 
 
 def cmd_cloze_build(args) -> None:
+    """Blank a repeated noun in each document; candidates are 10 nouns of the
+    document/domain."""
+
     from aisyn.data.cloze import build_items, write_items
     from aisyn.data.corpora import load_corpora
 
@@ -89,6 +98,9 @@ def cmd_cloze_build(args) -> None:
 
 
 def cmd_train(args) -> None:
+    """Train PanGu-α on prepared data; writes config.json, metrics.jsonl, loss.png
+    and checkpoints to --out."""
+
     from aisyn.train.flags import train_config_from_args
     from aisyn.train.loop import train
 
@@ -112,6 +124,8 @@ def cmd_train(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    """Evaluate a run's latest checkpoint; writes RUN/eval.json."""
+
     from aisyn.eval.flags import eval_options
     from aisyn.eval.report import evaluate_run, summary_lines
     from aisyn.split.evaluate import evaluate_split_run
@@ -128,6 +142,10 @@ def cmd_eval(args) -> None:
 
 
 def cmd_demo(args) -> None:
+    """The embedded default job: prepares a slice of the news corpus, trains the
+    tiny PanGu-α on CPU, evaluates test loss and cloze accuracy, and plots the
+    loss."""
+
     from aisyn.demo import run_demo
     from aisyn.eval.report import summary_lines
 
@@ -149,6 +167,8 @@ def cmd_demo(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from aisyn.eval.flags import add_eval_args
     from aisyn.train.flags import add_train_args
+    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
+    from aisyn.validate import nonneg_int, positive_int
 
     p = argparse.ArgumentParser(
         prog="aisyn",
@@ -157,133 +177,99 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # A command's --help description is its cmd_* function's docstring.
 
-    d = sub.add_parser(
-        "demo",
-        help="prepare news data, train the tiny model, evaluate",
-        description="The embedded default job: prepares a slice of "
-        "the news corpus, trains the tiny PanGu-α on CPU, evaluates "
-        "test loss and cloze accuracy, and plots the loss.",
+    d = add_command(
+        sub, "demo", cmd_demo, "prepare news data, train the tiny model, evaluate"
     )
-    d.add_argument("--out", default="runs/demo", help="folder for data and run")
-    d.add_argument("--steps", type=validate.positive_int, default=1000)
-    d.add_argument(
-        "--max-docs",
-        type=validate.positive_int,
-        default=8000,
-        help="documents of the news corpus to use",
+    add_flags(
+        d,
+        ("--out", None, "runs/demo", "folder for data and run"),
+        ("--steps", positive_int, 1000, None),
+        ("--max-docs", positive_int, 8000, "documents of the news corpus to use"),
+        ("--model", None, "tiny", None),
+        ("--overwrite", "store_true", None, "replace an earlier demo in --out"),
     )
-    d.add_argument("--model", default="tiny")
-    d.add_argument(
-        "--overwrite", action="store_true", help="replace an earlier demo in --out"
-    )
-    d.set_defaults(func=cmd_demo)
 
+    corpus_help = "news, reviews, or .txt/.jsonl files"
     t = sub.add_parser("tokenizer", help="train a PanGu-recipe tokenizer")
     tsub = t.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
-    tt = tsub.add_parser(
-        "train",
-        help="jieba + SentencePiece on corpora",
-        description="Train a SentencePiece unigram model on the "
-        "jieba-segmented train split of the given corpora.",
+    tt = add_command(
+        tsub, "train", cmd_tokenizer_train, "jieba + SentencePiece on corpora"
     )
     tt.add_argument(
-        "--corpus",
-        nargs="+",
-        default=["news", "reviews"],
-        help="news, reviews, or .txt/.jsonl files",
+        "--corpus", nargs="+", default=["news", "reviews"], help=corpus_help
     )
-    tt.add_argument("--vocab-size", type=validate.positive_int, default=8000)
-    tt.add_argument("--out", required=True, help="output .model file")
-    tt.set_defaults(func=cmd_tokenizer_train)
+    add_flags(
+        tt,
+        ("--vocab-size", positive_int, 8000, None),
+        ("--out", None, REQUIRED, "output .model file"),
+    )
 
-    pr = sub.add_parser(
-        "prepare",
-        help="tokenise corpora into token shards",
-        description="Tokenise documents into memory-mapped shards "
-        "of seq_len+1 tokens per split (train/valid/test by a hash "
-        "of each document).",
+    pr = add_command(sub, "prepare", cmd_prepare, "tokenise corpora into token shards")
+    pr.add_argument("--corpus", nargs="+", required=True, help=corpus_help)
+    add_flags(
+        pr,
+        ("--out", None, REQUIRED, "output folder"),
+        (
+            "--tokenizer",
+            None,
+            None,
+            "shipped tokenizer name (default zh8k) or a .model file, e.g. PanGu's "
+            "vocab.model",
+        ),
+        ("--seq-len", positive_int, 128, None),
+        ("--max-docs", positive_int, None, "use only the first N documents"),
+        (
+            "--overwrite",
+            "store_true",
+            None,
+            "replace an existing folder (built beside it, then swapped)",
+        ),
     )
-    pr.add_argument(
-        "--corpus", nargs="+", required=True, help="news, reviews, or .txt/.jsonl files"
-    )
-    pr.add_argument("--out", required=True, help="output folder")
-    pr.add_argument(
-        "--tokenizer",
-        default=None,
-        help="shipped tokenizer name (default zh8k) or a .model file, "
-        "e.g. PanGu's vocab.model",
-    )
-    pr.add_argument("--seq-len", type=validate.positive_int, default=128)
-    pr.add_argument(
-        "--max-docs",
-        type=validate.positive_int,
-        default=None,
-        help="use only the first N documents",
-    )
-    pr.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an existing folder (built beside it, then swapped)",
-    )
-    pr.set_defaults(func=cmd_prepare)
 
-    tr = sub.add_parser(
-        "train",
-        help="standalone (unsplit) training",
-        description="Train PanGu-α on prepared data; writes "
-        "config.json, metrics.jsonl, loss.png and checkpoints to --out.",
+    tr = add_command(sub, "train", cmd_train, "standalone (unsplit) training")
+    add_flags(
+        tr,
+        (
+            "--model",
+            None,
+            "tiny",
+            "preset (tiny, small, 350M, 2.6B, 13B, 200B) or JSON file",
+        ),
+        ("--data", "append", REQUIRED, "prepared data folder (repeat to pool several)"),
+        ("--out", None, REQUIRED, "run folder"),
+        (
+            "--init-from",
+            None,
+            None,
+            "start from a run folder or checkpoint instead of random init",
+        ),
+        ("--quiet", "store_true", None, "no progress bar"),
     )
-    tr.add_argument(
-        "--model",
-        default="tiny",
-        help="preset (tiny, small, 350M, 2.6B, 13B, 200B) or JSON file",
-    )
-    tr.add_argument(
-        "--data",
-        action="append",
-        required=True,
-        help="prepared data folder (repeat to pool several)",
-    )
-    tr.add_argument("--out", required=True, help="run folder")
-    tr.add_argument(
-        "--init-from",
-        default=None,
-        help="start from a run folder or checkpoint instead of random init",
-    )
-    tr.add_argument("--quiet", action="store_true", help="no progress bar")
     add_train_args(tr)
-    tr.set_defaults(func=cmd_train)
 
-    ev = sub.add_parser(
-        "eval",
-        help="test loss, perplexity and cloze accuracy",
-        description="Evaluate a run's latest checkpoint; writes RUN/eval.json.",
-    )
+    ev = add_command(sub, "eval", cmd_eval, "test loss, perplexity and cloze accuracy")
     ev.add_argument("--run", required=True)
     add_eval_args(ev)
-    ev.set_defaults(func=cmd_eval)
 
     c = sub.add_parser("cloze", help="build cloze items")
     csub = c.add_subparsers(dest="cloze_command", required=True, metavar="ACTION")
-    cb = csub.add_parser(
-        "build",
-        help="cloze items from a corpus split",
-        description="Blank a repeated noun in each document; "
-        "candidates are 10 nouns of the document/domain.",
-    )
+    cb = add_command(csub, "build", cmd_cloze_build, "cloze items from a corpus split")
     cb.add_argument("--corpus", nargs="+", required=True)
-    cb.add_argument("--split", choices=["train", "valid", "test"], default="test")
-    cb.add_argument("--out", required=True, help="output .jsonl")
-    cb.add_argument(
-        "--per-doc",
-        type=validate.positive_int,
-        default=1,
-        help="items per document (each blanks a different noun)",
+    add_flags(
+        cb,
+        ("--split", ["train", "valid", "test"], "test", None),
+        ("--out", None, REQUIRED, "output .jsonl"),
+        (
+            "--per-doc",
+            positive_int,
+            1,
+            "items per document (each blanks a different noun)",
+        ),
+        ("--max-docs", positive_int, None, None),
+        ("--seed", nonneg_int, 0, None),
     )
-    cb.add_argument("--max-docs", type=validate.positive_int, default=None)
-    cb.add_argument("--seed", type=validate.nonneg_int, default=0)
-    cb.set_defaults(func=cmd_cloze_build)
 
     for name in EXTENSIONS:
         try:

@@ -5,9 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from aisyn import validate
+from aisyn.validate import nonneg_int, positive_float, positive_int
 
 
 def cmd_compare(args) -> None:
+    """Pretrain (once, cached) a base model on all domains' raw text, fine-tune it
+    on supervised cloze items standalone per domain, pooled (data fusion) and
+    federated (one client per domain, Flower on loopback) with an equal budget of
+    optimizer steps, and write the reference's table (Markdown, CSV), loss curves
+    and report.json to --out."""
+
     from aisyn.experiments.compare import REPORT_MD, run_compare
     from aisyn.experiments.presets import get_preset
 
@@ -31,6 +38,10 @@ def cmd_compare(args) -> None:
 
 
 def cmd_prepare_sft(args) -> None:
+    """Build cloze items from the train/valid documents of the given corpora and
+    store them tokenised (prompt with the blank marked, answer, loss mask on the
+    answer) as safetensors, plus the test items as JSON lines."""
+
     from aisyn.data.corpora import load_corpora, portable_specs
     from aisyn.data.sft import prepare_sft
     from aisyn.data.tokenizer import PanguTokenizer
@@ -54,6 +65,10 @@ def cmd_prepare_sft(args) -> None:
 
 
 def cmd_finetune(args) -> None:
+    """Fine-tune a base run on one or more SFT folders (pooled: data fusion). The
+    run folder is marked kind=finetune so `aisyn eval` scores it in the prompt
+    format."""
+
     from aisyn.train.finetune import finetune
     from aisyn.train.flags import train_config_from_args
     from aisyn.train.lora import Method
@@ -77,6 +92,7 @@ def cmd_finetune(args) -> None:
 
 def register(sub) -> None:
     from aisyn.train.flags import add_train_args
+    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
 
     ex = sub.add_parser(
         "experiment",
@@ -84,94 +100,72 @@ def register(sub) -> None:
         description="Experiments of the reference's collaborative-training study.",
     )
     esub = ex.add_subparsers(dest="experiment_command", required=True, metavar="NAME")
-    c = esub.add_parser(
+    # A command's --help description is its cmd_* function's docstring.
+    c = add_command(
+        esub,
         "compare",
-        help="standalone vs data fusion vs federated fine-tuning",
-        description="Pretrain (once, cached) a base model on all domains' raw text, "
-        "fine-tune it on supervised cloze items standalone per domain, pooled "
-        "(data fusion) and federated (one client per domain, Flower on loopback) "
-        "with an equal budget of optimizer steps, and write the reference's table "
-        "(Markdown, CSV), loss curves and report.json to --out.",
+        cmd_compare,
+        "standalone vs data fusion vs federated fine-tuning",
     )
-    c.add_argument("--domains", default="news,reviews", help="comma-separated corpora")
-    c.add_argument("--preset", choices=["ci", "full"], default="ci")
-    c.add_argument("--out", required=True, help="report folder")
-    c.add_argument("--device", type=validate.device, default="auto")
-    c.add_argument(
-        "--rounds",
-        type=validate.positive_int,
-        default=None,
-        help="override federated rounds",
+    add_flags(
+        c,
+        ("--domains", None, "news,reviews", "comma-separated corpora"),
+        ("--preset", ["ci", "full"], "ci", None),
+        ("--out", None, REQUIRED, "report folder"),
+        ("--device", validate.device, "auto", None),
+        ("--rounds", positive_int, None, "override federated rounds"),
+        (
+            "--strategy",
+            ["fedavg", "fedprox", "fedadam", "fedavgm"],
+            None,
+            "override the federated strategy",
+        ),
+        ("--method", ["full", "lora"], None, None),
+        ("--steps", positive_int, None, "override the step budget"),
+        ("--lr", positive_float, None, "override the fine-tuning lr"),
+        ("--echo", "store_true", None, "stream the Flower server log"),
+        (
+            "--tensorboard",
+            "store_true",
+            None,
+            "every run of the comparison also writes TensorBoard event files",
+        ),
     )
-    c.add_argument(
-        "--strategy",
-        choices=["fedavg", "fedprox", "fedadam", "fedavgm"],
-        default=None,
-        help="override the federated strategy",
-    )
-    c.add_argument("--method", choices=["full", "lora"], default=None)
-    c.add_argument(
-        "--steps",
-        type=validate.positive_int,
-        default=None,
-        help="override the step budget",
-    )
-    c.add_argument(
-        "--lr",
-        type=validate.positive_float,
-        default=None,
-        help="override the fine-tuning lr",
-    )
-    c.add_argument("--echo", action="store_true", help="stream the Flower server log")
-    c.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="every run of the comparison also writes TensorBoard event files",
-    )
-    c.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "prepare-sft",
-        help="supervised cloze data (prompt + answer) for fine-tuning",
-        description="Build cloze items from the train/valid documents of the given "
-        "corpora and store them tokenised (prompt with the blank marked, answer, "
-        "loss mask on the answer) as safetensors, plus the test items as JSON lines.",
+        cmd_prepare_sft,
+        "supervised cloze data (prompt + answer) for fine-tuning",
     )
     p.add_argument("--corpus", nargs="+", required=True, help="news, reviews or files")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--tokenizer", default=None, help="tokenizer name or .model file")
-    p.add_argument("--seq-len", type=validate.positive_int, default=128)
-    p.add_argument(
-        "--per-doc",
-        type=validate.positive_int,
-        default=5,
-        help="blanks per train document",
+    add_flags(
+        p,
+        ("--out", None, REQUIRED, "output folder"),
+        ("--tokenizer", None, None, "tokenizer name or .model file"),
+        ("--seq-len", positive_int, 128, None),
+        ("--per-doc", positive_int, 5, "blanks per train document"),
+        ("--test-per-doc", positive_int, 5, "blanks per test document"),
+        ("--max-docs", positive_int, None, None),
+        ("--seed", nonneg_int, 0, None),
+        ("--overwrite", "store_true", None, None),
     )
-    p.add_argument(
-        "--test-per-doc",
-        type=validate.positive_int,
-        default=5,
-        help="blanks per test document",
-    )
-    p.add_argument("--max-docs", type=validate.positive_int, default=None)
-    p.add_argument("--seed", type=validate.nonneg_int, default=0)
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=cmd_prepare_sft)
 
-    f = sub.add_parser(
+    f = add_command(
+        sub,
         "finetune",
-        help="supervised cloze fine-tuning (standalone or pooled data)",
-        description="Fine-tune a base run on one or more SFT folders (pooled: data "
-        "fusion). The run folder is marked kind=finetune so `aisyn eval` scores it "
-        "in the prompt format.",
+        cmd_finetune,
+        "supervised cloze fine-tuning (standalone or pooled data)",
     )
-    f.add_argument("--base", required=True, help="base model run folder")
-    f.add_argument("--data", action="append", required=True, help="SFT folder (repeat)")
-    f.add_argument("--out", required=True, help="run folder")
-    f.add_argument("--method", choices=["full", "lora"], default="full")
-    f.add_argument("--lora-rank", type=validate.positive_int, default=8)
-    f.add_argument("--lora-alpha", type=validate.positive_float, default=16.0)
-    f.add_argument("--quiet", action="store_true")
+    add_flags(
+        f,
+        ("--base", None, REQUIRED, "base model run folder"),
+        ("--data", "append", REQUIRED, "SFT folder (repeat)"),
+        ("--out", None, REQUIRED, "run folder"),
+        ("--method", ["full", "lora"], "full", None),
+        ("--lora-rank", positive_int, 8, None),
+        ("--lora-alpha", positive_float, 16.0, None),
+        ("--quiet", "store_true", None, None),
+    )
     # fine-tuning always starts fresh: a --resume here would be ignored
     add_train_args(f, steps=200, resumable=False)
-    f.set_defaults(func=cmd_finetune)

@@ -16,6 +16,7 @@ from aisyn.split.transport import (
     parse_timeout,
 )
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
+from aisyn.validate import nonneg_int, positive_float, positive_int
 
 log = logging.getLogger("aisyn.split")
 
@@ -31,13 +32,11 @@ def _add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
     if not server:
         g.add_argument(
             "--server-name",
-            default=None,
             help="name to verify in the server certificate when it differs from "
             "the --peer host",
         )
     g.add_argument(
         "--token-file",
-        default=None,
         help="file holding the shared token (default: $AISYN_SPLIT_TOKEN)",
     )
     g.add_argument(
@@ -78,6 +77,10 @@ def _settings(args, address: str):
 
 
 def cmd_plan(args) -> None:
+    """Per party: parameter share, FLOPs share, memory for weights + optimizer +
+    activations, and bytes crossing per step. Works for any preset (350M ... 200B)
+    without allocating it."""
+
     from aisyn.model.pangu import load_config
     from aisyn.model.plan import (
         PartySpec,
@@ -128,6 +131,11 @@ def cmd_plan(args) -> None:
 
 
 def cmd_train(args) -> None:
+    """Writes a run folder like `aisyn train` (A's half of the model; metrics add
+    link bytes per step). --mode local runs the compute party in this process;
+    --mode grpc dials --peer or, with --spawn-backbone, starts one on this
+    machine."""
+
     from aisyn.split.session import SplitOptions
     from aisyn.split.train import secret_seed, split_train
     from aisyn.train.flags import train_config_from_args
@@ -176,6 +184,11 @@ def cmd_train(args) -> None:
 
 
 def cmd_serve(args) -> None:
+    """Holds only the middle blocks of --model cut by --cut; takes the
+    optimisation settings from each data party's hello; keeps one run folder per
+    data-party run under --out. Serves one session at a time and stays up when a
+    session fails."""
+
     from aisyn.model.pangu import load_config
     from aisyn.model.segments import parse_partition
     from aisyn.split.compute_party import ComputeParty
@@ -204,6 +217,9 @@ def cmd_serve(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    """Like `aisyn eval --run` on a split run, optionally against another compute
+    party address than the one recorded."""
+
     from aisyn.eval.flags import eval_options
     from aisyn.eval.report import summary_lines
     from aisyn.split.evaluate import evaluate_split_run
@@ -217,6 +233,9 @@ def cmd_eval(args) -> None:
 
 
 def cmd_merge(args) -> None:
+    """Combines the data party's and compute party's checkpoints of the same step
+    into a run folder `aisyn eval` and `load_run_model` read."""
+
     from aisyn.split.merge import merge
 
     folder = merge(args.data_party, args.compute_party, args.out, step=args.step)
@@ -229,6 +248,7 @@ def cmd_merge(args) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     from aisyn.eval.flags import add_eval_args
     from aisyn.train.flags import add_train_args
+    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
 
     s = sub.add_parser(
         "split",
@@ -238,95 +258,83 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compute party B runs the middle blocks. See docs/split.md.",
     )
     ssub = s.add_subparsers(dest="split_command", required=True, metavar="ACTION")
+    model_help = "preset or JSON model config"
+    # A command's --help description is its cmd_* function's docstring.
 
-    p = ssub.add_parser(
+    p = add_command(
+        ssub,
         "plan",
-        help="choose cut points from each party's throughput and memory",
-        description="Per party: parameter share, FLOPs share, memory for weights + "
-        "optimizer + activations, and bytes crossing per step. Works for any "
-        "preset (350M ... 200B) without allocating it.",
+        cmd_plan,
+        "choose cut points from each party's throughput and memory",
     )
-    p.add_argument("--model", required=True, help="preset or JSON model config")
-    p.add_argument(
-        "--party",
-        action="append",
-        required=True,
-        help="NAME:THROUGHPUT:MEMORY, e.g. A:1:32GB and B:4:80GB (throughput in "
-        "any unit, the same for both; memory like 80GB, 24GiB or inf)",
+    add_flags(
+        p,
+        ("--model", None, REQUIRED, model_help),
+        (
+            "--party",
+            "append",
+            REQUIRED,
+            "NAME:THROUGHPUT:MEMORY, e.g. A:1:32GB and B:4:80GB (throughput in any "
+            "unit, the same for both; memory like 80GB, 24GiB or inf)",
+        ),
+        ("--batch-size", positive_int, 8, None),
+        ("--micro-batch-size", positive_int, 1, None),
+        ("--seq-len", positive_int, None, "default: the model's"),
+        ("--dtype", ["fp32", "bf16", "fp16"], "bf16", None),
+        ("--compress", list(CODECS), "none", None),
+        (
+            "--pipeline",
+            nonneg_int,
+            0,
+            "micro-batches in flight beyond the first (0: lockstep)",
+        ),
+        ("--eod-reset", "store_true", None, None),
+        (
+            "--shape",
+            ["u", "two-way"],
+            "u",
+            "U-shape (A keeps embedding and head) or plain two-way cut",
+        ),
+        (
+            "--min-a-blocks",
+            nonneg_int,
+            1,
+            "blocks A keeps on each side of B (default 1; 0 lets the raw token "
+            "embeddings cross, which B can invert to the tokens)",
+        ),
+        ("--cut", None, None, "report this cut instead of choosing"),
+        ("--json", "store_true", None, "machine-readable output"),
     )
-    p.add_argument("--batch-size", type=validate.positive_int, default=8)
-    p.add_argument("--micro-batch-size", type=validate.positive_int, default=1)
-    p.add_argument(
-        "--seq-len",
-        type=validate.positive_int,
-        default=None,
-        help="default: the model's",
-    )
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
-    p.add_argument("--compress", choices=list(CODECS), default="none")
-    p.add_argument(
-        "--pipeline",
-        type=validate.nonneg_int,
-        default=0,
-        help="micro-batches in flight beyond the first (0: lockstep)",
-    )
-    p.add_argument("--eod-reset", action="store_true")
-    p.add_argument(
-        "--shape",
-        choices=["u", "two-way"],
-        default="u",
-        help="U-shape (A keeps embedding and head) or plain two-way cut",
-    )
-    p.add_argument(
-        "--min-a-blocks",
-        type=validate.nonneg_int,
-        default=1,
-        help="blocks A keeps on each side of B (default 1; 0 lets the raw token "
-        "embeddings cross, which B can invert to the tokens)",
-    )
-    p.add_argument("--cut", default=None, help="report this cut instead of choosing")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_plan)
 
-    t = ssub.add_parser(
+    t = add_command(
+        ssub,
         "train",
-        help="train as the data party (in-process or against a compute party)",
-        description="Writes a run folder like `aisyn train` (A's half of the model; "
-        "metrics add link bytes per step). --mode local runs the compute party in "
-        "this process; --mode grpc dials --peer or, with --spawn-backbone, starts "
-        "one on this machine.",
+        cmd_train,
+        "train as the data party (in-process or against a compute party)",
     )
-    t.add_argument("--model", default="tiny", help="preset or JSON model config")
-    t.add_argument("--data", action="append", required=True, help="prepared data")
-    t.add_argument("--out", required=True, help="run folder")
-    t.add_argument(
-        "--cut", default="u:1,1", help="u:FRONT,BACK blocks kept by A (see plan)"
+    add_flags(
+        t,
+        ("--model", None, "tiny", model_help),
+        ("--data", "append", REQUIRED, "prepared data"),
+        ("--out", None, REQUIRED, "run folder"),
+        ("--cut", None, "u:1,1", "u:FRONT,BACK blocks kept by A (see plan)"),
+        ("--mode", ["local", "grpc"], "local", None),
+        ("--peer", validate.host_port, None, "compute party HOST:PORT (grpc)"),
+        (
+            "--spawn-backbone",
+            "store_true",
+            None,
+            "start the compute party on this machine (grpc mode; ended at exit)",
+        ),
+        ("--pipeline", nonneg_int, 0, "micro-batches in flight (1F1B); 0: lockstep"),
+        (
+            "--compress",
+            list(CODECS),
+            "none",
+            "cut-layer codec for activations and gradients",
+        ),
+        ("--connect-timeout", positive_float, 60.0, None),
     )
-    t.add_argument("--mode", choices=["local", "grpc"], default="local")
-    t.add_argument(
-        "--peer",
-        type=validate.host_port,
-        default=None,
-        help="compute party HOST:PORT (grpc)",
-    )
-    t.add_argument(
-        "--spawn-backbone",
-        action="store_true",
-        help="start the compute party on this machine (grpc mode; ended at exit)",
-    )
-    t.add_argument(
-        "--pipeline",
-        type=validate.nonneg_int,
-        default=0,
-        help="micro-batches in flight (1F1B); 0: lockstep",
-    )
-    t.add_argument(
-        "--compress",
-        choices=list(CODECS),
-        default="none",
-        help="cut-layer codec for activations and gradients",
-    )
-    t.add_argument("--connect-timeout", type=validate.positive_float, default=60.0)
     t.add_argument(
         "--recv-timeout",
         type=_timeout,
@@ -337,57 +345,47 @@ def register(sub: argparse._SubParsersAction) -> None:
         "%(default)g; 0 or none: wait forever; a lost connection fails in seconds "
         "regardless)",
     )
-    t.add_argument(
-        "--init-from",
-        default=None,
-        help="start a fresh run from this base model (run folder, checkpoint or "
-        ".safetensors; A loads only its tensors); the compute party must start "
-        "from the same base (local and spawned ones are given it)",
+    add_flags(
+        t,
+        (
+            "--init-from",
+            None,
+            None,
+            "start a fresh run from this base model (run folder, checkpoint or "
+            ".safetensors; A loads only its tensors); the compute party must start "
+            "from the same base (local and spawned ones are given it)",
+        ),
+        ("--quiet", "store_true", None, "no progress bar"),
     )
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_link_args(t, server=False)
     add_train_args(t)
     # A split run's seed is secret unless given (see split.train.secret_seed).
-    t.set_defaults(func=cmd_train, seed=None)
+    t.set_defaults(seed=None)
 
-    v = ssub.add_parser(
-        "serve",
-        help="serve as the compute party over gRPC",
-        description="Holds only the middle blocks of --model cut by --cut; takes "
-        "the optimisation settings from each data party's hello; keeps one run "
-        "folder per data-party run under --out. Serves one session at a time and "
-        "stays up when a session fails.",
-    )
-    v.add_argument(
-        "--listen",
-        type=validate.listen_address,
-        required=True,
-        help="HOST:PORT (port 0: any free)",
-    )
-    v.add_argument("--model", required=True, help="preset or JSON model config")
-    v.add_argument("--cut", required=True, help="u:FRONT,BACK (as the data party's)")
-    v.add_argument(
-        "--out", default=None, help="checkpoint root (none: cannot checkpoint)"
-    )
-    v.add_argument("--device", type=validate.device, default="auto")
-    v.add_argument("--keep-checkpoints", type=validate.positive_int, default=2)
-    v.add_argument(
-        "--init-from",
-        default=None,
-        help="base model fresh runs start from (run folder, checkpoint or "
-        ".safetensors; must hold the whole model); B loads only its tensors, "
-        "and refuses a data party that starts from another base",
-    )
-    v.add_argument(
-        "--address-file",
-        default=None,
-        help="write the bound HOST:PORT here once listening",
-    )
-    v.add_argument(
-        "--max-sessions",
-        type=validate.positive_int,
-        default=None,
-        help="exit after this many sessions (default: serve forever)",
+    v = add_command(ssub, "serve", cmd_serve, "serve as the compute party over gRPC")
+    add_flags(
+        v,
+        ("--listen", validate.listen_address, REQUIRED, "HOST:PORT (port 0: any free)"),
+        ("--model", None, REQUIRED, model_help),
+        ("--cut", None, REQUIRED, "u:FRONT,BACK (as the data party's)"),
+        ("--out", None, None, "checkpoint root (none: cannot checkpoint)"),
+        ("--device", validate.device, "auto", None),
+        ("--keep-checkpoints", positive_int, 2, None),
+        (
+            "--init-from",
+            None,
+            None,
+            "base model fresh runs start from (run folder, checkpoint or "
+            ".safetensors; must hold the whole model); B loads only its tensors, "
+            "and refuses a data party that starts from another base",
+        ),
+        ("--address-file", None, None, "write the bound HOST:PORT here once listening"),
+        (
+            "--max-sessions",
+            positive_int,
+            None,
+            "exit after this many sessions (default: serve forever)",
+        ),
     )
     v.add_argument(
         "--idle-timeout",
@@ -400,42 +398,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         "wait forever)",
     )
     _add_link_args(v, server=True)
-    v.set_defaults(func=cmd_serve)
 
-    e = ssub.add_parser(
-        "eval",
-        help="evaluate a split run through the link",
-        description="Like `aisyn eval --run` on a split run, optionally against "
-        "another compute party address than the one recorded.",
-    )
-    e.add_argument("--run", required=True, help="the data party's run folder")
-    e.add_argument(
-        "--peer",
-        type=validate.host_port,
-        default=None,
-        help="override the compute party",
+    e = add_command(ssub, "eval", cmd_eval, "evaluate a split run through the link")
+    add_flags(
+        e,
+        ("--run", None, REQUIRED, "the data party's run folder"),
+        ("--peer", validate.host_port, None, "override the compute party"),
     )
     add_eval_args(e)
     _add_link_args(e, server=False)
-    e.set_defaults(func=cmd_eval)
 
-    m = ssub.add_parser(
+    m = add_command(
+        ssub,
         "merge",
-        help="merge both parties' checkpoints into one ordinary run",
-        description="Combines the data party's and compute party's checkpoints of "
-        "the same step into a run folder `aisyn eval` and `load_run_model` read.",
+        cmd_merge,
+        "merge both parties' checkpoints into one ordinary run",
     )
-    m.add_argument("--data-party", required=True, help="A's run folder")
-    m.add_argument(
-        "--compute-party",
-        required=True,
-        help="B's run folder, or the --out root it served from",
+    add_flags(
+        m,
+        ("--data-party", None, REQUIRED, "A's run folder"),
+        (
+            "--compute-party",
+            None,
+            REQUIRED,
+            "B's run folder, or the --out root it served from",
+        ),
+        ("--out", None, REQUIRED, "new run folder"),
+        ("--step", positive_int, None, "default: newest common step"),
     )
-    m.add_argument("--out", required=True, help="new run folder")
-    m.add_argument(
-        "--step",
-        type=validate.positive_int,
-        default=None,
-        help="default: newest common step",
-    )
-    m.set_defaults(func=cmd_merge)

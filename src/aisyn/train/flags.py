@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 
 from aisyn import validate
+from aisyn.train.flagtable import add_flags
 from aisyn.train.loop import TrainConfig
+from aisyn.validate import nonneg_float, nonneg_int, positive_float, positive_int
 
 
 def add_train_args(
@@ -19,69 +21,48 @@ def add_train_args(
     """Training flags shared by ``train``, ``split train`` and fine-tuning
     (``resumable=False``: no ``--resume``, for a command that cannot)."""
     g = p.add_argument_group("training")
-    g.add_argument(
-        "--steps", type=validate.positive_int, default=steps, help="optimizer steps"
-    )
-    g.add_argument(
-        "--batch-size",
-        type=validate.positive_int,
-        default=8,
-        help="samples per optimizer step",
-    )
-    g.add_argument(
-        "--micro-batch-size",
-        type=validate.positive_int,
-        default=None,
-        help="samples per forward/backward (gradient accumulation)",
-    )
-    g.add_argument(
-        "--lr", type=validate.positive_float, default=1e-3, help="peak learning rate"
-    )
-    g.add_argument(
-        "--min-lr",
-        type=validate.nonneg_float,
-        default=None,
-        help="final learning rate of the cosine decay (default lr/10)",
-    )
-    g.add_argument(
-        "--warmup", type=validate.nonneg_int, default=20, help="linear warm-up steps"
-    )
-    g.add_argument("--weight-decay", type=validate.nonneg_float, default=0.1)
-    g.add_argument(
-        "--grad-clip",
-        type=validate.nonneg_float,
-        default=1.0,
-        help="clip the global gradient L2 norm (0: off)",
-    )
-    g.add_argument("--seed", type=validate.nonneg_int, default=1234)
-    g.add_argument("--log-every", type=validate.positive_int, default=10)
-    g.add_argument(
-        "--ckpt-every",
-        type=validate.nonneg_int,
-        default=0,
-        help="checkpoint every N steps (0: only at the end)",
-    )
-    g.add_argument(
-        "--eval-every",
-        type=validate.nonneg_int,
-        default=0,
-        help="validation loss every N steps (0: never)",
-    )
-    g.add_argument(
-        "--eod-reset",
-        action="store_true",
-        help="reset attention and positions at each end of document",
-    )
-    g.add_argument(
-        "--device",
-        type=validate.device,
-        default="auto",
-        help="auto, cpu, cuda, cuda:1, ...",
-    )
-    g.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="also write TensorBoard event files to OUT/tensorboard",
+    add_flags(
+        g,
+        ("--steps", positive_int, steps, "optimizer steps"),
+        ("--batch-size", positive_int, 8, "samples per optimizer step"),
+        (
+            "--micro-batch-size",
+            positive_int,
+            None,
+            "samples per forward/backward (gradient accumulation)",
+        ),
+        ("--lr", positive_float, 1e-3, "peak learning rate"),
+        (
+            "--min-lr",
+            nonneg_float,
+            None,
+            "final learning rate of the cosine decay (default lr/10)",
+        ),
+        ("--warmup", nonneg_int, 20, "linear warm-up steps"),
+        ("--weight-decay", nonneg_float, 0.1, None),
+        ("--grad-clip", nonneg_float, 1.0, "clip the global gradient L2 norm (0: off)"),
+        ("--seed", nonneg_int, 1234, None),
+        ("--log-every", positive_int, 10, None),
+        (
+            "--ckpt-every",
+            nonneg_int,
+            0,
+            "checkpoint every N steps (0: only at the end)",
+        ),
+        ("--eval-every", nonneg_int, 0, "validation loss every N steps (0: never)"),
+        (
+            "--eod-reset",
+            "store_true",
+            None,
+            "reset attention and positions at each end of document",
+        ),
+        ("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ..."),
+        (
+            "--tensorboard",
+            "store_true",
+            None,
+            "also write TensorBoard event files to OUT/tensorboard",
+        ),
     )
     if resumable:
         g.add_argument(

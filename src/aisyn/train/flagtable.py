@@ -1,0 +1,42 @@
+"""Command-line flags as tables, one row a flag. In ``aisyn.train``, the lowest
+package with flags of its own, so that every command's parser may import it."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from typing import Any
+
+#: a row's default that makes its flag required
+REQUIRED = object()
+
+
+def add_flags(container: argparse._ActionsContainer, *rows: tuple) -> None:
+    """Add one option per row ``(flag, kind, default, help)``, in order.
+
+    ``kind`` is the argparse type (None: a string), an action's name
+    ("store_true", "append") or a list of choices. A default of ``REQUIRED``
+    makes the flag required; None keeps argparse's own. A flag that needs more
+    (nargs, metavar, ...) takes a plain ``add_argument``.
+    """
+    for flag, kind, default, help_text in rows:
+        kwargs: dict[str, Any] = {"help": help_text}
+        if isinstance(kind, str):
+            kwargs["action"] = kind
+        elif isinstance(kind, list):
+            kwargs["choices"] = kind
+        elif kind is not None:
+            kwargs["type"] = kind
+        if default is REQUIRED:
+            kwargs["required"] = True
+        elif default is not None:
+            kwargs["default"] = default
+        container.add_argument(flag, **kwargs)
+
+
+def add_command(sub, name: str, func, help_text: str) -> argparse.ArgumentParser:
+    """Subcommand ``name``, which runs ``func(args)`` and shows ``func``'s
+    docstring as its ``--help`` description."""
+    p = sub.add_parser(name, help=help_text, description=inspect.getdoc(func))
+    p.set_defaults(func=func)
+    return p
