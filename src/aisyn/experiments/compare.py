@@ -353,9 +353,7 @@ def run_compare(
 
     from aisyn.fl.launch import simulate
 
-    settings = federated_settings(
-        preset, len(names), device, tensorboard=tensorboard
-    )
+    settings = federated_settings(preset, len(names), device, tensorboard=tensorboard)
     fed = simulate(
         base, {n: sft[n] for n in names}, runs / "federated", settings, echo=echo
     )
