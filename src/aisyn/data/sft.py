@@ -22,10 +22,7 @@ sequence length is refused when opened.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,14 +34,18 @@ from safetensors.torch import load_file, save_file
 
 from aisyn.data.cloze import ClozeItem, build_items, prompt_text, read_items
 from aisyn.data.corpora import Corpus
-from aisyn.data.shards import publish_dir
+from aisyn.data.folder import (
+    TOKENIZER_FILE,
+    file_sha256,
+    finish_folder,
+    read_manifest,
+    start_folder,
+)
 from aisyn.data.tokenizer import PanguTokenizer
 
 log = logging.getLogger(__name__)
 
 FORMAT = "aisyn-sft/2"  # 2: prompt_text puts the blank's left context last
-MANIFEST = "manifest.json"
-TOKENIZER_FILE = "tokenizer.model"
 TEST_ITEMS = "test.jsonl"
 IGNORE = -100  # target value the loss skips (``lm_loss``'s ignore_index)
 # Characters kept free of the passage budget, as the prompt scorer does.
@@ -109,14 +110,6 @@ def targets_for(
     return tokens[:, :-1], targets
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def prepare_sft(
     corpus: Corpus,
     tok: PanguTokenizer,
@@ -138,14 +131,7 @@ def prepare_sft(
     """
     if seq_len < 8:
         raise ValueError(f"seq_len must be >= 8, got {seq_len}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{out}: exists and is not empty; choose another --out or pass --overwrite"
-        )
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out, tmp = start_folder(out_dir, overwrite)
     manifest: dict = {
         "format": FORMAT,
         "seq_len": seq_len,
@@ -190,32 +176,12 @@ def prepare_sft(
         "".join(it.to_json() + "\n" for it in test), encoding="utf-8"
     )
     manifest["splits"]["test"] = {"items": len(test), "file": TEST_ITEMS}
-    shutil.copyfile(tok.path, tmp / TOKENIZER_FILE)
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
-    publish_dir(tmp, out)
+    finish_folder(tmp, out, manifest, Path(tok.path))
     return manifest
 
 
 def read_sft_manifest(data_dir: str | Path) -> dict:
-    data_dir = Path(data_dir)
-    path = data_dir / MANIFEST
-    if not data_dir.is_dir():
-        raise SFTError(
-            f"{data_dir}: SFT data folder not found (run `aisyn prepare-sft`)"
-        )
-    if not path.is_file():
-        raise SFTError(f"{path}: no manifest; not a folder made by `aisyn prepare-sft`")
-    try:
-        m = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SFTError(f"{path}: corrupt manifest ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise SFTError(
-            f"{path}: not SFT data (format {m.get('format')!r})"
-            if isinstance(m, dict)
-            else f"{path}: corrupt manifest"
-        )
-    return m
+    return read_manifest(data_dir, FORMAT, SFTError, "prepare-sft")
 
 
 @dataclass

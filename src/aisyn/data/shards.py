@@ -12,11 +12,7 @@ rule, so that data made with another tokenizer or length is refused.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,15 +20,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from aisyn.data import folder
 from aisyn.data.corpora import SPLIT_RULE, SPLITS, Corpus
+from aisyn.data.folder import (
+    TOKENIZER_FILE,
+    file_sha256,
+    finish_folder,
+    start_folder,
+)
 from aisyn.data.tokenizer import PanguTokenizer
 
 log = logging.getLogger(__name__)
 
 FORMAT = "aisyn-shards/1"
 SHARD_SAMPLES = 65536
-MANIFEST = "manifest.json"
-TOKENIZER_FILE = "tokenizer.model"
 
 
 class ShardError(ValueError):
@@ -41,14 +42,6 @@ class ShardError(ValueError):
 
 def _dtype_for(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def pack(docs_ids: Sequence[Sequence[int]], eod_id: int, sample_len: int) -> np.ndarray:
@@ -78,19 +71,12 @@ def prepare(
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{out}: exists and is not empty; choose another --out or pass --overwrite"
-        )
     docs = list(corpus.documents[:max_documents] if max_documents else corpus.documents)
     if not docs:
         raise ShardError(f"corpus {corpus.name!r} has no documents")
     ids = tokenizer.encode_many([d.text for d in docs])
     dtype = _dtype_for(tokenizer.vocab_size)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out, tmp = start_folder(out_dir, overwrite)
     manifest: dict = {
         "format": FORMAT,
         "seq_len": seq_len,
@@ -114,7 +100,7 @@ def prepare(
             chunk = np.ascontiguousarray(samples[start : start + SHARD_SAMPLES])
             chunk.tofile(tmp / name)
             shards.append(
-                {"file": name, "samples": len(chunk), "sha256": _sha256(tmp / name)}
+                {"file": name, "samples": len(chunk), "sha256": file_sha256(tmp / name)}
             )
         manifest["splits"][split] = {
             "documents": len(split_ids),
@@ -129,42 +115,12 @@ def prepare(
             len(samples),
             seq_len + 1,
         )
-    shutil.copyfile(tokenizer.path, tmp / TOKENIZER_FILE)
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
-    publish_dir(tmp, out)
+    finish_folder(tmp, out, manifest, Path(tokenizer.path))
     return manifest
 
 
-def publish_dir(tmp: Path, out: Path) -> None:
-    """Move the finished folder ``tmp`` to ``out``, replacing an old one only
-    once the new one is complete (a crash leaves the old one or ``out.old``)."""
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
-
-
 def read_manifest(data_dir: str | Path) -> dict:
-    path = Path(data_dir) / MANIFEST
-    if not Path(data_dir).is_dir():
-        raise ShardError(f"{data_dir}: data folder not found (run `aisyn prepare`)")
-    if not path.is_file():
-        raise ShardError(f"{path}: no manifest; not a folder made by `aisyn prepare`")
-    try:
-        m = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ShardError(f"{path}: corrupt manifest ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ShardError(
-            f"{path}: unknown shard format {m.get('format')!r}"
-            if isinstance(m, dict)
-            else f"{path}: corrupt manifest"
-        )
-    return m
+    return folder.read_manifest(data_dir, FORMAT, ShardError, "prepare")
 
 
 @dataclass
@@ -213,7 +169,7 @@ class TokenShards:
                     f"{path}: corrupt shard: {path.stat().st_size} bytes, "
                     f"manifest says {expect}"
                 )
-            if verify and _sha256(path) != shard["sha256"]:
+            if verify and file_sha256(path) != shard["sha256"]:
                 raise ShardError(f"{path}: corrupt shard: SHA-256 does not match")
             arrays.append(
                 np.memmap(

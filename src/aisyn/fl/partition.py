@@ -7,23 +7,20 @@ the same distribution. Each part is an ordinary SFT folder.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from aisyn.data.sft import (
-    MANIFEST,
-    TEST_ITEMS,
+from aisyn.data.folder import (
     TOKENIZER_FILE,
-    SFTData,
     file_sha256,
-    open_sft_many,
+    publish_dir,
+    seal_folder,
+    start_folder,
 )
+from aisyn.data.sft import TEST_ITEMS, SFTData, open_sft_many
 
 
 def partition_iid(
@@ -31,9 +28,6 @@ def partition_iid(
 ) -> list[Path]:
     if parts < 2:
         raise ValueError(f"--parts must be >= 2, got {parts}")
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out}: exists and is not empty; choose another --out")
     splits: dict[str, list[SFTData]] = {
         s: open_sft_many(data_dirs, s) for s in ("train", "valid")
     }
@@ -41,8 +35,7 @@ def partition_iid(
     test_lines = "".join(
         (Path(d) / TEST_ITEMS).read_text(encoding="utf-8") for d in data_dirs
     )
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out, tmp = start_folder(out, overwrite=None)
     dirs = [tmp / f"part{i}" for i in range(parts)]
     for d in dirs:
         d.mkdir(parents=True)
@@ -85,11 +78,6 @@ def partition_iid(
     for i, d in enumerate(dirs):
         (d / TEST_ITEMS).write_text(test_lines, encoding="utf-8")
         manifests[i]["splits"]["test"] = {"items": n_test, "file": TEST_ITEMS}
-        shutil.copyfile(first.data_dir / TOKENIZER_FILE, d / TOKENIZER_FILE)
-        (d / MANIFEST).write_text(
-            json.dumps(manifests[i], indent=2, ensure_ascii=False)
-        )
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
+        seal_folder(d, manifests[i], first.data_dir / TOKENIZER_FILE)
+    publish_dir(tmp, out)
     return [out / f"part{i}" for i in range(parts)]
