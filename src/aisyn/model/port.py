@@ -1,0 +1,171 @@
+"""PanGu-α weights from the public PyTorch port (Hugging Face ``gpt_pangu``).
+
+The port (e.g. the ``pangu-350M`` / ``pangu-2_6B`` folders, converted from the
+MindSpore checkpoints; modeling file ``modeling_gptpangu.py``) names its
+modules as ``PanguAlpha`` does: ``transformer.{wte,wpe,wqe,h.N,ln_f}`` and
+``lm_head``, with ``h.N.attn.{q,k,v,c}_proj`` and ``h.N.mlp.{c_fc,c_proj}``;
+the last block is the top query layer, fed ``ln_f`` of the hidden states and
+the query embedding ``wqe``. It differs in what else it stores:
+
+* each attention's causal mask (``attn.bias``, a (1, 1, P, P) lower triangle)
+  and fill value (``attn.masked_bias``): buffers we compute instead; they are
+  checked (a mask that is not causal would mean another model) and dropped;
+* ``lm_head.weight``, tied to ``wte`` (checked equal where both are present).
+
+A folder holds ``config.json`` and the weights as ``model.safetensors``,
+``pytorch_model.bin`` (read with ``weights_only=True``: tensors only, nothing
+executed), or either sharded with an ``*.index.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from aisyn.model.pangu import PanguConfig
+
+MODEL_TYPE = "gpt_pangu"
+# In the order the port's ``save_pretrained`` prefers them.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+class PortError(ValueError):
+    """A folder that is not (or not a readable copy of) the PanGu-α port."""
+
+
+def is_port_folder(path: str | Path) -> bool:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+def read_port_config(folder: str | Path) -> PanguConfig:
+    """Our ``PanguConfig`` of the port's ``config.json``."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise PortError(f"{folder}: no config.json; not a model folder")
+    try:
+        c = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PortError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(c, dict) or c.get("model_type") != MODEL_TYPE:
+        found = c.get("model_type") if isinstance(c, dict) else None
+        raise PortError(
+            f"{path}: model_type {found!r}, not the PanGu-α port's {MODEL_TYPE!r}"
+        )
+    if c.get("activation_function", "gelu") != "gelu":
+        raise PortError(f"{path}: activation {c['activation_function']!r}, not gelu")
+    if not c.get("scale_attn_weights", True):
+        raise PortError(f"{path}: unscaled attention is not PanGu-α's")
+    hidden = c.get("hidden_size", 2560)
+    try:
+        return PanguConfig.from_dict(
+            {
+                "vocab_size": c.get("vocab_size", 40000),
+                "hidden_size": hidden,
+                "num_layers": c.get("num_layers", 32),
+                "num_heads": c.get("num_heads", 32),
+                "ffn_size": c.get("intermediate_size") or 4 * hidden,
+                "seq_len": c.get("max_position_embeddings", 1024),
+                "layer_norm_eps": c.get("layer_norm_epsilon", 1e-5),
+            }
+        )
+    except (TypeError, ValueError) as e:
+        raise PortError(f"{path}: {e}") from None
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise PortError(f"{path}: weight file missing")
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except (
+        SafetensorError,
+        pickle.UnpicklingError,
+        OSError,
+        RuntimeError,
+        ValueError,
+        EOFError,
+    ) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PortError(f"{path}: unreadable weights ({first})") from None
+    if not isinstance(tensors, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
+    ):
+        raise PortError(f"{path}: not a state dict of named tensors")
+    return tensors
+
+
+def read_port_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the port's weight files (all shards), as stored."""
+    folder = Path(folder)
+    name = next((f for f in WEIGHT_FILES if (folder / f).is_file()), None)
+    if name is None:
+        raise PortError(
+            f"{folder}: no weights (expected one of {', '.join(WEIGHT_FILES)})"
+        )
+    if not name.endswith(".index.json"):
+        return _read_file(folder / name)
+    try:
+        weight_map = json.loads((folder / name).read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise PortError(f"{folder / name}: bad shard index ({e!r})") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if Path(shard).name != shard:  # the index names files beside it, no paths
+            raise PortError(f"{folder / name}: shard {shard!r} is not a file name")
+        tensors.update(_read_file(folder / shard))
+    listed, found = set(weight_map), set(tensors)
+    if listed != found:
+        odd = sorted(listed ^ found)[0]
+        raise PortError(
+            f"{folder / name}: the index and the shards disagree about {odd!r}"
+        )
+    return tensors
+
+
+def port_state_dict(
+    tensors: dict[str, torch.Tensor], cfg: PanguConfig, source: str
+) -> dict[str, torch.Tensor]:
+    """The port's tensors minus its buffers, checked, named as ``PanguAlpha``'s."""
+    out = {}
+    causal = torch.ones(cfg.seq_len, cfg.seq_len).tril().bool()
+    for name, t in tensors.items():
+        if name.endswith(".attn.masked_bias"):
+            continue  # the port's fill value for masked scores; we use -inf
+        if name.endswith(".attn.bias") and t.dim() == 4:
+            if t.shape[-2:] != causal.shape or not torch.equal(t[0, 0].bool(), causal):
+                raise PortError(f"{source}: {name} is not a causal mask of this size")
+            continue
+        out[name] = t
+    head, wte = out.get("lm_head.weight"), out.get("transformer.wte.weight")
+    if head is not None and wte is not None and not torch.equal(head, wte):
+        raise PortError(
+            f"{source}: lm_head.weight is not tied to transformer.wte.weight"
+        )
+    return out
+
+
+def read_port(folder: str | Path) -> tuple[PanguConfig, dict[str, torch.Tensor]]:
+    """(config, state dict for ``PanguAlpha``) of a port folder; load the state
+    dict with ``train.checkpoint.load_weights``, which checks every name and
+    shape."""
+    cfg = read_port_config(folder)
+    return cfg, port_state_dict(read_port_tensors(folder), cfg, str(folder))
