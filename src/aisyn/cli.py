@@ -23,7 +23,12 @@ from aisyn import validate
 log = logging.getLogger("aisyn")
 
 # Modules that add their own subcommands: each has register(subparsers).
-EXTENSIONS = ("aisyn.split.cli", "aisyn.fl.cli", "aisyn.experiments.cli")
+EXTENSIONS = (
+    "aisyn.split.cli",
+    "aisyn.fl.cli",
+    "aisyn.experiments.cli",
+    "aisyn.convert",
+)
 
 
 def _print_json(obj) -> None:

@@ -1,0 +1,198 @@
+"""``aisyn convert``: PanGu-α weights between MindSpore ``.ckpt`` files and runs.
+
+``--from mindspore FILE.ckpt [FILE2.ckpt ...] --out DIR`` writes a run folder
+that every command taking a base model loads (``aisyn train --init-from``,
+``aisyn finetune --base``, ``aisyn fl ... --base``): ``config.json`` with the
+model config read off the tensor shapes, ``checkpoints/step_00000000/`` with
+``model.safetensors``, and with ``--tokenizer`` the tokenizer. Several files
+make one model (the split reference's embedding, backbone and head files);
+optimizer state in a training checkpoint is skipped. The folder is built
+beside ``--out`` and renamed into place, so a failure leaves nothing behind.
+
+``--to mindspore --run RUN --out FILE.ckpt`` writes a run's latest weights
+under the official MindSpore model's names (``aisyn.model.mindspore_pangu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+from aisyn.validate import positive_int
+
+FORMATS = ["mindspore"]
+
+
+def convert_from_mindspore(
+    files: list[str | Path],
+    out: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    num_heads: int | None = None,
+) -> dict:
+    """Read MindSpore checkpoints into a new run folder ``out``; its summary."""
+    from aisyn.data.tokenizer import PanguTokenizer
+    from aisyn.model.mindspore_ckpt import read_checkpoint
+    from aisyn.model.mindspore_pangu import (
+        gather_weights,
+        infer_config,
+        is_training_state,
+        to_state_dict,
+    )
+    from aisyn.train import checkpoint as ckpt
+    from aisyn.train.run import RunDir
+
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out}: already exists; choose another --out")
+    tok = PanguTokenizer.load(tokenizer) if tokenizer else None  # fail early
+    entries = {
+        str(f): read_checkpoint(f, keep=lambda name: not is_training_state(name))
+        for f in files
+    }
+    weights = gather_weights(entries)
+    cfg = infer_config(weights, num_heads)
+    state = to_state_dict(weights, cfg)
+    if tok is not None and tok.vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"{tokenizer}: {tok.vocab_size} pieces, but the checkpoint's word "
+            f"embedding has {cfg.vocab_size} rows; the wrong tokenizer?"
+        )
+    config = {
+        "kind": "converted",
+        "model": cfg.to_dict(),
+        # Without the tokenizer the model was trained with, no data can be
+        # checked against it: "unknown" matches none, so finetune refuses data.
+        "tokenizer": tok.info() if tok else {"sha256": "unknown"},
+        "source": {"format": "mindspore", "files": [str(Path(f)) for f in files]},
+    }
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        run = RunDir(tmp)
+        run.create(config, resume=False)
+        if tok is not None:
+            run.copy_tokenizer(tok.path)
+        ckpt.save(run.checkpoints, 0, {ckpt.MODEL_FILE: state}, {"converted": True})
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"out": str(out), "model": cfg.to_dict(), "tensors": len(state)}
+
+
+def convert_to_mindspore(
+    run: str | Path, out: str | Path, *, crc: bool = False
+) -> dict:
+    """Write the latest weights of run folder ``run`` as MindSpore ``out``."""
+    from aisyn.model.mindspore_ckpt import write_checkpoint
+    from aisyn.model.mindspore_pangu import expected_shapes, to_mindspore
+    from aisyn.model.pangu import PanguConfig
+    from aisyn.train import checkpoint as ckpt
+    from aisyn.train.run import RunDir
+
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out}: already exists; choose another --out")
+    config = RunDir(run).read_config()
+    try:
+        cfg = PanguConfig.from_dict(config["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{run}/config.json: not a model run ({e})") from None
+    weights = ckpt.model_file(run)
+    state = ckpt.read_tensors(weights)
+    missing = [n for n in expected_shapes(cfg) if n not in state]
+    if missing:
+        raise ckpt.CheckpointError(
+            f"{weights}: lacks {missing[0]} ({len(missing)} tensors); a split run "
+            "holds one party's half: merge it first (aisyn split merge)"
+        )
+    for name, shape in expected_shapes(cfg).items():
+        if tuple(state[name].shape) != shape:
+            raise ckpt.CheckpointError(
+                f"{weights}: {name} has shape {tuple(state[name].shape)}, the run's "
+                f"config says {shape}"
+            )
+    tensors = to_mindspore(state, cfg)
+    write_checkpoint(out, tensors, crc=crc)
+    return {"out": str(out), "tensors": len(tensors)}
+
+
+def cmd_convert(args) -> None:
+    """Convert PanGu-α weights: --from mindspore FILE.ckpt ... --out DIR writes a
+    run folder usable as a base model (config read off the tensor shapes);
+    --to mindspore --run RUN --out FILE.ckpt writes a run's latest weights as a
+    MindSpore checkpoint."""
+
+    if args.source:
+        if not args.files:
+            raise ValueError("--from mindspore: give one or more .ckpt files")
+        if args.run or args.crc:
+            raise ValueError("--run and --crc go with --to, not --from")
+        res = convert_from_mindspore(
+            args.files, args.out, tokenizer=args.tokenizer, num_heads=args.num_heads
+        )
+        m = res["model"]
+        print(
+            f"wrote {res['out']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
+            f"{m['num_heads']} heads, FFN {m['ffn_size']}, vocab {m['vocab_size']}, "
+            f"{m['seq_len']} positions ({res['tensors']} tensors)"
+        )
+        return
+    if args.files or args.tokenizer or args.num_heads:
+        raise ValueError(
+            "--to mindspore takes --run RUN and --out FILE.ckpt, no files, "
+            "--tokenizer or --num-heads"
+        )
+    if not args.run:
+        raise ValueError("--to mindspore: give --run RUN")
+    res = convert_to_mindspore(args.run, args.out, crc=args.crc)
+    print(f"wrote {res['out']}: {res['tensors']} tensors")
+
+
+def _ckpt_file(text: str) -> str:
+    """An existing file (checked while parsing, before anything is read)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
+def register(sub) -> None:
+    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
+
+    c = add_command(
+        sub, "convert", cmd_convert, "PanGu-α weights from/to MindSpore .ckpt files"
+    )
+    way = c.add_mutually_exclusive_group(required=True)
+    way.add_argument(
+        "--from", dest="source", choices=FORMATS, help="read FILE.ckpt ... into --out"
+    )
+    way.add_argument(
+        "--to", dest="target", choices=FORMATS, help="write --run's weights to --out"
+    )
+    c.add_argument(
+        "files",
+        nargs="*",
+        type=_ckpt_file,
+        metavar="FILE.ckpt",
+        help="with --from: the checkpoint, or its parts (embedding, backbone, head)",
+    )
+    add_flags(
+        c,
+        ("--out", None, REQUIRED, "--from: new run folder; --to: new .ckpt file"),
+        ("--run", None, None, "--to: run folder whose latest weights to write"),
+        (
+            "--tokenizer",
+            None,
+            None,
+            "--from: the model's tokenizer (PanGu's vocab.model), copied in",
+        ),
+        (
+            "--num-heads",
+            positive_int,
+            None,
+            "--from: attention heads (default: the reference's for the hidden size)",
+        ),
+        ("--crc", "store_true", None, "--to: append MindSpore's CRC-32 trailer"),
+    )
