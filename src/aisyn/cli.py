@@ -146,6 +146,32 @@ def cmd_eval(args) -> None:
     print(f"wrote {Path(args.run) / 'eval.json'}")
 
 
+def cmd_generate(args) -> None:
+    """Continue --prompt with a run's latest checkpoint (greedy unless
+    --temperature > 0), streaming the completion to stdout as it is produced;
+    everything else goes to stderr, so stdout holds the completion alone."""
+
+    import secrets
+
+    from aisyn.eval.generate import load_generator
+    from aisyn.model.generate import Sampling
+
+    seed = args.seed
+    if seed is None and args.temperature > 0:
+        seed = secrets.randbits(32)
+        print(f"aisyn: sampling with --seed {seed}", file=sys.stderr)
+    # Checked before the model loads, so a bad combination fails at once.
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, seed or 0)
+    gen = load_generator(args.run, args.device)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    gen.complete(args.prompt, args.max_new_tokens, sampling=sampling, write=write)
+    sys.stdout.write("\n")
+
+
 def cmd_demo(args) -> None:
     """The embedded default job: prepares a slice of the news corpus, trains the
     tiny PanGu-α on CPU, evaluates test loss and cloze accuracy, and plots the
@@ -164,6 +190,9 @@ def cmd_demo(args) -> None:
     for line in summary_lines(res["eval"]):
         print(line)
     print(f"loss plot: {res['plot']}")
+    done = res["completion"]
+    print(f"greedy completion of {done['prompt']!r}:")
+    print(done["text"])
 
 
 # --- parser ---------------------------------------------------------------------
@@ -257,6 +286,24 @@ def build_parser() -> argparse.ArgumentParser:
     ev = add_command(sub, "eval", cmd_eval, "test loss, perplexity and cloze accuracy")
     ev.add_argument("--run", required=True)
     add_eval_args(ev)
+
+    g = add_command(sub, "generate", cmd_generate, "continue a prompt with a run")
+    add_flags(
+        g,
+        ("--run", None, REQUIRED, "run folder (its latest checkpoint)"),
+        ("--prompt", None, REQUIRED, "text to continue"),
+        ("--max-new-tokens", positive_int, 50, None),
+        ("--temperature", validate.nonneg_float, 0.0, "0: greedy"),
+        ("--top-k", nonneg_int, 0, "sample from the K likeliest tokens (0: all)"),
+        (
+            "--top-p",
+            validate.positive_probability,
+            1.0,
+            "sample from the smallest set of tokens holding this mass (1: all)",
+        ),
+        ("--seed", nonneg_int, None, "sampling seed (default: random, printed)"),
+        ("--device", validate.device, "auto", None),
+    )
 
     c = sub.add_parser("cloze", help="build cloze items")
     csub = c.add_subparsers(dest="cloze_command", required=True, metavar="ACTION")

@@ -16,7 +16,10 @@ with ``ln_1``, ``attn.{q,k,v,c}_proj``, ``ln_2``, ``mlp.{c_fc,c_proj}``,
 that port, ``num_layers`` counts the top query layer: ``h[-1]`` is it.
 
 The model knows nothing about parties, LoRA or Flower; other modules slice
-``model.transformer.h`` to cut it into segments.
+``model.transformer.h`` to cut it into segments. For generation, ``forward``
+and ``hidden`` take a ``KVCache`` (keys and values of the positions already
+seen), so that each new token costs one position; without one they run
+exactly the training path.
 """
 
 from __future__ import annotations
@@ -142,8 +145,92 @@ def load_config(name_or_path: str | Path, **overrides) -> PanguConfig:
         raise ValueError(f"{path}: {e}") from None
 
 
+class LayerKV:
+    """One layer's cached keys and values, (B, heads, capacity, head_dim) each.
+
+    Preallocated to the generation's full length, so appending a position
+    writes in place instead of copying every earlier one (as ``torch.cat``
+    would, which makes a long generation quadratic in memory traffic).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
+        self.length = 0  # positions filled
+
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+        """Store the new positions' ``k``/``v``; return the keys and values of
+        every position so far, the attention mask and whether it is causal."""
+        past, new = self.length, k.shape[2]
+        end = past + new
+        if end > self.keys.shape[2]:
+            raise ValueError(
+                f"KV cache holds {self.keys.shape[2]} positions; "
+                f"{past} + {new} do not fit"
+            )
+        self.keys[:, :, past:end] = k
+        self.values[:, :, past:end] = v
+        self.length = end
+        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        if past == 0:
+            return keys, values, None, True  # the prompt: square and causal
+        if new == 1:
+            return keys, values, None, False  # one new position sees them all
+        # Several new positions after cached ones: SDPA's is_causal aligns the
+        # triangle top-left, so spell out that query i sees keys <= past + i.
+        rows = torch.arange(past, end, device=k.device).unsqueeze(1)
+        mask = torch.arange(end, device=k.device).unsqueeze(0) <= rows
+        return keys, values, mask, False
+
+
+class KVCache:
+    """Keys and values of every layer (the top query layer's included) for the
+    positions a model has seen, so that generating a token runs one position.
+
+    Pass the same cache to successive ``PanguAlpha.forward(tokens, cache=...)``
+    calls: the first with the prompt, then one call per new token. Positions
+    continue from ``length``; ``capacity`` (at most ``seq_len``, the learned
+    position embeddings' reach) bounds prompt + new tokens.
+    """
+
+    def __init__(
+        self,
+        cfg: PanguConfig,
+        capacity: int,
+        *,
+        batch_size: int = 1,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not 1 <= capacity <= cfg.seq_len:
+            raise ValueError(
+                f"KV cache capacity must be in 1..{cfg.seq_len} (the model's "
+                f"seq_len), got {capacity}"
+            )
+        shape = (batch_size, cfg.num_heads, capacity, cfg.head_dim)
+        self.capacity = capacity
+        self.layers = [
+            LayerKV(
+                torch.empty(shape, device=device, dtype=dtype),
+                torch.empty(shape, device=device, dtype=dtype),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far (the next token's position)."""
+        return self.layers[-1].length
+
+
 class Attention(nn.Module):
-    """Multi-head causal attention; queries optionally from a separate input."""
+    """Multi-head causal attention; queries optionally from a separate input.
+
+    With ``kv`` (a ``LayerKV``), ``x`` holds only the new positions: their keys
+    and values are appended to the cache and the queries attend to all cached
+    positions. Without it, the plain training path runs unchanged.
+    """
 
     def __init__(self, cfg: PanguConfig) -> None:
         super().__init__()
@@ -162,6 +249,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         query: torch.Tensor | None = None,
+        kv: LayerKV | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         nh = self.num_heads
@@ -169,13 +257,16 @@ class Attention(nn.Module):
         q = self.q_proj(q_in).view(B, T, nh, C // nh).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, nh, C // nh).transpose(1, 2)
         v = self.v_proj(x).view(B, T, nh, C // nh).transpose(1, 2)
+        causal = attn_mask is None
+        if kv is not None:
+            k, v, attn_mask, causal = kv.append(k, v)  # (B, nh, past + T, hd)
         y = F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=attn_mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=attn_mask is None,
+            is_causal=causal,
         )  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -207,8 +298,9 @@ class Block(nn.Module):
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         query: torch.Tensor | None = None,
+        kv: LayerKV | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_mask, query)
+        x = x + self.attn(self.ln_1(x), attn_mask, query, kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -365,14 +457,20 @@ class PanguAlpha(nn.Module):
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        kv: LayerKV | None = None,
     ) -> torch.Tensor:
-        """Final LN then the top query layer. (B, T, C) -> (B, T, C)."""
+        """Final LN then the top query layer. (B, T, C) -> (B, T, C).
+
+        With ``kv`` the top layer's keys and values (from the normalised hidden
+        states) are cached like any block's; its queries are the query
+        embeddings of ``position_ids``, the new positions.
+        """
         T = x.shape[1]
         if position_ids is None:
             position_ids = torch.arange(T, device=x.device).unsqueeze(0)
         query = self.transformer.wqe(position_ids).expand(x.shape[0], -1, -1)
         x = self.transformer.ln_f(x)
-        return self.transformer.h[-1](x, attn_mask, query)
+        return self.transformer.h[-1](x, attn_mask, query, kv)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(x)
@@ -382,21 +480,68 @@ class PanguAlpha(nn.Module):
         tokens: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Final hidden states (B, T, C), before the tied output projection."""
+        """Final hidden states (B, T, C), before the tied output projection.
+
+        With ``cache``, ``tokens`` are the positions after the cached ones.
+        """
+        if cache is not None:
+            return self._hidden_cached(tokens, cache, attn_mask, position_ids)
         x = self.embed(tokens, position_ids)
         for block in self.transformer.h[:-1]:
             x = block(x, attn_mask)
         return self.top_query(x, attn_mask, position_ids)
+
+    def _hidden_cached(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        attn_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if attn_mask is not None or position_ids is not None:
+            # Positions continue the cache's and the mask is causal over it;
+            # EOD-reset or packed rows are not what a cache decodes.
+            raise ValueError("a KV cache takes neither attn_mask nor position_ids")
+        start, T = cache.length, tokens.shape[1]
+        if start + T > cache.capacity:
+            raise ValueError(
+                f"{start} cached + {T} new positions exceed the KV cache's "
+                f"{cache.capacity} (the model's seq_len is {self.config.seq_len})"
+            )
+        positions = torch.arange(start, start + T, device=tokens.device).unsqueeze(0)
+        x = self.embed(tokens, positions)
+        blocks = self.transformer.h
+        for block, kv in zip(blocks[:-1], cache.layers[:-1], strict=True):
+            x = block(x, kv=kv)
+        return self.top_query(x, position_ids=positions, kv=cache.layers[-1])
+
+    def new_cache(self, capacity: int | None = None, batch_size: int = 1) -> KVCache:
+        """An empty ``KVCache`` on this model's device and dtype, for up to
+        ``capacity`` positions (default ``seq_len``)."""
+        p = self.transformer.wte.weight
+        return KVCache(
+            self.config,
+            self.config.seq_len if capacity is None else capacity,
+            batch_size=batch_size,
+            device=p.device,
+            dtype=p.dtype,
+        )
 
     def forward(
         self,
         tokens: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V) for tokens (B, T); causal unless a mask is given."""
-        return self.logits(self.hidden(tokens, attn_mask, position_ids))
+        """Logits (B, T, V) for tokens (B, T); causal unless a mask is given.
+
+        With ``cache`` (see ``KVCache``) only the new positions ``tokens`` run,
+        attending to the cached ones, and the cache grows by them.
+        """
+        return self.logits(self.hidden(tokens, attn_mask, position_ids, cache))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weight counted once

@@ -1,0 +1,119 @@
+"""``aisyn generate``: a run's model continues a prompt, streamed as text.
+
+Loads a run folder's latest checkpoint and the tokenizer it was trained with,
+encodes the prompt the way training data were made, and decodes the new tokens
+(``aisyn.model.generate``) into text as they come. Used by the command and by
+``aisyn demo``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aisyn.data.detokenizer import IncrementalDetokenizer
+from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.model.generate import Sampling, generate
+from aisyn.model.pangu import PanguAlpha
+from aisyn.train.loop import load_run_model, resolve_device
+from aisyn.train.run import TOKENIZER, RunDir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generator:
+    """A run's model and tokenizer, ready to continue prompts."""
+
+    model: PanguAlpha
+    tokenizer: PanguTokenizer
+    #: positions restart after each EOD in training (``--eod-reset``)
+    eod_reset: bool = False
+    #: the sample length the run was trained on (None: unknown)
+    trained_len: int | None = None
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The prompt's token ids as the model saw documents in training.
+
+        Without EOD reset a document follows the previous one's ``<eod>``, so
+        the prompt is given one to start a document; with it, a document
+        starts at position 0 and attends to nothing before it, so it gets none.
+        """
+        ids = self.tokenizer.encode(prompt)
+        if not self.eod_reset:
+            ids = [self.tokenizer.eod_id, *ids]
+        if not ids:
+            raise ValueError(
+                "--prompt is empty; this run (trained with --eod-reset) needs "
+                "at least one token to continue"
+            )
+        return ids
+
+    def complete(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        *,
+        sampling: Sampling | None = None,
+        write: Callable[[str], None] | None = None,
+    ) -> str:
+        """The text continuing ``prompt`` (stopping at ``<eod>``); each complete
+        piece of it goes to ``write`` as soon as it is decoded."""
+        sampling = sampling or Sampling()
+        ids = self.prompt_ids(prompt)
+        total = len(ids) + max_new_tokens
+        if self.trained_len and total > self.trained_len:
+            log.warning(
+                "prompt + new tokens (%d) run past the %d positions the run was "
+                "trained on; later positions are untrained",
+                total,
+                self.trained_len,
+            )
+        detok = IncrementalDetokenizer(self.tokenizer)
+        pieces: list[str] = []
+
+        def emit(text: str) -> None:
+            if text:
+                pieces.append(text)
+                if write is not None:
+                    write(text)
+
+        generate(
+            self.model,
+            ids,
+            max_new_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            eod_id=self.tokenizer.eod_id,
+            on_token=lambda t: emit(detok.push(t)),
+        )
+        emit(detok.flush())
+        return "".join(pieces)
+
+
+def load_generator(run: str | Path, device: str = "auto") -> Generator:
+    """The model of ``run``'s latest checkpoint and the run's tokenizer."""
+    run_dir = RunDir(run)
+    kind = run_dir.read_config().get("kind")
+    if kind in ("split", "split-compute"):
+        half = "data" if kind == "split" else "compute"
+        raise ValueError(
+            f"{run_dir.path}: holds only the {half} party's half of a split run; "
+            "merge both halves first (aisyn split merge --data-party A_RUN "
+            "--compute-party B_RUN --out MERGED) and generate from MERGED"
+        )
+    model, config = load_run_model(run_dir.path, resolve_device(device))
+    tok_path = run_dir.path / TOKENIZER
+    tokenizer = PanguTokenizer(tok_path)
+    if tokenizer.sha256 != config.get("tokenizer", {}).get("sha256"):
+        raise ValueError(f"{tok_path}: is not the tokenizer this run was trained with")
+    return Generator(
+        model,
+        tokenizer,
+        eod_reset=bool(config.get("train", {}).get("eod_reset")),
+        trained_len=config.get("seq_len"),
+    )
