@@ -9,6 +9,9 @@ make one model (the split reference's embedding, backbone and head files);
 optimizer state in a training checkpoint is skipped. The folder is built
 beside ``--out`` and renamed into place, so a failure leaves nothing behind.
 
+``--from pangu-port DIR --out DIR`` does the same for a folder of the public
+PyTorch port (``aisyn.model.port``; its ``vocab.model`` is the tokenizer).
+
 ``--to mindspore --run RUN --out FILE.ckpt`` writes a run's latest weights
 under the official MindSpore model's names (``aisyn.model.mindspore_pangu``).
 """
@@ -22,7 +25,8 @@ from pathlib import Path
 
 from aisyn.validate import positive_int
 
-FORMATS = ["mindspore"]
+SOURCES = ["mindspore", "pangu-port"]
+TARGETS = ["mindspore"]
 
 
 def convert_from_mindspore(
@@ -41,8 +45,6 @@ def convert_from_mindspore(
         is_training_state,
         to_state_dict,
     )
-    from aisyn.train import checkpoint as ckpt
-    from aisyn.train.run import RunDir
 
     out = Path(out)
     if out.exists():
@@ -55,9 +57,45 @@ def convert_from_mindspore(
     weights = gather_weights(entries)
     cfg = infer_config(weights, num_heads)
     state = to_state_dict(weights, cfg)
+    source = {"format": "mindspore", "files": [str(Path(f)) for f in files]}
+    return write_base(out, cfg, state, tok, source)
+
+
+def convert_from_port(
+    folder: str | Path, out: str | Path, *, tokenizer: str | Path | None = None
+) -> dict:
+    """Read a folder of the public PyTorch port (``aisyn.model.port``) into a
+    new run folder ``out``; its ``vocab.model`` is the tokenizer unless
+    ``tokenizer`` is given."""
+    from aisyn.data.tokenizer import PanguTokenizer
+    from aisyn.model.pangu import build_model
+    from aisyn.model.port import read_port
+    from aisyn.train import checkpoint as ckpt
+
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out}: already exists; choose another --out")
+    if tokenizer is None and (Path(folder) / "vocab.model").is_file():
+        tokenizer = Path(folder) / "vocab.model"
+    tok = PanguTokenizer.load(tokenizer) if tokenizer else None  # fail early
+    cfg, tensors = read_port(folder)
+    model = build_model(cfg, device="meta")
+    names = ckpt.check_weights(model, tensors, str(folder))
+    state = {k: tensors[k].contiguous() for k in names}
+    return write_base(
+        out, cfg, state, tok, {"format": "pangu-port", "folder": str(folder)}
+    )
+
+
+def write_base(out: Path, cfg, state: dict, tok, source: dict) -> dict:
+    """A run folder holding ``state`` as step 0, built beside ``out`` and renamed
+    into place (nothing is left behind on failure)."""
+    from aisyn.train import checkpoint as ckpt
+    from aisyn.train.run import RunDir
+
     if tok is not None and tok.vocab_size != cfg.vocab_size:
         raise ValueError(
-            f"{tokenizer}: {tok.vocab_size} pieces, but the checkpoint's word "
+            f"{tok.path}: {tok.vocab_size} pieces, but the weights' word "
             f"embedding has {cfg.vocab_size} rows; the wrong tokenizer?"
         )
     config = {
@@ -66,7 +104,7 @@ def convert_from_mindspore(
         # Without the tokenizer the model was trained with, no data can be
         # checked against it: "unknown" matches none, so finetune refuses data.
         "tokenizer": tok.info() if tok else {"sha256": "unknown"},
-        "source": {"format": "mindspore", "files": [str(Path(f)) for f in files]},
+        "source": source,
     }
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -122,17 +160,28 @@ def convert_to_mindspore(
 def cmd_convert(args) -> None:
     """Convert PanGu-α weights: --from mindspore FILE.ckpt ... --out DIR writes a
     run folder usable as a base model (config read off the tensor shapes);
-    --to mindspore --run RUN --out FILE.ckpt writes a run's latest weights as a
-    MindSpore checkpoint."""
+    --from pangu-port DIR --out DIR does the same for a folder of the public
+    PyTorch port (config.json, weights, vocab.model); --to mindspore --run RUN
+    --out FILE.ckpt writes a run's latest weights as a MindSpore checkpoint."""
 
     if args.source:
-        if not args.files:
-            raise ValueError("--from mindspore: give one or more .ckpt files")
         if args.run or args.crc:
             raise ValueError("--run and --crc go with --to, not --from")
-        res = convert_from_mindspore(
-            args.files, args.out, tokenizer=args.tokenizer, num_heads=args.num_heads
-        )
+        if args.source == "pangu-port":
+            if len(args.files) != 1 or not Path(args.files[0]).is_dir():
+                raise ValueError("--from pangu-port: give the port's model folder")
+            if args.num_heads:
+                raise ValueError("--from pangu-port reads the heads from config.json")
+            res = convert_from_port(args.files[0], args.out, tokenizer=args.tokenizer)
+        else:
+            if not args.files or not all(Path(f).is_file() for f in args.files):
+                raise ValueError("--from mindspore: give one or more .ckpt files")
+            res = convert_from_mindspore(
+                args.files,
+                args.out,
+                tokenizer=args.tokenizer,
+                num_heads=args.num_heads,
+            )
         m = res["model"]
         print(
             f"wrote {res['out']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
@@ -151,10 +200,10 @@ def cmd_convert(args) -> None:
     print(f"wrote {res['out']}: {res['tensors']} tensors")
 
 
-def _ckpt_file(text: str) -> str:
-    """An existing file (checked while parsing, before anything is read)."""
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
+def _existing(text: str) -> str:
+    """An existing file or folder (checked while parsing, before anything is read)."""
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file or folder")
     return text
 
 
@@ -162,21 +211,25 @@ def register(sub) -> None:
     from aisyn.train.flagtable import REQUIRED, add_command, add_flags
 
     c = add_command(
-        sub, "convert", cmd_convert, "PanGu-α weights from/to MindSpore .ckpt files"
+        sub,
+        "convert",
+        cmd_convert,
+        "PanGu-α weights from MindSpore or the PyTorch port, to MindSpore",
     )
     way = c.add_mutually_exclusive_group(required=True)
     way.add_argument(
-        "--from", dest="source", choices=FORMATS, help="read FILE.ckpt ... into --out"
+        "--from", dest="source", choices=SOURCES, help="read SOURCE ... into --out"
     )
     way.add_argument(
-        "--to", dest="target", choices=FORMATS, help="write --run's weights to --out"
+        "--to", dest="target", choices=TARGETS, help="write --run's weights to --out"
     )
     c.add_argument(
         "files",
         nargs="*",
-        type=_ckpt_file,
-        metavar="FILE.ckpt",
-        help="with --from: the checkpoint, or its parts (embedding, backbone, head)",
+        type=_existing,
+        metavar="SOURCE",
+        help="with --from mindspore: the .ckpt, or its parts (embedding, backbone, "
+        "head); with --from pangu-port: the port's model folder",
     )
     add_flags(
         c,

@@ -196,3 +196,69 @@ def test_a_bin_file_that_would_run_code_is_refused_without_running_it(tmp_path):
     with pytest.raises(PortError, match="pytorch_model.bin: unreadable weights"):
         read_port(folder)
     assert not witness.exists()
+
+
+def test_convert_cli_writes_a_base_run_with_the_ports_tokenizer(tmp_path, capsys):
+    from aisyn.cli import main
+    from aisyn.data.tokenizer import PanguTokenizer
+    from aisyn.train.loop import load_run_model
+
+    tok = PanguTokenizer.load()
+    cfg = PanguConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=16,
+        num_layers=2,
+        num_heads=2,
+        ffn_size=32,
+        seq_len=16,
+    )
+    source = build_model(cfg, seed=5).eval()
+    write_port(tmp_path / "port", source, "bin")
+    (tmp_path / "port" / "vocab.model").write_bytes(tok.path.read_bytes())
+    out = tmp_path / "base"
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "pangu-port",
+                str(tmp_path / "port"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert "2 layers, hidden 16" in capsys.readouterr().out
+    model, config = load_run_model(out)
+    assert config["tokenizer"]["sha256"] == tok.sha256
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    assert torch.equal(model(tokens), source(tokens))
+
+
+def test_convert_cli_refuses_a_tokenizer_that_does_not_fit_the_weights(
+    tmp_path, capsys
+):
+    from aisyn.cli import main
+    from aisyn.data.tokenizer import PanguTokenizer
+
+    write_port(tmp_path / "port", build_model(CFG, seed=3), "safetensors")
+    tok = PanguTokenizer.load()
+    out = tmp_path / "base"
+    rc = main(
+        [
+            "convert",
+            "--from",
+            "pangu-port",
+            str(tmp_path / "port"),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(tok.path),
+        ]
+    )
+    assert rc == 2
+    assert "8000 pieces, but the weights' word embedding has 300 rows" in (
+        capsys.readouterr().err
+    )
+    assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "port"]

@@ -58,6 +58,17 @@ def load_weights(
     Also accepts checkpoints of the public PanGu-α port, which store the tied
     ``lm_head.weight`` separately.
     """
+    expected = check_weights(model, tensors, source)
+    with torch.no_grad():
+        for name, t in expected.items():
+            t.copy_(tensors[name])
+
+
+def check_weights(
+    model: nn.Module, tensors: dict[str, torch.Tensor], source: str
+) -> dict[str, torch.Tensor]:
+    """``load_weights``' checks alone (a model on the meta device will do):
+    every name and shape; returns the model's tensors by name."""
     expected = unique_state_dict(model)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(model.state_dict()))
@@ -73,9 +84,7 @@ def load_weights(
                 f"{source}: {name} has shape {tuple(tensors[name].shape)}, this model "
                 f"expects {tuple(t.shape)}; a checkpoint of another config?"
             )
-    with torch.no_grad():
-        for name, t in expected.items():
-            t.copy_(tensors[name])
+    return expected
 
 
 def optimizer_tensors(
