@@ -57,7 +57,9 @@ def evaluate_run(
     tok = PanguTokenizer(tok_path)
     if tok.sha256 != config["tokenizer"]["sha256"]:
         raise ValueError(f"{tok_path}: is not the tokenizer this run was trained with")
-    fmt = cloze_format or ("prompt" if config.get("kind") == "finetune" else "lm")
+    # Fine-tuned runs (standalone, or split with --sft) learnt the prompt format.
+    fine_tuned = config.get("kind") == "finetune" or config.get("objective") == "sft"
+    fmt = cloze_format or ("prompt" if fine_tuned else "lm")
     result: dict = {"run": str(run_dir.path)}
     if data_dir is not None:
         test = TokenShards.open(data_dir, "test", tokenizer_sha256=tok.sha256)

@@ -134,7 +134,8 @@ def cmd_train(args) -> None:
     """Writes a run folder like `aisyn train` (A's half of the model; metrics add
     link bytes per step). --mode local runs the compute party in this process;
     --mode grpc dials --peer or, with --spawn-backbone, starts one on this
-    machine."""
+    machine. With --sft instead of --data it fine-tunes --init-from BASE on
+    supervised items as `aisyn finetune` does (the compute party is unchanged)."""
 
     from aisyn.split.session import SplitOptions
     from aisyn.split.train import secret_seed, split_train
@@ -151,6 +152,11 @@ def cmd_train(args) -> None:
             "secret random one (recorded in the run's config.json)",
             args.seed,
         )
+    if bool(args.data) == bool(args.sft):
+        raise ValueError(
+            "give --data SHARDS (pre-training) or --sft SFT_DIR (fine-tuning), "
+            + ("not both" if args.data else "one of them")
+        )
     peer = _settings(args, args.peer) if args.peer else None
     opts = SplitOptions(
         cut=args.cut,
@@ -165,10 +171,11 @@ def cmd_train(args) -> None:
     )
     summary = split_train(
         args.model,
-        args.data,
+        args.data or args.sft,
         args.out,
         train_config_from_args(args),
         opts,
+        sft=bool(args.sft),
         resume=args.resume,
         init_from=args.init_from,
         progress=not args.quiet,
@@ -315,7 +322,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flags(
         t,
         ("--model", None, "tiny", model_help),
-        ("--data", "append", REQUIRED, "prepared data"),
+        ("--data", "append", None, "prepared data (pre-training; repeat)"),
+        (
+            "--sft",
+            "append",
+            None,
+            "SFT folder from `aisyn prepare-sft` instead of --data: fine-tune "
+            "--init-from BASE, the loss on the answer tokens only (repeat)",
+        ),
         ("--out", None, REQUIRED, "run folder"),
         ("--cut", None, "u:1,1", "u:FRONT,BACK blocks kept by A (see plan)"),
         ("--mode", ["local", "grpc"], "local", None),

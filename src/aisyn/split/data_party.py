@@ -13,16 +13,34 @@ accumulated exactly as ``train.loop.forward_backward`` does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from aisyn.link.base import Link
 from aisyn.model.pangu import document_index, lm_loss
+from aisyn.model.segments import Segment
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import PartyState
-from aisyn.train.loop import autocast_for, micro_batches
+from aisyn.train.loop import TrainConfig, autocast_for, micro_batches
+
+#: (inputs, targets, attention mask, position ids) of one micro-batch
+MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+#: a micro-batch's loss, scaled to its share of the step, from the final hidden
+#: states: ``loss_of(head, hidden, targets)``, ``head.logits`` the tied head
+LossOf = Callable[[Segment, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def lm_loss_per_micro_batch(cfg: TrainConfig) -> LossOf:
+    """Pre-training's loss: the mean over every next token of a micro-batch,
+    divided by the number of micro-batches (``train.loop.forward_backward``)."""
+
+    def loss_of(head: Segment, hidden: torch.Tensor, targets: torch.Tensor):
+        return lm_loss(head.logits(hidden), targets) / cfg.grad_accum
+
+    return loss_of
 
 
 class SplitError(OSError):
@@ -63,10 +81,26 @@ class DataSession:
             self.link.send("doc", doc, step=r, micro=i)
 
     def train_step(self, batch: torch.Tensor, step: int) -> dict:
-        """One optimizer step on ``batch`` (n, T+1); returns loss, lr, grad_norm."""
+        """One pre-training step on ``batch`` (n, T+1): the loss over every
+        next token, as ``train.loop.forward_backward``; returns loss, lr,
+        grad_norm."""
+        cfg = self.state.train_cfg
+        micro = list(micro_batches(batch, cfg.micro, self.eod_id))
+        return self.train_micro_batches(micro, step, lm_loss_per_micro_batch(cfg))
+
+    def train_micro_batches(
+        self, micro: Sequence[MicroBatch], step: int, loss_of: LossOf
+    ) -> dict:
+        """One optimizer step over ``micro`` (every micro-batch of one shape
+        (mb, T): T may differ from step to step, the control tells B), with
+        the loss ``loss_of(head, hidden, targets)`` computed here at A; the
+        step's loss is the sum of the micro-batches' losses.
+
+        The one split step of every objective: pre-training and fine-tuning
+        differ only in their micro-batches and ``loss_of``.
+        """
         cfg = self.state.train_cfg
         device = self.state.device
-        micro = list(micro_batches(batch, cfg.micro, self.eod_id))
         mb, T = micro[0][0].shape
         flags = proto.FLAG_EOD if self.eod_id is not None else 0
         r = self._open_round(
@@ -90,8 +124,7 @@ class DataSession:
                 self.state.checked(y, f"the backbone output (micro-batch {i})")
                 y = y.to(device).requires_grad_()
                 with autocast_for(device):
-                    logits = self.back.logits(self.back(y, mask, pos))
-                    loss = lm_loss(logits, targets) / cfg.grad_accum
+                    loss = loss_of(self.back, self.back(y, mask, pos), targets)
                 loss.backward()
                 self.link.send("gout", y.grad, step=r, micro=i)
                 losses[i] = loss.item()

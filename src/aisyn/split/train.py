@@ -15,8 +15,12 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from aisyn.data.sft import IGNORE, SFTData, open_sft_many
 from aisyn.data.shards import open_many
 from aisyn.model.pangu import PanguConfig, load_config
 from aisyn.model.plan import exposure_warning
@@ -24,18 +28,31 @@ from aisyn.model.segments import (
     COMPUTE_PARTY,
     DATA_PARTY,
     PartitionError,
+    Segment,
     init_seeds,
     parse_partition,
 )
 from aisyn.split import protocol as proto
-from aisyn.split.data_party import DataSession, SplitModel
+from aisyn.split.data_party import (
+    DataSession,
+    LossOf,
+    MicroBatch,
+    SplitModel,
+    lm_loss_per_micro_batch,
+)
 from aisyn.split.party import Base, PartyState, open_base
 from aisyn.split.session import SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.engine import Engine, Regime
-from aisyn.train.loop import TrainConfig, evaluate_loss, resolve_device
+from aisyn.train.finetune import SFTBatches, sft_eval_loss, supervised_loss_sum
+from aisyn.train.loop import (
+    TrainConfig,
+    evaluate_loss,
+    micro_batches,
+    resolve_device,
+)
 from aisyn.train.memory import check_fits, compute_dtype, party_bytes
-from aisyn.train.run import RunDir
+from aisyn.train.run import TOKENIZER, RunDir
 from aisyn.train.sampler import BatchSampler
 
 log = logging.getLogger("aisyn.split")
@@ -73,6 +90,7 @@ def split_train(
     cfg: TrainConfig,
     opts: SplitOptions,
     *,
+    sft: bool = False,
     resume: bool = False,
     init_from: str | Path | None = None,
     progress: bool = True,
@@ -84,14 +102,30 @@ def split_train(
     that starts at step 0 loads A's tensors from this base instead of the
     seeded init; the compute party must start from the same base (checked at
     the handshake), and one started here (local, spawned) is given it.
+
+    ``sft``: split fine-tuning. ``data_dirs`` are SFT folders (``aisyn
+    prepare-sft``) instead of token shards, the loss covers the answer tokens
+    only (``train.finetune``'s), and a fresh run needs ``init_from``. The
+    compute party cannot tell the difference: it gets the same rounds, with a
+    sequence length that changes from step to step.
     """
-    sources = open_many(data_dirs, "train")
-    tok = sources[0].tokenizer_info
-    mcfg = model_config_for(model_config, tok)
-    if sources[0].seq_len > mcfg.seq_len:
+    if sft and init_from is None and not resume:
         raise ValueError(
-            f"data seq_len {sources[0].seq_len} exceeds the model's {mcfg.seq_len}"
+            "--sft: split fine-tuning starts from a pre-trained base; give "
+            "--init-from BASE (the compute party starts from the same base)"
         )
+    if sft:
+        source: StepSource = SFTSource(data_dirs, cfg)
+    else:
+        source = ShardSource(data_dirs, cfg)
+    tok = source.tokenizer
+    mcfg = model_config_for(model_config, tok)
+    if source.seq_len > mcfg.seq_len:
+        raise ValueError(
+            f"data seq_len {source.seq_len} exceeds the model's {mcfg.seq_len}"
+        )
+    if sft and init_from is not None:
+        check_base_tokenizer(init_from, tok, data_dirs[0])
     partition = parse_partition(opts.cut, mcfg)
     if not partition.is_u_shape:
         raise PartitionError(
@@ -114,7 +148,7 @@ def split_train(
                 partition,
                 party,
                 cfg.micro,
-                sources[0].seq_len,
+                source.seq_len,
                 compute_dtype(device),
                 in_flight=opts.window + 1,
             )
@@ -131,6 +165,12 @@ def split_train(
         old = run.read_config()
         if old.get("kind") != "split":
             raise ValueError(f"{run.path}: not a split run; cannot --resume it here")
+        was = old.get("objective", ShardSource.objective)
+        if was != source.objective:
+            flag = "--sft" if was == SFTSource.objective else "--data"
+            raise ValueError(
+                f"{run.path}: a split run of objective {was!r}; resume it with {flag}"
+            )
         run_id = old["run_id"]
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(4)
     config = {
@@ -141,18 +181,17 @@ def split_train(
         "partition": partition.to_dict(),
         "train": cfg.to_dict(),
         "split": opts.record(),
+        "objective": source.objective,  # "sft": aisyn eval scores prompts
         "data": [str(Path(d).resolve()) for d in data_dirs],
         "tokenizer": tok,
-        "seq_len": sources[0].seq_len,
+        "seq_len": source.seq_len,
         "init_from": str(base.file) if base else None,
     }
     run.create(config, resume=resume)
-    run.copy_tokenizer(sources[0].data_dir / tok["file"])
+    run.copy_tokenizer(Path(data_dirs[0]) / tok["file"])
 
     state = PartyState(mcfg, partition, DATA_PARTY, cfg, device)
-    sampler = BatchSampler(sources, seed=cfg.seed)
-    eod_id = tok["eod_id"] if cfg.eod_reset else None
-    valid = open_many(data_dirs[:1], "valid")[0] if cfg.eval_every else None
+    source.start(device)
     a_steps = ckpt.complete_steps(run.checkpoints) if resume else []
     hello = proto.hello(
         purpose="train",
@@ -177,9 +216,7 @@ def split_train(
             run,
             opened,
             state,
-            sampler,
-            valid,
-            eod_id,
+            source,
             cfg,
             opts,
             a_steps,
@@ -193,9 +230,7 @@ def _train_loop(
     run: RunDir,
     opened,
     state: PartyState,
-    sampler: BatchSampler,
-    valid,
-    eod_id: int | None,
+    source: StepSource,
     cfg: TrainConfig,
     opts: SplitOptions,
     a_steps: list[int],
@@ -203,12 +238,12 @@ def _train_loop(
     progress: bool,
     tensorboard: bool = False,
 ) -> dict:
-    session = DataSession(state, opened.link, eod_id=eod_id, window=opts.window)
-    regime = DataPartyTraining(run, session, sampler, valid, eod_id, cfg)
+    session = DataSession(state, opened.link, eod_id=source.eod_id, window=opts.window)
+    regime = DataPartyTraining(run, session, source, cfg)
     engine = Engine.for_config(
         run,
-        cfg,  # (valid is None exactly when cfg.eval_every is 0)
-        desc="split train",
+        cfg,  # (the source validates exactly when cfg.eval_every is set)
+        desc=f"split {source.desc}",
         progress=progress,
         tensorboard=tensorboard,
     )
@@ -243,30 +278,29 @@ def _train_loop(
 class DataPartyTraining(Regime):
     """The data party's side of split training: each step is one TRAIN round
     with the compute party; checkpoints come in step-consistent pairs (B saves
-    step N first, then A)."""
+    step N first, then A). What A trains on, and its loss, come from
+    ``source`` (pre-training or fine-tuning); the step is the same."""
 
     def __init__(
         self,
         run: RunDir,
         session: DataSession,
-        sampler: BatchSampler,
-        valid,
-        eod_id: int | None,
+        source: StepSource,
         cfg: TrainConfig,
     ) -> None:
-        self.run, self.session, self.sampler = run, session, sampler
-        self.valid, self.eod_id, self.cfg = valid, eod_id, cfg
+        self.run, self.session, self.source, self.cfg = run, session, source, cfg
         self.state = session.state
         self.link = session.link
         self.run_id = run.read_config()["run_id"]
-        self.tokens_per_step = cfg.batch_size * sampler.sources[0].seq_len
+        self.tokens_per_step = 0  # the source's, set each step
         self.sent_total = self.received_total = 0
 
     def train_step(self, step: int) -> dict:
         sent0, recv0 = self.link.bytes_sent, self.link.bytes_received
         ts = time.perf_counter()
-        batch = self.sampler.next_batch(self.cfg.batch_size).to(self.state.device)
-        result = self.session.train_step(batch, step)
+        batch = self.source.next_step(self.cfg.batch_size)
+        result = self.session.train_micro_batches(batch.micro, step, batch.loss_of)
+        self.tokens_per_step = batch.tokens
         self.link.flush()
         sent = self.link.bytes_sent - sent0
         received = self.link.bytes_received - recv0
@@ -274,13 +308,14 @@ class DataPartyTraining(Regime):
         self.received_total += received
         return {
             **result,
+            **batch.record,
             "step_time_s": round(time.perf_counter() - ts, 4),
             "bytes_sent": sent,
             "bytes_received": received,
         }
 
     def record_fields(self) -> dict:
-        return {"epoch": self.sampler.epoch}
+        return self.source.record_fields()
 
     def log_line(self, done: int, total: int, record: dict) -> str:
         return (
@@ -289,14 +324,7 @@ class DataPartyTraining(Regime):
         )
 
     def validate(self) -> float | None:
-        return evaluate_loss(
-            SplitModel(self.session),
-            self.valid,
-            batch_size=self.cfg.batch_size,
-            max_batches=self.cfg.eval_batches,
-            eod_id=self.eod_id,
-            device=self.state.device,
-        )
+        return self.source.validate(SplitModel(self.session), self.cfg)
 
     def save(self, step: int, state: dict) -> None:
         self.session.save_remote(step)  # B's half first: pairs stay consistent
@@ -316,7 +344,184 @@ class DataPartyTraining(Regime):
         )
 
     def state_dict(self) -> dict:
-        return {"sampler": self.sampler.state_dict()}
+        return {"sampler": self.source.sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        self.source.sampler.load_state_dict(state["sampler"])
+
+
+# --- what the data party trains on -------------------------------------------------
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's worth of A's data, ready for the split step."""
+
+    micro: list[MicroBatch]
+    loss_of: LossOf  # the micro-batch loss, computed at A
+    tokens: int  # input positions of the step (the ``tokens`` metric)
+    record: dict = field(default_factory=dict)  # what the step's record adds
+
+
+class StepSource:
+    """Where a split run's batches and loss come from: the one thing that
+    differs between split pre-training and split fine-tuning."""
+
+    objective: str
+    desc: str
+    tokenizer: dict
+    seq_len: int
+    eod_id: int | None = None
+    sampler: BatchSampler  # its state is the run's data position
+
+    def start(self, device: torch.device) -> None:
+        """Bind to the device (after the run folder exists)."""
+        raise NotImplementedError
+
+    def next_step(self, batch_size: int) -> StepBatch:
+        raise NotImplementedError
+
+    def record_fields(self) -> dict:
+        raise NotImplementedError
+
+    def validate(self, model: SplitModel, cfg: TrainConfig) -> float | None:
+        raise NotImplementedError
+
+
+class ShardSource(StepSource):
+    """Pre-training on token shards (``aisyn prepare``): fixed windows of
+    seq_len + 1 tokens, the loss over every next token, as ``aisyn train``."""
+
+    objective = "lm"
+    desc = "train"
+
+    def __init__(self, data_dirs: Sequence[str | Path], cfg: TrainConfig) -> None:
+        self.data_dirs, self.cfg = list(data_dirs), cfg
+        self.sources = open_many(data_dirs, "train")
+        self.tokenizer = self.sources[0].tokenizer_info
+        self.seq_len = self.sources[0].seq_len
+        self.eod_id = self.tokenizer["eod_id"] if cfg.eod_reset else None
+        self.sampler = BatchSampler(self.sources, seed=cfg.seed)
+        self.loss_of = lm_loss_per_micro_batch(cfg)
+
+    def start(self, device: torch.device) -> None:
+        self.device = device
+        self.valid = (
+            open_many(self.data_dirs[:1], "valid")[0] if self.cfg.eval_every else None
+        )
+
+    def next_step(self, batch_size: int) -> StepBatch:
+        batch = self.sampler.next_batch(batch_size).to(self.device)
+        micro = list(micro_batches(batch, self.cfg.micro, self.eod_id))
+        return StepBatch(micro, self.loss_of, batch_size * self.seq_len)
+
+    def record_fields(self) -> dict:
+        return {"epoch": self.sampler.epoch}
+
+    def validate(self, model: SplitModel, cfg: TrainConfig) -> float | None:
+        return evaluate_loss(
+            model,
+            self.valid,
+            batch_size=cfg.batch_size,
+            max_batches=cfg.eval_batches,
+            eod_id=self.eod_id,
+            device=self.device,
+        )
+
+
+class SFTSource(StepSource):
+    """Fine-tuning on supervised items (``aisyn prepare-sft``), as ``aisyn
+    finetune`` does: the same batches (``SFTBatches``, right-padded to the
+    batch's longest sequence) and the mean loss over the batch's answer tokens
+    (``supervised_loss_sum``).
+
+    Nothing of it crosses but the activations: B is not told the answer
+    positions, the lengths or the loss. Right padding needs no mask at B --
+    attention is causal, so a padded position never reaches an earlier one --
+    and padded positions carry no target (``IGNORE``), so the loss skips them.
+    """
+
+    objective = "sft"
+    desc = "finetune"
+
+    def __init__(self, data_dirs: Sequence[str | Path], cfg: TrainConfig) -> None:
+        if cfg.eod_reset:
+            raise ValueError(
+                "--eod-reset does not apply to --sft data (one item per sequence)"
+            )
+        self.data_dirs, self.cfg = list(data_dirs), cfg
+        self.sources = open_sft_many(data_dirs, "train")
+        self.tokenizer = self.sources[0].tokenizer_info
+        self.seq_len = self.sources[0].seq_len
+
+    def start(self, device: torch.device) -> None:
+        self.batches = SFTBatches(self.sources, self.cfg.seed, device)
+        self.sampler = self.batches.sampler
+        self.valid = (
+            SFTData.open(self.data_dirs[0], "valid") if self.cfg.eval_every else None
+        )
+
+    def next_step(self, batch_size: int) -> StepBatch:
+        inputs, targets = self.batches.next(batch_size)
+        answer_tokens = int((targets != IGNORE).sum())
+        if answer_tokens == 0:
+            raise ValueError("a batch without supervised tokens (corrupt SFT data?)")
+
+        def loss_of(head: Segment, hidden: torch.Tensor, targets: torch.Tensor):
+            # the batch's mean over answer tokens, as sft_step accumulates it
+            return supervised_loss_sum(head.logits, hidden, targets)[0] / answer_tokens
+
+        micro: list[MicroBatch] = [
+            (mi, mt, None, None)
+            for mi, mt in zip(
+                inputs.split(self.cfg.micro), targets.split(self.cfg.micro), strict=True
+            )
+        ]
+        return StepBatch(
+            micro, loss_of, inputs.numel(), {"answer_tokens": answer_tokens}
+        )
+
+    def record_fields(self) -> dict:
+        return {"epoch": round(self.batches.epoch_float, 4)}
+
+    def validate(self, model: SplitModel, cfg: TrainConfig) -> float | None:
+        if self.valid is None:
+            return None
+        return sft_eval_loss(
+            model,
+            self.valid,
+            batch_size=cfg.batch_size,
+            max_items=cfg.eval_batches * cfg.batch_size,
+        )
+
+
+def check_base_tokenizer(base: str | Path, tokenizer: dict, data_dir) -> None:
+    """Refuse SFT data made with another tokenizer than the base model's.
+
+    The base's tokenizer is in its run folder's config.json (a run folder, one
+    of its checkpoint folders, or the model file in one); a bare .safetensors
+    file has none, and then only the vocabulary size is checked (by the shape
+    of the embedding, when the base is read).
+    """
+    file = ckpt.model_file(base)
+    if not file.is_file():
+        return  # reading the base says so, in one line
+    run_configs = [Path(base) / "config.json"]
+    if file.parent.parent.name == "checkpoints":  # run/checkpoints/step_N/
+        run_configs.append(file.parent.parent.parent / "config.json")
+    config = next((c for c in run_configs if c.is_file()), None)
+    if config is None:
+        log.warning(
+            "%s: no run folder around the base model, so the tokenizer of %s cannot "
+            "be checked against it (only the vocabulary size is)",
+            base,
+            data_dir,
+        )
+        return
+    theirs = RunDir(config.parent).read_config().get("tokenizer", {}).get("sha256")
+    if theirs is not None and theirs != tokenizer["sha256"]:
+        raise ValueError(
+            f"{data_dir}: prepared with tokenizer {tokenizer['sha256'][:12]}, but "
+            f"the base model {base} uses {theirs[:12]}; re-run `aisyn prepare-sft "
+            f"--tokenizer {config.parent / TOKENIZER}`"
+        )

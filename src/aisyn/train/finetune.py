@@ -122,9 +122,21 @@ def sft_loss_sum(
     model: PanguAlpha, inputs: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy over supervised positions, and their count."""
+    return supervised_loss_sum(model.logits, model.hidden(inputs), targets)
+
+
+def supervised_loss_sum(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+) -> tuple[torch.Tensor, int]:
+    """``sft_loss_sum`` from final hidden states (B, T, C) and the head
+    ``logits_of``: split fine-tuning's data party computes them apart.
+
+    Only the supervised positions go through the (vocabulary-sized) head.
+    """
     sel = targets != IGNORE
-    hidden = model.hidden(inputs)
-    logits = model.logits(hidden[sel]).float()
+    logits = logits_of(hidden[sel]).float()
     return F.cross_entropy(logits, targets[sel], reduction="sum"), int(sel.sum())
 
 
