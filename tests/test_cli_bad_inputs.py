@@ -48,6 +48,18 @@ def files(tmp_path_factory):
         + ["--seq-len", "32"]
     )
     assert code == 0
+    code = main(
+        ["prepare-sft", "--corpus", str(corpus), "--out", str(root / "sft")]
+        + ["--seq-len", "32"]
+    )
+    assert code == 0
+    # A base run whose tokenizer is not the one the data were made with
+    other = root / "other_base"
+    other.mkdir()
+    (other / "config.json").write_text(
+        json.dumps({"kind": "train", "tokenizer": {"sha256": "0" * 64}})
+    )
+    (other / "model.safetensors").write_bytes(b"")
     return root
 
 
@@ -71,6 +83,19 @@ def split_train_argv(files, *extra: str) -> list[str]:
         str(files / "data"),
         "--out",
         str(files / "split_run"),
+        "--quiet",
+        *extra,
+    ]
+
+
+def split_sft_argv(files, *extra: str) -> list[str]:
+    return [
+        "split",
+        "train",
+        "--sft",
+        str(files / "sft"),
+        "--out",
+        str(files / "split_sft_run"),
         "--quiet",
         *extra,
     ]
@@ -205,6 +230,32 @@ BAD_INPUTS = [
             + ["--out", str(f / "fl"), "--server-momentum", "1.5"]
         ),
         "--server-momentum",
+    ),
+    # split fine-tuning: data and base that do not go together
+    (
+        "split train --sft and --data",
+        lambda f: split_sft_argv(f, "--data", str(f / "data")),
+        "give --data SHARDS (pre-training) or --sft SFT_DIR (fine-tuning), not both",
+    ),
+    (
+        "split train neither --data nor --sft",
+        lambda f: ["split", "train", "--out", str(f / "split_run"), "--quiet"],
+        "or --sft SFT_DIR (fine-tuning), one of them",
+    ),
+    (
+        "split train --sft without a base",
+        lambda f: split_sft_argv(f),
+        "split fine-tuning starts from a pre-trained base; give --init-from BASE",
+    ),
+    (
+        "split train --sft from a missing base",
+        lambda f: split_sft_argv(f, "--init-from", str(f / "no_such_base")),
+        "no_such_base: no such base model",
+    ),
+    (
+        "split train --sft data of another tokenizer than the base's",
+        lambda f: split_sft_argv(f, "--init-from", str(f / "other_base")),
+        "but the base model",
     ),
     # misleading messages
     (

@@ -109,6 +109,11 @@ def split_train(
     compute party cannot tell the difference: it gets the same rounds, with a
     sequence length that changes from step to step.
     """
+    if init_from is not None and not Path(init_from).exists():
+        raise ValueError(
+            f"--init-from {init_from}: no such base model (a run folder, "
+            "checkpoint folder or .safetensors file)"
+        )
     if sft and init_from is None and not resume:
         raise ValueError(
             "--sft: split fine-tuning starts from a pre-trained base; give "
