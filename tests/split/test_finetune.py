@@ -25,7 +25,7 @@ from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.finetune import finetune
 from aisyn.train.loop import train
-from aisyn.train.run import RunDir
+from aisyn.train.run import RunDir, read_metrics
 
 REL = 1e-5
 STEPS = 12
@@ -208,3 +208,33 @@ def test_resume_continues_split_finetuning(tmp_path, ft_config, base, sft_dir):
     # Assert
     assert len(whole) == STEPS
     assert losses(out) == pytest.approx(whole, rel=REL)
+
+
+def test_validation_through_the_link_matches_standalone(
+    tmp_path, ft_config, base, sft_dir
+):
+    """--eval-every: the SFT validation loss (answer tokens of the valid
+    items) is computed through the link and equals aisyn finetune's."""
+    cfg = train_cfg(steps=4, eval_every=2, lr=1e-3, warmup_steps=1)
+    finetune(base, [sft_dir], tmp_path / "ref", cfg, progress=False)
+    split_train(
+        ft_config,
+        [sft_dir],
+        tmp_path / "split",
+        cfg,
+        SplitOptions(cut=CUT, mode="local"),
+        sft=True,
+        init_from=base,
+        progress=False,
+    )
+
+    def val_losses(run: Path) -> list[float]:
+        return [
+            r["val_loss"]
+            for r in read_metrics(run / "metrics.jsonl")
+            if "val_loss" in r
+        ]
+
+    want, got = val_losses(tmp_path / "ref"), val_losses(tmp_path / "split")
+    assert len(got) == len(want) == 2
+    assert got == pytest.approx(want, rel=REL)
