@@ -151,17 +151,10 @@ def cmd_generate(args) -> None:
     --temperature > 0), streaming the completion to stdout as it is produced;
     everything else goes to stderr, so stdout holds the completion alone."""
 
-    import secrets
-
+    from aisyn.eval.flags import sampling_from_args
     from aisyn.eval.generate import load_generator
-    from aisyn.model.generate import Sampling
 
-    seed = args.seed
-    if seed is None and args.temperature > 0:
-        seed = secrets.randbits(32)
-        print(f"aisyn: sampling with --seed {seed}", file=sys.stderr)
-    # Checked before the model loads, so a bad combination fails at once.
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, seed or 0)
+    sampling = sampling_from_args(args)
     gen = load_generator(args.run, args.device)
 
     def write(text: str) -> None:
@@ -199,7 +192,7 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aisyn.eval.flags import add_eval_args
+    from aisyn.eval.flags import add_eval_args, add_generate_args
     from aisyn.train.flags import add_train_args
     from aisyn.train.flagtable import REQUIRED, add_command, add_flags
     from aisyn.validate import nonneg_int, positive_int
@@ -291,19 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(
         g,
         ("--run", None, REQUIRED, "run folder (its latest checkpoint)"),
-        ("--prompt", None, REQUIRED, "text to continue"),
-        ("--max-new-tokens", positive_int, 50, None),
-        ("--temperature", validate.nonneg_float, 0.0, "0: greedy"),
-        ("--top-k", nonneg_int, 0, "sample from the K likeliest tokens (0: all)"),
-        (
-            "--top-p",
-            validate.positive_probability,
-            1.0,
-            "sample from the smallest set of tokens holding this mass (1: all)",
-        ),
-        ("--seed", nonneg_int, None, "sampling seed (default: random, printed)"),
-        ("--device", validate.device, "auto", None),
     )
+    add_generate_args(g)
 
     c = sub.add_parser("cloze", help="build cloze items")
     csub = c.add_subparsers(dest="cloze_command", required=True, metavar="ACTION")

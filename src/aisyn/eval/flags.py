@@ -46,3 +46,53 @@ def eval_options(args: argparse.Namespace) -> dict:
         "cloze_format": args.format,
         "device": args.device,
     }
+
+
+# --- generation: `aisyn generate` and `aisyn split generate` --------------------
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    """The prompt, length and sampling flags (``--run`` is each command's own)."""
+    from aisyn.train.flagtable import REQUIRED, add_flags
+
+    add_flags(
+        p,
+        ("--prompt", None, REQUIRED, "text to continue"),
+        ("--max-new-tokens", validate.positive_int, 50, None),
+        ("--temperature", validate.nonneg_float, 0.0, "0: greedy"),
+        (
+            "--top-k",
+            validate.nonneg_int,
+            0,
+            "sample from the K likeliest tokens (0: all)",
+        ),
+        (
+            "--top-p",
+            validate.positive_probability,
+            1.0,
+            "sample from the smallest set of tokens holding this mass (1: all)",
+        ),
+        (
+            "--seed",
+            validate.nonneg_int,
+            None,
+            "sampling seed (default: random, printed)",
+        ),
+        ("--device", validate.device, "auto", None),
+    )
+
+
+def sampling_from_args(args: argparse.Namespace):
+    """The ``Sampling`` of the flags, checked before any model loads; a sampled
+    run without ``--seed`` gets a random one, printed on stderr so that it can
+    be repeated."""
+    import secrets
+    import sys
+
+    from aisyn.model.generate import Sampling
+
+    seed = args.seed
+    if seed is None and args.temperature > 0:
+        seed = secrets.randbits(32)
+        print(f"aisyn: sampling with --seed {seed}", file=sys.stderr)
+    return Sampling(args.temperature, args.top_k, args.top_p, seed or 0)

@@ -13,9 +13,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from aisyn.data.detokenizer import IncrementalDetokenizer
 from aisyn.data.tokenizer import PanguTokenizer
-from aisyn.model.generate import Sampling, generate
+from aisyn.model.generate import (
+    Decoder,
+    Sampling,
+    StepDecoder,
+    check_request,
+    decode,
+)
 from aisyn.model.pangu import PanguAlpha
 from aisyn.train.loop import load_run_model, resolve_device
 from aisyn.train.run import TOKENIZER, RunDir
@@ -33,23 +41,12 @@ class Generator:
     eod_reset: bool = False
     #: the sample length the run was trained on (None: unknown)
     trained_len: int | None = None
+    #: the decoder of one sequence of up to N positions: by default the
+    #: model's with a KV cache; a split run's runs the middle through the link
+    new_decoder: Callable[[int], StepDecoder] | None = None
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        """The prompt's token ids as the model saw documents in training.
-
-        Without EOD reset a document follows the previous one's ``<eod>``, so
-        the prompt is given one to start a document; with it, a document
-        starts at position 0 and attends to nothing before it, so it gets none.
-        """
-        ids = self.tokenizer.encode(prompt)
-        if not self.eod_reset:
-            ids = [self.tokenizer.eod_id, *ids]
-        if not ids:
-            raise ValueError(
-                "--prompt is empty; this run (trained with --eod-reset) needs "
-                "at least one token to continue"
-            )
-        return ids
+        return prompt_ids(self.tokenizer, prompt, self.eod_reset)
 
     def complete(
         self,
@@ -80,17 +77,22 @@ class Generator:
                 if write is not None:
                     write(text)
 
-        generate(
-            self.model,
-            ids,
-            max_new_tokens,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-            eod_id=self.tokenizer.eod_id,
-            on_token=lambda t: emit(detok.push(t)),
-        )
+        ids = check_request(self.model.config, ids, max_new_tokens)
+        new_decoder = self.new_decoder or (lambda n: Decoder(self.model, n))
+        self.model.eval()  # no dropout while generating
+        decoder = new_decoder(len(ids) + max_new_tokens)
+        try:
+            with torch.inference_mode():
+                decode(
+                    decoder,
+                    ids,
+                    max_new_tokens,
+                    sampling,
+                    eod_id=self.tokenizer.eod_id,
+                    on_token=lambda t: emit(detok.push(t)),
+                )
+        finally:
+            decoder.close()
         emit(detok.flush())
         return "".join(pieces)
 
@@ -103,17 +105,42 @@ def load_generator(run: str | Path, device: str = "auto") -> Generator:
         half = "data" if kind == "split" else "compute"
         raise ValueError(
             f"{run_dir.path}: holds only the {half} party's half of a split run; "
-            "merge both halves first (aisyn split merge --data-party A_RUN "
-            "--compute-party B_RUN --out MERGED) and generate from MERGED"
+            "generate through the link with `aisyn split generate --run A_RUN` "
+            "(from the data party's folder), or merge both halves first (aisyn "
+            "split merge --data-party A_RUN --compute-party B_RUN --out MERGED) "
+            "and generate from MERGED"
         )
     model, config = load_run_model(run_dir.path, resolve_device(device))
+    return Generator(
+        model,
+        run_tokenizer(run_dir, config),
+        eod_reset=bool(config.get("train", {}).get("eod_reset")),
+        trained_len=config.get("seq_len"),
+    )
+
+
+def run_tokenizer(run_dir: RunDir, config: dict) -> PanguTokenizer:
+    """The tokenizer a run was trained with (its folder's copy, checked)."""
     tok_path = run_dir.path / TOKENIZER
     tokenizer = PanguTokenizer(tok_path)
     if tokenizer.sha256 != config.get("tokenizer", {}).get("sha256"):
         raise ValueError(f"{tok_path}: is not the tokenizer this run was trained with")
-    return Generator(
-        model,
-        tokenizer,
-        eod_reset=bool(config.get("train", {}).get("eod_reset")),
-        trained_len=config.get("seq_len"),
-    )
+    return tokenizer
+
+
+def prompt_ids(tokenizer: PanguTokenizer, prompt: str, eod_reset: bool) -> list[int]:
+    """The prompt's token ids as the model saw documents in training.
+
+    Without EOD reset a document follows the previous one's ``<eod>``, so the
+    prompt is given one to start a document; with it, a document starts at
+    position 0 and attends to nothing before it, so it gets none.
+    """
+    ids = tokenizer.encode(prompt)
+    if not eod_reset:
+        ids = [tokenizer.eod_id, *ids]
+    if not ids:
+        raise ValueError(
+            "--prompt is empty; this run (trained with --eod-reset) needs "
+            "at least one token to continue"
+        )
+    return ids

@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from aisyn.model.pangu import KVCache, PanguAlpha
+from aisyn.model.pangu import KVCache, PanguAlpha, PanguConfig
 
 
 @dataclass(frozen=True)
@@ -125,11 +126,92 @@ class Decoder:
         self.tokens.append(token)
         return self._run([token] if self.use_cache else self.tokens)
 
+    def close(self) -> None:
+        self.cache = None  # the keys and values are not needed any more
+
     def _run(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         # Only the last position's logits are needed: project just that row.
         h = self.model.hidden(x, cache=self.cache)[0, -1]
         return self.model.logits(h)
+
+
+class StepDecoder(Protocol):
+    """What ``decode`` drives: logits of the next token after the prompt
+    (``start``), then after each appended token (``step``). ``Decoder`` runs a
+    whole model; a split run's data party runs its half and the link
+    (``aisyn.split.generate.SplitDecoder``)."""
+
+    def start(self, prompt: Sequence[int]) -> torch.Tensor: ...
+
+    def step(self, token: int) -> torch.Tensor: ...
+
+    def close(self) -> None:
+        """Free the sequence's cache (on every party that holds part of it)."""
+
+
+def check_request(
+    cfg: PanguConfig, prompt_ids: Sequence[int], max_new_tokens: int
+) -> list[int]:
+    """The prompt as a list of ints, after checking it and ``max_new_tokens``
+    against the model (``cfg``); one line naming what to change otherwise."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ValueError(f"max-new-tokens must be an integer, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+    seq_len = cfg.seq_len
+    # Positions beyond seq_len have no learned position (or query) embedding.
+    needed = len(prompt) + max_new_tokens
+    if needed > seq_len:
+        room = seq_len - len(prompt)
+        hint = (
+            f"use at most {room} new tokens or a shorter prompt"
+            if room > 0
+            else "shorten the prompt"
+        )
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens exceeds "
+            f"the model's seq_len {seq_len}; {hint}"
+        )
+    vocab = cfg.vocab_size
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+    return prompt
+
+
+def decode(
+    decoder: StepDecoder,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    *,
+    eod_id: int | None = None,
+    on_token: Callable[[int], None] | None = None,
+) -> list[int]:
+    """The sampling loop of ``generate`` over any ``StepDecoder``: the same
+    filters and the same seeded CPU generator, so that two decoders giving the
+    same logits give the same tokens. Arguments checked by the caller
+    (``check_request``)."""
+    generator = None
+    if not sampling.greedy:
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(sampling.seed)
+    logits = decoder.start(prompt)
+    out: list[int] = []
+    while True:
+        token = next_token(logits, sampling, generator)
+        if token == eod_id:
+            break
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
+        if len(out) == max_new_tokens:
+            break
+        logits = decoder.step(token)
+    return out
 
 
 @torch.inference_mode()
@@ -154,51 +236,18 @@ def generate(
     ``seed`` seeds the sampler, so equal seeds give equal tokens.
     """
     sampling = Sampling(temperature, top_k, top_p, seed)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise ValueError(f"max-new-tokens must be an integer, got {max_new_tokens!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise ValueError("the prompt is empty: generation needs at least one token")
-    seq_len = model.config.seq_len
-    # Positions beyond seq_len have no learned position (or query) embedding.
-    needed = len(prompt) + max_new_tokens
-    if needed > seq_len:
-        room = seq_len - len(prompt)
-        hint = (
-            f"use at most {room} new tokens or a shorter prompt"
-            if room > 0
-            else "shorten the prompt"
-        )
-        raise ValueError(
-            f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens exceeds "
-            f"the model's seq_len {seq_len}; {hint}"
-        )
-    vocab = model.config.vocab_size
-    if min(prompt) < 0 or max(prompt) >= vocab:
-        raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-    generator = None
-    if not sampling.greedy:
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(seed)
-
+    prompt = check_request(model.config, prompt_ids, max_new_tokens)
     was_training = model.training
     model.eval()  # no dropout while generating
     try:
-        decoder = Decoder(model, needed, use_cache=use_cache)
-        logits = decoder.start(prompt)
-        out: list[int] = []
-        while True:
-            token = next_token(logits, sampling, generator)
-            if token == eod_id:
-                break
-            out.append(token)
-            if on_token is not None:
-                on_token(token)
-            if len(out) == max_new_tokens:
-                break
-            logits = decoder.step(token)
-        return out
+        decoder = Decoder(model, len(prompt) + max_new_tokens, use_cache=use_cache)
+        return decode(
+            decoder,
+            prompt,
+            max_new_tokens,
+            sampling,
+            eod_id=eod_id,
+            on_token=on_token,
+        )
     finally:
         model.train(was_training)

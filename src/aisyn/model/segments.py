@@ -28,7 +28,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from aisyn.model.pangu import PanguAlpha, PanguConfig, build_model, parameter_seed
+from aisyn.model.pangu import (
+    LayerKV,
+    PanguAlpha,
+    PanguConfig,
+    build_model,
+    parameter_seed,
+)
 
 DATA_PARTY = "A"
 COMPUTE_PARTY = "B"
@@ -278,6 +284,22 @@ def own_tensor_shapes(
     }
 
 
+class StageCache:
+    """One stage's share of a generation's KV cache: keys and values of exactly
+    the layers the stage runs (its blocks, then the top query layer for a head
+    stage), for one sequence of up to ``capacity`` positions.
+
+    Each party of a split model keeps its own: no keys or values cross, only
+    the hidden states of the new positions. ``length`` counts positions run,
+    also for a stage without layers (an embedding-only front).
+    """
+
+    def __init__(self, layers: list[LayerKV], capacity: int) -> None:
+        self.layers = layers
+        self.capacity = capacity
+        self.length = 0
+
+
 class Segment(nn.Module):
     """Runs one stage of a (partly materialised) model.
 
@@ -304,7 +326,13 @@ class Segment(nn.Module):
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: StageCache | None = None,
     ) -> torch.Tensor:
+        """With ``cache`` (``new_cache``), ``x`` holds only the positions after
+        the cached ones, run exactly as ``PanguAlpha.hidden(..., cache=...)``
+        runs them; the cache grows by them."""
+        if cache is not None:
+            return self._forward_cached(x, cache)
         m = self.model
         if self.stage.embed:
             x = m.embed(x, position_ids)
@@ -313,6 +341,50 @@ class Segment(nn.Module):
         if self.stage.head:
             x = m.top_query(x, attn_mask, position_ids)
         return x
+
+    def _forward_cached(self, x: torch.Tensor, cache: StageCache) -> torch.Tensor:
+        start, T = cache.length, x.shape[1]
+        if start + T > cache.capacity:
+            raise ValueError(
+                f"{start} cached + {T} new positions exceed the KV cache's "
+                f"{cache.capacity}"
+            )
+        m = self.model
+        positions = torch.arange(start, start + T, device=x.device).unsqueeze(0)
+        kvs = iter(cache.layers)
+        if self.stage.embed:
+            x = m.embed(x, positions)
+        for i in self.stage.blocks:
+            x = m.transformer.h[i](x, kv=next(kvs))
+        if self.stage.head:
+            x = m.top_query(x, position_ids=positions, kv=next(kvs))
+        cache.length = start + T
+        return x
+
+    def new_cache(self, capacity: int, batch_size: int = 1) -> StageCache:
+        """An empty ``StageCache`` for this stage's layers, on the device and in
+        the dtype of its weights, for up to ``capacity`` positions (at most
+        ``seq_len``: positions beyond have no learned embedding)."""
+        cfg = self.model.config
+        if not 1 <= capacity <= cfg.seq_len:
+            raise ValueError(
+                f"KV cache capacity must be in 1..{cfg.seq_len} (the model's "
+                f"seq_len), got {capacity}"
+            )
+        layers = [self.model.transformer.h[i] for i in self.stage.blocks]
+        if self.stage.head:
+            layers.append(self.model.transformer.h[cfg.num_layers - 1])
+        shape = (batch_size, cfg.num_heads, capacity, cfg.head_dim)
+        kvs = []
+        for layer in layers:
+            w = layer.attn.k_proj.weight
+            kvs.append(
+                LayerKV(
+                    torch.empty(shape, device=w.device, dtype=w.dtype),
+                    torch.empty(shape, device=w.device, dtype=w.dtype),
+                )
+            )
+        return StageCache(kvs, capacity)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.stage.head:

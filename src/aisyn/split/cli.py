@@ -1,4 +1,4 @@
-"""``aisyn split plan|train|serve|eval|merge``."""
+"""``aisyn split plan|train|serve|eval|generate|merge``."""
 
 from __future__ import annotations
 
@@ -239,6 +239,42 @@ def cmd_eval(args) -> None:
     print(f"wrote {os.path.join(args.run, 'eval.json')}")
 
 
+def cmd_generate(args) -> None:
+    """Continue --prompt with a split run's data-party folder, like `aisyn
+    generate`: the compute party runs its middle blocks (each party with its
+    own KV cache); the prompt, the tokens and the text never leave this party,
+    only the new positions' hidden states cross. The compute party is reached
+    as recorded in the run, or --peer (gRPC), or --mode local (the in-process
+    one of a --mode local run). Streams the completion to stdout."""
+
+    import sys
+
+    from aisyn.eval.flags import sampling_from_args
+    from aisyn.split.generate import split_generate
+    from aisyn.train.loop import resolve_device
+
+    sampling = sampling_from_args(args)
+    if args.mode == "local" and args.peer:
+        raise ValueError("--peer needs --mode grpc")
+    peer = _settings(args, args.peer) if args.peer else None
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    split_generate(
+        args.run,
+        args.prompt,
+        args.max_new_tokens,
+        sampling=sampling,
+        device=resolve_device(args.device),
+        peer=peer,
+        mode=args.mode,
+        write=write,
+    )
+    sys.stdout.write("\n")
+
+
 def cmd_merge(args) -> None:
     """Combines the data party's and compute party's checkpoints of the same step
     into a run folder `aisyn eval` and `load_run_model` read."""
@@ -253,7 +289,7 @@ def cmd_merge(args) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from aisyn.eval.flags import add_eval_args
+    from aisyn.eval.flags import add_eval_args, add_generate_args
     from aisyn.train.flags import add_train_args
     from aisyn.train.flagtable import REQUIRED, add_command, add_flags
 
@@ -421,6 +457,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_eval_args(e)
     _add_link_args(e, server=False)
+
+    gen = add_command(
+        ssub, "generate", cmd_generate, "continue a prompt through the link"
+    )
+    add_flags(
+        gen,
+        ("--run", None, REQUIRED, "the data party's run folder"),
+        (
+            "--mode",
+            ["local", "grpc"],
+            None,
+            "local: the run's in-process compute party; grpc: --peer, or the "
+            "recorded one (default: as the run was trained)",
+        ),
+        ("--peer", validate.host_port, None, "override the compute party"),
+    )
+    add_generate_args(gen)
+    _add_link_args(gen, server=False)
 
     m = add_command(
         ssub,

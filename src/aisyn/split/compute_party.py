@@ -22,7 +22,12 @@ from aisyn.link.base import Link
 from aisyn.link.codec import CODECS
 from aisyn.link.errors import HandshakeError
 from aisyn.model.pangu import PanguConfig, build_model, masks_from_documents
-from aisyn.model.segments import COMPUTE_PARTY, Partition, PartitionError
+from aisyn.model.segments import (
+    COMPUTE_PARTY,
+    Partition,
+    PartitionError,
+    StageCache,
+)
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import (
@@ -117,7 +122,7 @@ class ComputeParty:
         h = proto.decode_json(hello_text, "hello")
         run_id = proto.check_run_id(h.get("run_id"))
         purpose = h.get("purpose")
-        if purpose not in ("train", "eval"):
+        if purpose not in proto.PURPOSES:
             raise proto.ProtocolError(f"hello: unknown purpose {purpose!r}")
         mine = self.cfg.to_dict()
         theirs = h.get("model")
@@ -147,11 +152,11 @@ class ComputeParty:
             raise proto.ProtocolError("hello: a_steps must be a list of steps")
         run = self.run_dir(run_id)
         b_steps = ckpt.complete_steps(run.checkpoints) if run is not None else []
-        if purpose == "eval":
+        if purpose in ("eval", "generate"):
             step = h.get("eval_step")
             if not isinstance(step, int) or step not in b_steps:
                 raise proto.ProtocolError(
-                    f"run {run_id}: no checkpoint at step {step} to evaluate "
+                    f"run {run_id}: no checkpoint at step {step} to {purpose} from "
                     f"(this party has {b_steps or 'none'})"
                 )
             start = step
@@ -258,8 +263,16 @@ class _Rounds:
         (self.middle,) = state.segments
         self.next_step = session.start_step
         self.hidden = party.cfg.hidden_size
+        #: the KV cache of B's blocks for the sequence being generated
+        self.gen_cache: StageCache | None = None
 
     def run(self) -> None:
+        try:
+            self._rounds()
+        finally:
+            self.gen_cache = None  # a generation left open ends with the session
+
+    def _rounds(self) -> None:
         from aisyn.link.errors import PeerLostError
 
         r = 0
@@ -276,6 +289,8 @@ class _Rounds:
                 self._train(r, c)
             elif c.op == proto.EVAL:
                 self._eval(r, c)
+            elif c.op in proto.GEN_OPS:
+                self._generate(r, c)
             else:
                 self._save(r, c)
             r += 1
@@ -342,6 +357,47 @@ class _Rounds:
         x, mask = self._recv_act(r, 0, c)
         with autocast_for(self.state.device):
             y = self.middle(x, mask)
+        self.link.send("out", y, step=r, codec=self.session.codec)
+
+    @torch.no_grad()
+    def _generate(self, r: int, c: proto.Control) -> None:
+        """One generation round: open the cache, run the next positions through
+        it, or free it. Tokens never arrive, only the front's hidden states."""
+        if self.session.purpose != "generate":
+            raise proto.ProtocolError(
+                f"{proto.OPS[c.op]} round in a {self.session.purpose} session"
+            )
+        if c.op == proto.GEN_START:
+            if self.gen_cache is not None:
+                raise proto.ProtocolError(
+                    "GEN_START while a generation is open (end it first)"
+                )
+            self.state.train(False)
+            self.gen_cache = self.middle.new_cache(c.seq_len)
+            return
+        cache = self.gen_cache
+        if cache is None:
+            raise proto.ProtocolError(f"{proto.OPS[c.op]} with no generation open")
+        if c.op == proto.GEN_END:
+            self.gen_cache = None  # the keys and values go with it
+            return
+        first, count = c.step, c.seq_len
+        if first != cache.length or first + count > cache.capacity:
+            raise proto.ProtocolError(
+                f"GEN_STEP for positions [{first}, {first + count}): the cache "
+                f"holds {cache.length} of {cache.capacity}"
+            )
+        x = self.link.recv(
+            "act", step=r, shape=(1, count, self.hidden), dtype=torch.float32
+        )
+        if not bool(torch.isfinite(x).all()):
+            # Nothing to skip as in training: a bad position would poison every
+            # later one through the cache, so the session ends.
+            raise proto.ProtocolError(
+                f"non-finite activations for positions [{first}, {first + count})"
+            )
+        # fp32 on every device, as the data party and ``aisyn generate`` run
+        y = self.middle(x.to(self.state.device), cache=cache)
         self.link.send("out", y, step=r, codec=self.session.codec)
 
     def _save(self, r: int, c: proto.Control) -> None:

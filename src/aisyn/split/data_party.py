@@ -180,6 +180,12 @@ class DataSession:
         with autocast_for(device):
             return self.back(y.to(device), attn_mask, position_ids)
 
+    # --- generation ---------------------------------------------------------
+
+    def decoder(self, capacity: int) -> SplitDecoder:
+        """A ``StepDecoder`` for one sequence of up to ``capacity`` positions."""
+        return SplitDecoder(self, capacity)
+
     def save_remote(self, step: int) -> None:
         """Ask B to checkpoint ``step``; returns once it is on B's disk."""
         r = self._open_round(proto.Control(proto.SAVE, step))
@@ -223,3 +229,64 @@ class SplitModel(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.logits(self.hidden(tokens, attn_mask, position_ids))
+
+
+class SplitDecoder:
+    """``model.generate.Decoder`` for a split model: the logits of the next
+    token, one step at a time, with the compute party running the middle.
+
+    Each party keeps the KV cache of its own layers (``StageCache``): A of its
+    front and back blocks and the top query layer, B of the middle blocks. Per
+    step A embeds the new positions and runs its front, sends only their
+    hidden states (``GEN_STEP``), runs B's answer through its back and the
+    head. Token ids stay here; the prompt runs once. ``close`` (or the end of
+    the session) frees B's cache.
+    """
+
+    def __init__(self, session: DataSession, capacity: int) -> None:
+        self.session = session
+        self.capacity = capacity
+        front, back = session.front, session.back
+        self.front_cache = front.new_cache(capacity)
+        self.back_cache = back.new_cache(capacity)
+        self.device = session.state.device
+        self.open = False
+
+    @torch.no_grad()
+    def start(self, prompt: Sequence[int]) -> torch.Tensor:
+        if self.open:
+            raise RuntimeError("this decoder already started a sequence")
+        s = self.session
+        s.state.train(False)  # no dropout while generating
+        s._open_round(proto.Control.gen_start(self.capacity))
+        self.open = True
+        return self._run(list(prompt))
+
+    def step(self, token: int) -> torch.Tensor:
+        return self._run([token])
+
+    @torch.no_grad()
+    def _run(self, ids: list[int]) -> torch.Tensor:
+        s = self.session
+        first, n = self.front_cache.length, len(ids)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        r = s._open_round(proto.Control.gen_step(first, n))
+        # fp32 on every device, as ``aisyn generate`` runs the whole model
+        h = s.front(x, cache=self.front_cache)
+        s.link.send("act", h, step=r)
+        y = s.link.recv("out", step=r, shape=(1, n, s.hidden_size), dtype=torch.float32)
+        if not bool(torch.isfinite(y).all()):
+            raise FloatingPointError(
+                f"the compute party returned non-finite hidden states for "
+                f"positions [{first}, {first + n})"
+            )
+        # Every new position goes through the back blocks (their keys and
+        # values are cached); only the last one's logits are needed.
+        out = s.back(y.to(self.device), cache=self.back_cache)[0, -1]
+        return s.back.logits(out)
+
+    def close(self) -> None:
+        """Ask B to free its cache (the session may go on)."""
+        if self.open:
+            self.open = False
+            self.session._open_round(proto.Control.gen_end())

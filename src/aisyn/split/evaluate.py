@@ -30,26 +30,48 @@ from aisyn.train.loop import TrainConfig
 from aisyn.train.run import RunDir
 
 
-def split_options(config: dict, peer: LinkSettings | None = None) -> SplitOptions:
+def split_options(
+    config: dict, peer: LinkSettings | None = None, mode: str | None = None
+) -> SplitOptions:
+    """How to reach the compute party of a run: as recorded, or ``peer`` (gRPC),
+    or ``mode`` local (the in-process one, in the run's folder)."""
     d = dict(config["split"])
     d["peer"] = LinkSettings.from_dict(d["peer"]) if d.get("peer") else None
     opts = SplitOptions(**d)
-    if peer is not None:
+    if mode == "local" and peer is not None:
+        raise ValueError("--peer needs --mode grpc")
+    if mode == "local":
+        opts = dataclasses.replace(opts, mode="local", peer=None, spawn_backbone=False)
+    elif peer is not None:
         opts = dataclasses.replace(opts, mode="grpc", peer=peer, spawn_backbone=False)
+    elif mode == "grpc" and opts.mode == "local":
+        raise ValueError(
+            "--mode grpc: this run's compute party ran in-process; give --peer "
+            "HOST:PORT of a compute party serving it"
+        )
     return opts
 
 
 @contextlib.contextmanager
-def open_split_model(
+def open_data_session(
     run: str | Path,
     device: str | torch.device = "cpu",
     *,
+    purpose: str = "eval",
     peer: LinkSettings | None = None,
-) -> Iterator[SplitModel]:
+    mode: str | None = None,
+) -> Iterator[tuple[DataSession, dict]]:
+    """A forward-only session (``purpose`` eval or generate) of a split run's
+    data party at its latest checkpoint, and the run's config.json; the
+    compute party loads the same step. ``peer`` overrides the recorded compute
+    party, ``mode`` local uses the in-process one of a ``--mode local`` run."""
     run_dir = RunDir(run)
     config = run_dir.read_config()
     if config.get("kind") != "split":
-        raise ValueError(f"{run_dir.path}: not a split run (kind {config.get('kind')})")
+        raise ValueError(
+            f"{run_dir.path}: not a split run's data party (kind "
+            f"{config.get('kind')}); give the folder `aisyn split train --out` wrote"
+        )
     mcfg = PanguConfig.from_dict(config["model"])
     partition = Partition.from_dict(config["partition"])
     train = TrainConfig.from_dict(config["train"])
@@ -59,9 +81,9 @@ def open_split_model(
     state = PartyState(mcfg, partition, DATA_PARTY, train, torch.device(device))
     step = state.load(last)["step"]
     state.train(False)
-    opts = split_options(config, peer)
+    opts = split_options(config, peer, mode)
     hello = proto.hello(
-        purpose="eval",
+        purpose=purpose,
         run_id=config["run_id"],
         model=mcfg.to_dict(),
         partition=partition.to_dict(),
@@ -71,7 +93,18 @@ def open_split_model(
     )
     eod_id = config["tokenizer"]["eod_id"] if train.eod_reset else None
     with open_session(run_dir, mcfg, partition, hello, opts, str(device)) as opened:
-        yield SplitModel(DataSession(state, opened.link, eod_id=eod_id))
+        yield DataSession(state, opened.link, eod_id=eod_id), config
+
+
+@contextlib.contextmanager
+def open_split_model(
+    run: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    peer: LinkSettings | None = None,
+) -> Iterator[SplitModel]:
+    with open_data_session(run, device, peer=peer) as (session, _):
+        yield SplitModel(session)
 
 
 def evaluate_split_run(

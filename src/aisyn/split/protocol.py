@@ -25,6 +25,17 @@ flags]``:
 * ``SAVE``: B checkpoints its segments at ``step`` and answers the scalar
   ``saved`` (= step, or -1 on failure); only then A writes its own half.
 
+A ``generate`` session (text generation from the data party's checkpoint)
+has three more, for one sequence at a time, each party keeping the KV cache
+of its own layers:
+
+* ``GEN_START``: open B's cache for ``seq_len`` positions (its capacity); no
+  tensors.
+* ``GEN_STEP``: the next positions ``[step, step + seq_len)`` (``step`` is the
+  first position, which must be where B's cache stands): ``act`` (A->B, the
+  front's output for those positions only), ``out`` (B->A, the middle's).
+* ``GEN_END``: B frees the cache; no tensors.
+
 Nothing else crosses: B never sees token ids, labels or the loss; frame
 metadata carries only tags, sizes and ids.
 """
@@ -40,10 +51,20 @@ import torch
 from aisyn.train.loop import TrainConfig
 
 # /2: the hello carries only the settings B needs and B's own init seeds
-PROTOCOL = "aisyn-split/2"
+# /3: generate sessions (purpose "generate", GEN_* rounds)
+PROTOCOL = "aisyn-split/3"
 
-TRAIN, EVAL, SAVE = 1, 2, 3
-OPS = {TRAIN: "TRAIN", EVAL: "EVAL", SAVE: "SAVE"}
+TRAIN, EVAL, SAVE, GEN_START, GEN_STEP, GEN_END = 1, 2, 3, 4, 5, 6
+OPS = {
+    TRAIN: "TRAIN",
+    EVAL: "EVAL",
+    SAVE: "SAVE",
+    GEN_START: "GEN_START",
+    GEN_STEP: "GEN_STEP",
+    GEN_END: "GEN_END",
+}
+GEN_OPS = (GEN_START, GEN_STEP, GEN_END)
+PURPOSES = ("train", "eval", "generate")
 FLAG_EOD = 1
 
 #: generous bounds a compute party accepts from a data party
@@ -108,7 +129,40 @@ class Control:
                 )
             if not 0 <= window <= MAX_WINDOW:
                 raise ProtocolError(f"control: pipeline window {window}")
+        elif op in GEN_OPS:
+            # One sequence, no pipeline, no EOD reset (a cache decodes one
+            # document); positions must have a learned embedding.
+            name = OPS[op]
+            if op == GEN_END:
+                if (m, mb, T, window, flags) != (0, 0, 0, 0, 0):
+                    raise ProtocolError(f"control: {name} carries no sizes")
+            elif (m, mb, window, flags) != (1, 1, 0, 0):
+                raise ProtocolError(
+                    f"control: {name} is one sequence of one micro-batch, no "
+                    "pipeline window or flags"
+                )
+            elif op == GEN_START and not 1 <= T <= max_seq_len:
+                raise ProtocolError(
+                    f"control: KV cache capacity {T} outside 1..{max_seq_len}"
+                )
+            elif op == GEN_STEP and not (T >= 1 and step + T <= max_seq_len):
+                raise ProtocolError(
+                    f"control: positions [{step}, {step + T}) outside "
+                    f"0..{max_seq_len - 1} (or none)"
+                )
         return c
+
+    @classmethod
+    def gen_start(cls, capacity: int) -> Control:
+        return cls(GEN_START, 0, 1, 1, capacity)
+
+    @classmethod
+    def gen_step(cls, first_position: int, count: int) -> Control:
+        return cls(GEN_STEP, first_position, 1, 1, count)
+
+    @classmethod
+    def gen_end(cls) -> Control:
+        return cls(GEN_END, 0)
 
 
 def check_run_id(run_id: object) -> str:
