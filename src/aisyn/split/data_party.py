@@ -1,7 +1,8 @@
 """Party A, the data party: embedding + front blocks, back blocks + head + loss.
 
 A drives every session: it sends a control tensor per round and runs its side
-of the schedule (``schedule.py``). Tokens, labels and the loss stay here.
+of the schedule (``schedule.py``). Tokens, labels and the loss stay here; so
+do the prompt, the tokens and the logits of generation (``SplitDecoder``).
 
 Exactness: each cut is a detached leaf on the receiving side; a segment's
 backward runs once with the gradient received for its output

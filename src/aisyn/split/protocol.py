@@ -273,7 +273,8 @@ def hello(
     """The data party's hello: everything the compute party is told about
     the run (docs/split.md#security lists it). ``init_seeds``: per-parameter
     seeds of the compute party's own parameters, for a fresh run from random
-    init; the run's seed itself never leaves the data party."""
+    init; the run's seed itself never leaves the data party. ``eval_step``:
+    the checkpoint an ``eval`` or ``generate`` session runs from."""
     return {
         "protocol": PROTOCOL,
         "purpose": purpose,
