@@ -34,22 +34,19 @@ def _check_run(result: dict, run, clients: list[str]) -> None:
     assert config["kind"] == "finetune"  # so `aisyn eval` scores it in prompt format
 
 
+def small_run(**overrides) -> FLSettings:
+    """Two short rounds of two clients; ``overrides`` change what a test needs."""
+    return FLSettings.from_dict(
+        dict(rounds=2, batch_size=8, lr=3e-3, warmup=1, eval_items=16, min_clients=2)
+        | overrides
+    )
+
+
 def test_two_clients_two_rounds_loopback_run_completes_and_loss_drops(
     base_run, sft_dirs, tmp_path
 ):
     # Prepare
-    settings = FLSettings.from_dict(
-        dict(
-            rounds=2,
-            local_steps=4,
-            batch_size=8,
-            lr=3e-3,
-            warmup=1,
-            eval_items=32,
-            min_clients=2,
-            round_timeout=300,
-        )
-    )
+    settings = small_run(local_steps=4, eval_items=32, round_timeout=300)
     # Execute
     result = simulate(base_run, sft_dirs, tmp_path / "run", settings)
     # Assert
@@ -71,18 +68,7 @@ def test_failing_client_is_rejected_and_the_run_goes_on(base_run, sft_dirs, tmp_
     """A third client whose data vanished fails every round; its error replies are
     rejected and logged, the two others are aggregated."""
     # Prepare
-    settings = FLSettings.from_dict(
-        dict(
-            rounds=2,
-            local_steps=3,
-            batch_size=8,
-            lr=3e-3,
-            warmup=1,
-            eval_items=32,
-            min_clients=3,
-            round_timeout=300,
-        )
-    )
+    settings = small_run(local_steps=3, eval_items=32, min_clients=3, round_timeout=300)
     clients = {**sft_dirs, "broken": tmp_path / "no-such-data"}
     # Execute
     result = simulate(base_run, clients, tmp_path / "run", settings, validate=False)
@@ -135,17 +121,7 @@ def test_run_over_tls(base_run, sft_dirs, tmp_path):
     # Prepare: a throwaway CA and a server certificate for 127.0.0.1
     certs = make_dev_certs(tmp_path / "certs")
     tls = ServerTls(certs.server_cert, certs.server_key, certs.ca_cert)
-    settings = FLSettings.from_dict(
-        dict(
-            rounds=2,
-            local_steps=2,
-            batch_size=8,
-            lr=3e-3,
-            warmup=1,
-            eval_items=16,
-            min_clients=2,
-        )
-    )
+    settings = small_run(local_steps=2)
     # Execute
     result = simulate(base_run, sft_dirs, tmp_path / "run", settings, tls=tls)
     # Assert
@@ -185,18 +161,7 @@ def test_client_that_drops_out_mid_round_does_not_stop_the_server(
     import time
 
     # Prepare: one client is killed (its whole process group) while training round 1
-    settings = FLSettings.from_dict(
-        dict(
-            rounds=2,
-            local_steps=60,
-            batch_size=8,
-            lr=1e-3,
-            warmup=1,
-            eval_items=16,
-            min_clients=1,
-            round_timeout=150,
-        )
-    )
+    settings = small_run(local_steps=60, lr=1e-3, min_clients=1, round_timeout=150)
     result: dict = {}
 
     def run() -> None:
