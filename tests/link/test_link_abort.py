@@ -5,6 +5,7 @@ neither crashes nor buries the reason it was rejected for."""
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ from aisyn.link import (
     FrameMismatchError,
     FrameTooLargeError,
     GrpcLinkServer,
+    LinkTimeoutError,
     PeerAbortedError,
     PeerLostError,
     SessionAbortedError,
@@ -106,3 +108,35 @@ def test_a_tensor_the_codec_cannot_carry_ends_the_session_with_the_reason(server
         b.recv("act", step=0, timeout=5)
     a.close()
     b.close()
+
+
+def test_a_session_aborted_right_after_its_hello_is_opened_once():
+    """A server that aborts at once (a compute party's bug on the first
+    round) answered: connect() returns the link, whose first recv() gives the
+    reason, and never dials again. It used to treat the abort, when it won the
+    race against its own HELLO, as "not up yet" and open session after session."""
+    accepted, done = [], threading.Event()
+    with GrpcLinkServer("127.0.0.1:0", token=TOKEN, insecure=True, options=FAST) as srv:
+
+        def serve() -> None:
+            while not done.is_set():
+                try:
+                    b = srv.accept(timeout=0.1)
+                except LinkTimeoutError:
+                    continue
+                accepted.append(b)
+                b.abort(REASON)
+                b.close()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        for _ in range(20):
+            a = connect(
+                srv.address, token=TOKEN, insecure=True, options=FAST, timeout=5
+            )
+            with pytest.raises(PeerAbortedError, match=re.escape(REASON)):
+                a.recv("out", step=0, timeout=5)
+            a.close()
+        done.set()
+        thread.join(10)
+    assert len(accepted) == 20

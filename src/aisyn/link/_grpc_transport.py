@@ -242,9 +242,10 @@ class GrpcLink(LinkCore):
     def _wait_hello(self, timeout: float) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._hello_done or self._error, timeout)
+            if self._hello_done:
+                # The session is open even if it already failed (a server may
+                # abort right after its HELLO): the first recv() reports that.
+                return
             if self._error is not None:
                 self._check_usable()
-            if not self._hello_done:
-                raise PeerLostError(
-                    f"no HELLO from {self._remote} within {timeout:g} s"
-                )
+            raise PeerLostError(f"no HELLO from {self._remote} within {timeout:g} s")

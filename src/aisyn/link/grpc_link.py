@@ -45,6 +45,7 @@ from .errors import (
     LinkError,
     LinkTimeoutError,
     MalformedFrameError,
+    PeerAbortedError,
     PeerLostError,
 )
 from .frames import Inbound, check_hello, error_frame, hello_frame, parse_frame
@@ -205,6 +206,10 @@ def connect(
         link = _ClientLink(channel, peer, token, hello, opts, name)
         try:
             link._wait_hello(max(0.0, deadline - time.monotonic()))
+        except PeerAbortedError:  # the server answered: dialling again won't help
+            link._discard()
+            channel.close()
+            raise
         except PeerLostError as exc:  # not up yet, busy, or unreachable
             link._discard()
             if time.monotonic() + delay >= deadline:
@@ -247,7 +252,7 @@ class _ServerLink(GrpcLink):
         self._served = threading.Event()  # the response stream has ended
         self._abort: tuple[grpc.StatusCode, str] | None = None
         self._received += hello_nbytes
-        self._out.put_nowait(hello_reply)  # first frame of the response stream
+        self._hello_reply = hello_reply
         self._sent += len(hello_reply)
 
     def serve(self, requests: Iterator[Inbound]) -> Iterator[bytes]:
@@ -256,6 +261,10 @@ class _ServerLink(GrpcLink):
         self._reader.start()
         self._start()
         try:
+            # First, and outside the queue: a failure at once (which drops
+            # what is queued) must not drop the HELLO, or the client would
+            # take the session for never opened.
+            yield self._hello_reply
             yield from self._outgoing()
             if self._abort is not None:
                 self._context.abort(*self._abort)
