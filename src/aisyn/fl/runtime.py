@@ -27,15 +27,14 @@ run, and each SuperNode signs its requests with its private key
 
 from __future__ import annotations
 
-import contextlib
+import codecs
 import json
 import logging
 import os
-import signal
 import ssl
 import subprocess
 import sys
-import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -340,48 +339,33 @@ def submit_run(
     """``flwr run --stream`` the App on the SuperLink; returns its exit status.
 
     The stream (the ServerApp's log) goes to ``workdir/flwr-run.log`` (and to
-    stderr with ``echo``).
+    stderr with ``echo``). Past ``timeout`` seconds it is stopped (its whole
+    process group) and TimeoutError raised.
     """
     home = workdir / "flwr_home"
     env = flower_env(home)
     write_connection(home, superlink, root_certificates)
     cmd = [executable("flwr"), "run", str(app_dir), CONNECTION, "--stream"]
     log_path = workdir / "flwr-run.log"
-    with log_path.open("ab") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        timed_out = threading.Event()
-
-        def kill() -> None:
-            timed_out.set()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-
-        timer = threading.Timer(timeout, kill) if timeout else None
-        if timer:
-            timer.daemon = True
-            timer.start()
-        assert proc.stdout is not None
-        try:
-            for line in iter(proc.stdout.readline, b""):
-                out.write(line)
-                out.flush()
-                if echo:
-                    sys.stderr.write(line.decode(errors="replace"))
-            rc = proc.wait()
-        finally:
-            if timer:
-                timer.cancel()
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(10)
-    if timed_out.is_set():
-        raise TimeoutError(f"federated run exceeded {timeout:.0f} s; see {log_path}")
-    return rc
+    start = log_path.stat().st_size if log_path.exists() else 0
+    deadline = None if timeout is None else time.monotonic() + timeout
+    run = ChildProcess("flwr run", cmd, log_path, env=env)
+    try:
+        with log_path.open("rb") as stream:
+            stream.seek(start)  # what this run writes, not an earlier one's
+            decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+            while True:
+                done = not run.alive()
+                if echo and (chunk := stream.read()):
+                    sys.stderr.write(decode(chunk))
+                    sys.stderr.flush()
+                if done:
+                    return run.wait()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"federated run exceeded {timeout:.0f} s; see {log_path}"
+                    )
+                time.sleep(0.2)
+    finally:
+        if run.alive():
+            run.stop()
