@@ -22,7 +22,7 @@ import torch
 
 from aisyn.data.sft import IGNORE, SFTData, open_sft_many
 from aisyn.data.shards import open_many
-from aisyn.model.pangu import PanguConfig, load_config
+from aisyn.model.pangu import PanguConfig
 from aisyn.model.plan import exposure_warning
 from aisyn.model.segments import (
     COMPUTE_PARTY,
@@ -49,6 +49,7 @@ from aisyn.train.loop import (
     TrainConfig,
     evaluate_loss,
     micro_batches,
+    model_config_for,
     resolve_device,
 )
 from aisyn.train.memory import check_fits, compute_dtype, party_bytes
@@ -56,15 +57,6 @@ from aisyn.train.run import TOKENIZER, RunDir
 from aisyn.train.sampler import BatchSampler
 
 log = logging.getLogger("aisyn.split")
-
-
-def model_config_for(model: PanguConfig | str | Path, tokenizer: dict) -> PanguConfig:
-    """The model config, with the vocabulary of the data's tokenizer (as
-    ``aisyn train`` does, so both runs build the same model)."""
-    mcfg = load_config(model) if isinstance(model, str | Path) else model
-    if mcfg.vocab_size != tokenizer["vocab_size"]:
-        mcfg = PanguConfig(**{**mcfg.to_dict(), "vocab_size": tokenizer["vocab_size"]})
-    return mcfg
 
 
 def secret_seed(out: str | Path, resume: bool) -> int:
@@ -124,11 +116,7 @@ def split_train(
     else:
         source = ShardSource(data_dirs, cfg)
     tok = source.tokenizer
-    mcfg = model_config_for(model_config, tok)
-    if source.seq_len > mcfg.seq_len:
-        raise ValueError(
-            f"data seq_len {source.seq_len} exceeds the model's {mcfg.seq_len}"
-        )
+    mcfg = model_config_for(model_config, tok, source.seq_len)
     if sft and init_from is not None:
         check_base_tokenizer(init_from, tok, data_dirs[0])
     partition = parse_partition(opts.cut, mcfg)

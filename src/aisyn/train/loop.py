@@ -114,6 +114,27 @@ class TrainConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+def model_config_for(
+    model: PanguConfig | str | Path, tokenizer: dict, data_seq_len: int
+) -> PanguConfig:
+    """The model config with the vocabulary of the data's tokenizer (so that
+    ``aisyn train`` and ``aisyn split train`` build the same model); ValueError
+    if the data's samples are longer than its positions."""
+    mcfg = load_config(model) if isinstance(model, str | Path) else model
+    if mcfg.vocab_size != tokenizer["vocab_size"]:
+        log.info(
+            "model vocab_size %d -> %d (the tokenizer's)",
+            mcfg.vocab_size,
+            tokenizer["vocab_size"],
+        )
+        mcfg = PanguConfig(**{**mcfg.to_dict(), "vocab_size": tokenizer["vocab_size"]})
+    if data_seq_len > mcfg.seq_len:
+        raise ValueError(
+            f"data seq_len {data_seq_len} exceeds the model's {mcfg.seq_len}"
+        )
+    return mcfg
+
+
 def resolve_device(name: str) -> torch.device:
     check_device(name)  # a clear error, not torch's RuntimeError/AssertionError
     if name == "auto":
@@ -250,22 +271,7 @@ def train(
     """
     sources = open_many(data_dirs, "train")
     tok = sources[0].tokenizer_info
-    mcfg = (
-        load_config(model_config)
-        if isinstance(model_config, str | Path)
-        else model_config
-    )
-    if mcfg.vocab_size != tok["vocab_size"]:
-        log.info(
-            "model vocab_size %d -> %d (the tokenizer's)",
-            mcfg.vocab_size,
-            tok["vocab_size"],
-        )
-        mcfg = PanguConfig(**{**mcfg.to_dict(), "vocab_size": tok["vocab_size"]})
-    if sources[0].seq_len > mcfg.seq_len:
-        raise ValueError(
-            f"data seq_len {sources[0].seq_len} exceeds the model's {mcfg.seq_len}"
-        )
+    mcfg = model_config_for(model_config, tok, sources[0].seq_len)
     world = distributed.world_size()
     if cfg.batch_size % (world * cfg.micro):
         raise ValueError(
