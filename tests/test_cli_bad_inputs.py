@@ -453,7 +453,7 @@ def test_valid_tls_files_pass(tmp_path):
 
 
 def test_memory_estimate_lets_ordinary_runs_through():
-    from aisyn.model.pangu import load_config
+    from aisyn.model.families import load_config
     from aisyn.train.memory import available_bytes, whole_model_bytes
 
     tiny = load_config("tiny")

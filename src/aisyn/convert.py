@@ -68,7 +68,7 @@ def convert_from_port(
     new run folder ``out``; its ``vocab.model`` is the tokenizer unless
     ``tokenizer`` is given."""
     from aisyn.data.tokenizer import PanguTokenizer
-    from aisyn.model.pangu import build_model
+    from aisyn.model.families import build_model
     from aisyn.model.port import read_port
     from aisyn.train import checkpoint as ckpt
 
@@ -124,9 +124,9 @@ def convert_to_mindspore(
     run: str | Path, out: str | Path, *, crc: bool = False
 ) -> dict:
     """Write the latest weights of run folder ``run`` as MindSpore ``out``."""
+    from aisyn.model.families import config_from_dict
     from aisyn.model.mindspore_ckpt import write_checkpoint
     from aisyn.model.mindspore_pangu import expected_shapes, to_mindspore
-    from aisyn.model.pangu import PanguConfig
     from aisyn.train import checkpoint as ckpt
     from aisyn.train.run import RunDir
 
@@ -135,7 +135,7 @@ def convert_to_mindspore(
         raise FileExistsError(f"{out}: already exists; choose another --out")
     config = RunDir(run).read_config()
     try:
-        cfg = PanguConfig.from_dict(config["model"])
+        cfg = config_from_dict(config["model"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{run}/config.json: not a model run ({e})") from None
     weights = ckpt.model_file(run)

@@ -78,7 +78,7 @@ def test_mean_per_token_score_does_not_favour_short_candidates(tokenizer):
 
 
 def test_real_model_scores_batch_independently(tokenizer, tiny_config):
-    from aisyn.model.pangu import build_model
+    from aisyn.model.families import build_model
 
     model = build_model(tiny_config, seed=0).eval()
     other = ClozeItem("今天天气很好，我们去公园", "吧。", ("散步", "游泳"), "散步")

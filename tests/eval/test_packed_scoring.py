@@ -19,7 +19,8 @@ from aisyn.eval.cloze import (
     score_packed,
     score_per_candidate,
 )
-from aisyn.model.pangu import PanguConfig, build_model
+from aisyn.model.families import build_model
+from aisyn.model.pangu import PanguConfig
 
 MAX_LEN = 64
 LONG_AND_SHORT = ClozeItem(

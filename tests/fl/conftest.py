@@ -33,7 +33,7 @@ def write_corpus(path: Path, name: str, n: int) -> Path:
 
 def make_base_run(path: Path, config, tokenizer, seed: int = 0) -> Path:
     """A base-model run folder (config.json, tokenizer, checkpoint) without training."""
-    from aisyn.model.pangu import build_model
+    from aisyn.model.families import build_model
     from aisyn.train import checkpoint as ckpt
     from aisyn.train.run import RunDir
 

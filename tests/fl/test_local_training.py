@@ -9,7 +9,7 @@ import torch
 
 from aisyn.fl.records import tensors_to_record
 from aisyn.fl.settings import FLSettings
-from aisyn.model.pangu import build_model
+from aisyn.model.families import build_model
 from aisyn.train.finetune import add_proximal_grad, sft_step
 from aisyn.train.lora import Method, apply_method, merged_state_dict, trainable_tensors
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from aisyn.model.families import build_model
 from aisyn.model.generate import (
     Decoder,
     Sampling,
@@ -15,7 +16,7 @@ from aisyn.model.generate import (
     top_k_filter,
     top_p_filter,
 )
-from aisyn.model.pangu import PanguConfig, build_model
+from aisyn.model.pangu import PanguConfig
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,9 @@
 import pytest
 import torch
 
-from aisyn.model.pangu import (
-    CONFIGS,
-    PanguConfig,
-    build_model,
-    eod_reset_masks,
-    load_config,
-)
+from aisyn.model.causal_lm import eod_reset_masks
+from aisyn.model.families import build_model, load_config
+from aisyn.model.pangu import CONFIGS, PanguConfig
 
 
 def test_shapes_and_tied_head(tiny_config):

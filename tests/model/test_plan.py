@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from aisyn.model.pangu import build_model, load_config
+from aisyn.model.families import build_model, load_config
 from aisyn.model.plan import (
     PartySpec,
     PlanError,

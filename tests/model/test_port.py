@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aisyn.model.pangu import PanguConfig, build_model
+from aisyn.model.families import build_model
+from aisyn.model.pangu import PanguConfig
 from aisyn.model.port import PortError, is_port_folder, read_port, read_port_config
 from aisyn.train.checkpoint import CheckpointError, load_weights
 

@@ -14,7 +14,9 @@ from conftest import CUT, train_cfg
 
 from aisyn.link.errors import LinkError, PeerAbortedError, SessionAbortedError
 from aisyn.link.memory import memory_pair
-from aisyn.model.pangu import PanguConfig, build_model, parameter_seed
+from aisyn.model.causal_lm import parameter_seed
+from aisyn.model.families import build_model
+from aisyn.model.pangu import PanguConfig
 from aisyn.model.segments import (
     COMPUTE_PARTY,
     DATA_PARTY,

@@ -6,12 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aisyn.model.pangu import (
-    build_model,
-    document_index,
-    eod_reset_masks,
-    masks_from_documents,
-)
+from aisyn.model.causal_lm import document_index, eod_reset_masks, masks_from_documents
+from aisyn.model.families import build_model
 from aisyn.model.segments import (
     PartitionError,
     build_party_model,
@@ -55,7 +51,7 @@ def test_two_way_cut_puts_head_and_a_tied_copy_on_b(split_config):
     b = build_party_model(split_config, part, "B", seed=1)
     full = build_model(split_config, seed=1)
     assert [s.party for s in part.stages] == ["A", "B"]
-    assert part.shared_parameter_names() == ["transformer.wte.weight"]
+    assert part.shared_parameter_names(b) == ["transformer.wte.weight"]
     assert torch.equal(b.lm_head.weight, full.lm_head.weight)
     assert b.transformer.h[0].ln_1.weight.is_meta  # A's block stays unbuilt
     assert "B: h[2:4] + ln_f + top query h[4] + head" in part.describe()

@@ -11,8 +11,8 @@ from conftest import CUT, start_server, train_cfg
 
 from aisyn.cli import main
 from aisyn.link.errors import LinkError
+from aisyn.model.families import config_from_dict
 from aisyn.model.generate import Decoder, Sampling, decode, generate
-from aisyn.model.pangu import PanguConfig
 from aisyn.model.segments import parse_partition
 from aisyn.split import protocol as proto
 from aisyn.split.evaluate import open_data_session
@@ -228,7 +228,7 @@ def test_bad_generation_controls_are_refused(split_config, control, match):
 def b_session(run, purpose="generate"):
     """A's end of an in-process session with the run's compute party."""
     config = RunDir(run).read_config()
-    cfg = PanguConfig.from_dict(config["model"])
+    cfg = config_from_dict(config["model"])
     hello = proto.hello(
         purpose=purpose,
         run_id=config["run_id"],

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from aisyn.model.pangu import PanguConfig, build_model
+from aisyn.model.families import build_model
+from aisyn.model.pangu import PanguConfig
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import loop
 from aisyn.train.loop import TrainConfig, load_run_model, train

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from aisyn.data.cloze import ClozeItem, prompt_text
 from aisyn.data.tokenizer import PanguTokenizer
-from aisyn.model.pangu import PanguAlpha
+from aisyn.model.causal_lm import CausalLM
 
 REST_CHARS = 32
 _SENTENCE_END = re.compile(r"[。！？!?；;\n]")
@@ -224,7 +224,7 @@ def _stack(arrays: Sequence[np.ndarray], width: int, fill: int) -> torch.Tensor:
 
 
 def _log_probs(
-    model: PanguAlpha,
+    model: CausalLM,
     states: torch.Tensor,
     which: np.ndarray,
     targets: np.ndarray,
@@ -253,7 +253,7 @@ def _log_probs(
 
 @torch.no_grad()
 def score_packed(
-    model: PanguAlpha,
+    model: CausalLM,
     items: Sequence[EncodedItem],
     *,
     batch_size: int = 16,
@@ -306,11 +306,11 @@ def score_packed(
 
 def packs(model: torch.nn.Module) -> bool:
     """Whether ``model`` can be scored packed: it must apply any attention mask
-    it is given. ``PanguAlpha`` does. A split run's ``SplitModel`` does not —
+    it is given. ``CausalLM`` does. A split run's ``SplitModel`` does not —
     its compute party rebuilds only the EOD-reset mask of the run from document
     indices, so a packed mask would be silently replaced — and is scored one
     candidate per sequence."""
-    return isinstance(model, PanguAlpha)
+    return isinstance(model, CausalLM)
 
 
 def score_items(

@@ -17,6 +17,7 @@ import torch
 
 from aisyn.data.detokenizer import IncrementalDetokenizer
 from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.model.causal_lm import CausalLM
 from aisyn.model.generate import (
     Decoder,
     Sampling,
@@ -24,7 +25,6 @@ from aisyn.model.generate import (
     check_request,
     decode,
 )
-from aisyn.model.pangu import PanguAlpha
 from aisyn.train.loop import load_run_model, resolve_device
 from aisyn.train.run import TOKENIZER, RunDir
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class Generator:
     """A run's model and tokenizer, ready to continue prompts."""
 
-    model: PanguAlpha
+    model: CausalLM
     tokenizer: PanguTokenizer
     #: positions restart after each EOD in training (``--eod-reset``)
     eod_reset: bool = False

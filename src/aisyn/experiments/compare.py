@@ -36,7 +36,8 @@ from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.eval.cloze import encode_items, encoded_accuracy
 from aisyn.experiments.presets import Preset
 from aisyn.fl.settings import FLSettings
-from aisyn.model.pangu import PanguAlpha, PanguConfig
+from aisyn.model.causal_lm import CausalLM
+from aisyn.model.families import ModelConfig, config_from_dict
 from aisyn.train.finetune import finetune
 from aisyn.train.loop import evaluate_loss, load_run_model, resolve_device, train
 from aisyn.train.lora import Method
@@ -105,8 +106,8 @@ def cached_sft(domain: str, tok: PanguTokenizer, preset: Preset) -> Path:
     return path
 
 
-def base_model_config(preset: Preset, tok: PanguTokenizer) -> PanguConfig:
-    return PanguConfig.from_dict(
+def base_model_config(preset: Preset, tok: PanguTokenizer) -> ModelConfig:
+    return config_from_dict(
         {**preset.model, "vocab_size": tok.vocab_size, "seq_len": preset.seq_len}
     )
 
@@ -169,7 +170,7 @@ class Evaluator:
             )
         return self._encoded[domain, fmt]
 
-    def __call__(self, model: PanguAlpha, fmt: str) -> dict:
+    def __call__(self, model: CausalLM, fmt: str) -> dict:
         model = model.to(self.device).eval()
         out: dict = {"format": fmt}
         for d in self.domains:
@@ -294,7 +295,7 @@ def run_compare(
     base_build_s = inputs.base_build_s
     rows: list[dict] = []
 
-    def add_row(regime: str, model: PanguAlpha, fmt: str, **info) -> None:
+    def add_row(regime: str, model: CausalLM, fmt: str, **info) -> None:
         t = time.perf_counter()
         scores = evaluate(model, fmt)
         rows.append(

@@ -20,7 +20,8 @@ from typing import Protocol
 
 import torch
 
-from aisyn.model.pangu import KVCache, PanguAlpha, PanguConfig
+from aisyn.model.causal_lm import CausalLM, KVCache
+from aisyn.model.families import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class Decoder:
     reference the cache must reproduce).
     """
 
-    def __init__(self, model: PanguAlpha, capacity: int, use_cache: bool = True):
+    def __init__(self, model: CausalLM, capacity: int, use_cache: bool = True):
         self.model = model
         self.capacity = capacity
         self.use_cache = use_cache
@@ -151,7 +152,7 @@ class StepDecoder(Protocol):
 
 
 def check_request(
-    cfg: PanguConfig, prompt_ids: Sequence[int], max_new_tokens: int
+    cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: int
 ) -> list[int]:
     """The prompt as a list of ints, after checking it and ``max_new_tokens``
     against the model (``cfg``); one line naming what to change otherwise."""
@@ -216,7 +217,7 @@ def decode(
 
 @torch.inference_mode()
 def generate(
-    model: PanguAlpha,
+    model: CausalLM,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     *,

@@ -27,7 +27,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from aisyn.model.pangu import PanguConfig, build_model
+from aisyn.model.families import ModelConfig, build_model
 from aisyn.model.segments import (
     COMPUTE_PARTY,
     DATA_PARTY,
@@ -176,7 +176,7 @@ class PartyLoad:
 @dataclass
 class Plan:
     model: str
-    config: PanguConfig
+    config: ModelConfig
     partition: Partition
     workload: Workload
     parties: dict[str, PartySpec]
@@ -280,17 +280,18 @@ class Plan:
 # --- per-piece arithmetic ------------------------------------------------------
 
 
-def block_forward_flops_per_token(cfg: PanguConfig, seq_len: int) -> float:
-    h, f = cfg.hidden_size, cfg.ffn_size
-    return 2.0 * (4 * h * h + 2 * h * f) + 4.0 * seq_len * h
+def block_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Two FLOPs per matmul weight, plus attention's scores and weighted sum."""
+    attention = cfg.num_heads * cfg.head_dim
+    return 2.0 * cfg.block_matmul_weights + 4.0 * seq_len * attention
 
 
-def head_forward_flops_per_token(cfg: PanguConfig) -> float:
+def head_forward_flops_per_token(cfg: ModelConfig) -> float:
     return 2.0 * cfg.hidden_size * cfg.vocab_size
 
 
 def block_activation_bytes(
-    cfg: PanguConfig, micro_batch: int, seq_len: int, dtype: str
+    cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str
 ) -> float:
     """Korthikanti et al. (2022), no recomputation, scaled to ``dtype``."""
     h, a = cfg.hidden_size, cfg.num_heads
@@ -299,21 +300,19 @@ def block_activation_bytes(
 
 
 def module_sizes(model) -> dict[str, int]:
-    """Parameter count of every submodule a partition names (tied weights once:
-    the head's projection is ``transformer.wte``'s weight)."""
-    t = model.transformer
-    sizes = {
-        f"transformer.{name}": sum(p.numel() for p in getattr(t, name).parameters())
-        for name in ("wte", "wpe", "wqe", "ln_f")
+    """Parameter count of every submodule a partition names (a tied head is
+    named by its embedding only, so it counts once)."""
+    lay = model.config.layout
+    blocks = (lay.block_path(i) for i in range(lay.num_blocks))
+    paths = dict.fromkeys([*lay.embed, *blocks, *lay.head])
+    return {
+        p: sum(x.numel() for x in model.get_submodule(p).parameters()) for p in paths
     }
-    for i, block in enumerate(t.h):
-        sizes[f"transformer.h.{i}"] = sum(p.numel() for p in block.parameters())
-    return sizes
 
 
 def party_load(
     sizes: dict[str, int],
-    cfg: PanguConfig,
+    cfg: ModelConfig,
     partition: Partition,
     party: str,
     workload: Workload,
@@ -328,8 +327,8 @@ def party_load(
     stages: list[Stage] = list(partition.stages_of(party))
     dt = DTYPE_BYTES[w.dtype]
     for stage in stages:
-        ld.pieces.append(stage.describe(cfg.num_layers))
-        n_blocks = len(stage.blocks) + (1 if stage.head else 0)
+        ld.pieces.append(stage.describe(cfg.layout))
+        n_blocks = len(stage.blocks) + (cfg.layout.head_layers if stage.head else 0)
         fwd_per_token += n_blocks * block_forward_flops_per_token(cfg, T)
         act += n_blocks * block_activation_bytes(cfg, w.micro_batch_size, T, w.dtype)
         if stage.head:
@@ -349,7 +348,7 @@ def party_load(
 
 
 def _traffic(
-    cfg: PanguConfig, partition: Partition, party: str, w: Workload, T: int
+    cfg: ModelConfig, partition: Partition, party: str, w: Workload, T: int
 ) -> tuple[float, float]:
     """(sent, received) bytes per optimizer step for ``party``, payload only."""
     cut = w.batch_size * T * cfg.hidden_size * w.wire_bytes_per_value
@@ -372,7 +371,7 @@ def _traffic(
 
 def evaluate(
     model_name: str,
-    cfg: PanguConfig,
+    cfg: ModelConfig,
     partition: Partition,
     parties: dict[str, PartySpec],
     workload: Workload,
@@ -413,25 +412,23 @@ def exposure_warning(partition: Partition) -> str | None:
     return f"cut {partition.spec} keeps " + "; and ".join(sides)
 
 
-def candidates(cfg: PanguConfig, shape: str, min_a_blocks: int) -> list[Partition]:
+def candidates(cfg: ModelConfig, shape: str, min_a_blocks: int) -> list[Partition]:
     """Every cut of ``shape`` with at least ``min_a_blocks`` blocks of A on each
     side of B (before the cut only, for a two-way cut)."""
-    n = cfg.num_layers - 1
+    n = cfg.num_blocks
     k0 = min_a_blocks
     if shape == "u":
         return [
-            Partition(cfg.num_layers, f, k)
-            for f in range(k0, n)
-            for k in range(k0, n - f)
+            Partition(cfg.layout, f, k) for f in range(k0, n) for k in range(k0, n - f)
         ]
     if shape == "two-way":
-        return [Partition(cfg.num_layers, f, None) for f in range(k0, n)]
+        return [Partition(cfg.layout, f, None) for f in range(k0, n)]
     raise PlanError(f"shape {shape!r}: use 'u' or 'two-way'")
 
 
 def plan(
     model_name: str,
-    cfg: PanguConfig,
+    cfg: ModelConfig,
     parties: list[PartySpec],
     workload: Workload,
     *,
@@ -451,9 +448,9 @@ def plan(
     if workload.seq_len and workload.seq_len > cfg.seq_len:
         raise PlanError(f"seq_len {workload.seq_len} exceeds the model's {cfg.seq_len}")
     sides = 2 if shape == "u" else 1
-    if min_a_blocks < 0 or sides * min_a_blocks >= cfg.num_layers - 1:
+    if min_a_blocks < 0 or sides * min_a_blocks >= cfg.num_blocks:
         raise PlanError(
-            f"--min-a-blocks {min_a_blocks}: the model has {cfg.num_layers - 1} "
+            f"--min-a-blocks {min_a_blocks}: the model has {cfg.num_blocks} "
             f"ordinary blocks; A would take {sides * min_a_blocks} and B needs at "
             "least one"
         )

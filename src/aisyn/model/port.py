@@ -112,7 +112,7 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_port_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+def read_folder_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the port's weight files (all shards), as stored."""
     folder = Path(folder)
     name = next((f for f in WEIGHT_FILES if (folder / f).is_file()), None)
@@ -168,4 +168,4 @@ def read_port(folder: str | Path) -> tuple[PanguConfig, dict[str, torch.Tensor]]
     dict with ``train.checkpoint.load_weights``, which checks every name and
     shape."""
     cfg = read_port_config(folder)
-    return cfg, port_state_dict(read_port_tensors(folder), cfg, str(folder))
+    return cfg, port_state_dict(read_folder_tensors(folder), cfg, str(folder))

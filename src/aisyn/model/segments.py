@@ -1,4 +1,4 @@
-"""Cut PanGu-α into contiguous segments that different parties hold.
+"""Cut a model into contiguous segments that different parties hold.
 
 A *partition* says which party holds which piece; a *segment* is an
 ``nn.Module`` that runs one contiguous piece (hidden states in, hidden states
@@ -6,7 +6,8 @@ out) on a model that may hold only some of its weights. Two shapes:
 
 * **U-shape** (``u:F,K``): party A holds the embedding and the first ``F``
   ordinary blocks, party B the middle blocks, and A again the last ``K``
-  ordinary blocks, the final LayerNorm, the top query layer and the tied head.
+  ordinary blocks and the head (the final norm, PanGu-α's top query layer,
+  the output projection).
   Tokens, labels and the loss never leave A, and the tied word embedding lives
   on A only. This is the shape split training uses.
 * **two-way** (``two-way:F``): A holds the embedding and the first ``F``
@@ -14,9 +15,11 @@ out) on a model that may hold only some of its weights. Two shapes:
   word embedding (as its output projection), so the two copies must be kept
   equal. The planner sizes it; split training refuses it (see docs/split.md).
 
-Ordinary blocks are ``transformer.h[0 .. L-2]``; ``h[L-1]`` is the top query
-layer, which always travels with the head. Parameter names stay those of the
-whole model, so per-party checkpoints merge by plain union.
+Where each piece lives is the model's ``Layout`` (``causal_lm.py``): this
+module never asks which family it cuts. PanGu-α's ordinary blocks are
+``transformer.h[0 .. L-2]``; ``h[L-1]``, its top query layer, always travels
+with the head. Parameter names stay those of the whole model, so per-party
+checkpoints merge by plain union.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from aisyn.model.pangu import (
+from aisyn.model.causal_lm import (
+    CausalLM,
     LayerKV,
-    PanguAlpha,
-    PanguConfig,
-    build_model,
+    Layout,
+    check_capacity,
     parameter_seed,
 )
+from aisyn.model.families import ModelConfig, build_model
 
 DATA_PARTY = "A"
 COMPUTE_PARTY = "B"
@@ -54,26 +58,26 @@ class Stage:
     embed: bool = False  # starts with the word + position embedding
     head: bool = False  # ends with final LN + top query layer (+ tied head)
 
-    def describe(self, num_layers: int) -> str:
+    def describe(self, layout: Layout) -> str:
         parts = []
         if self.embed:
             parts.append("embedding")
         if len(self.blocks):
             parts.append(f"h[{self.blocks.start}:{self.blocks.stop}]")
         if self.head:
-            parts.append(f"ln_f + top query h[{num_layers - 1}] + head")
+            parts.append(layout.head_label)
         return f"{self.party}: " + " + ".join(parts)
 
 
 @dataclass(frozen=True)
 class Partition:
-    """Where a model of ``num_layers`` layers is cut.
+    """Where a model (of ``layout``) is cut.
 
     ``back`` is the number of ordinary blocks A runs before the head (U-shape);
     ``back=None`` is the plain two-way cut (B keeps everything after ``front``).
     """
 
-    num_layers: int
+    layout: Layout
     front: int
     back: int | None = 0
 
@@ -85,13 +89,13 @@ class Partition:
         if taken >= n:
             raise PartitionError(
                 f"{self.spec}: party B would hold no block (the model has {n} "
-                f"ordinary blocks besides the top query layer; A takes {taken})"
+                f"ordinary blocks before its head; A takes {taken})"
             )
 
     @property
     def num_blocks(self) -> int:
-        """Ordinary blocks (all layers except the top query layer)."""
-        return self.num_layers - 1
+        """Ordinary blocks (PanGu-α: all layers but the top query layer)."""
+        return self.layout.num_blocks
 
     @property
     def is_u_shape(self) -> bool:
@@ -127,21 +131,15 @@ class Partition:
         return tuple(s for s in self.stages if s.party == party)
 
     def module_paths(self, party: str) -> list[str]:
-        """Submodules of ``PanguAlpha`` that ``party`` materialises."""
+        """Submodules of the model that ``party`` materialises."""
+        lay = self.layout
         paths: list[str] = []
         for stage in self.stages_of(party):
             if stage.embed:
-                paths += ["transformer.wte", "transformer.wpe"]
-            paths += [f"transformer.h.{i}" for i in stage.blocks]
+                paths += list(lay.embed)
+            paths += [lay.block_path(i) for i in stage.blocks]
             if stage.head:
-                # The head is tied to wte: a head holder also holds wte.
-                if "transformer.wte" not in paths:
-                    paths.append("transformer.wte")
-                paths += [
-                    "transformer.ln_f",
-                    "transformer.wqe",
-                    f"transformer.h.{self.num_layers - 1}",
-                ]
+                paths += [p for p in lay.head if p not in paths]
         return paths
 
     def parameter_names(self, model: nn.Module, party: str) -> list[str]:
@@ -149,37 +147,54 @@ class Partition:
         prefixes = tuple(p + "." for p in self.module_paths(party))
         return [n for n, _ in model.named_parameters() if n.startswith(prefixes)]
 
-    def shared_parameter_names(self) -> list[str]:
-        """Parameters both parties hold (the tied word embedding of a two-way cut)."""
-        return [] if self.is_u_shape else ["transformer.wte.weight"]
+    def shared_parameter_names(self, model: nn.Module) -> list[str]:
+        """Parameters both parties hold (the tied word embedding of a two-way
+        cut), which the two copies must keep equal."""
+        theirs = set(self.parameter_names(model, COMPUTE_PARTY))
+        return [n for n in self.parameter_names(model, DATA_PARTY) if n in theirs]
 
     def describe(self) -> str:
-        return " | ".join(s.describe(self.num_layers) for s in self.stages)
+        return " | ".join(s.describe(self.layout) for s in self.stages)
 
     def to_dict(self) -> dict:
-        return {"num_layers": self.num_layers, "front": self.front, "back": self.back}
+        """The cut as the parties compare it: family, depth and block counts."""
+        return {
+            "family": self.layout.family,
+            "num_layers": self.layout.num_layers,
+            "front": self.front,
+            "back": self.back,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> Partition:
+    def from_dict(cls, d: dict, layout: Layout) -> Partition:
+        """The cut ``d`` (``to_dict``) of a model of ``layout``."""
         try:
-            return cls(int(d["num_layers"]), int(d["front"]), d.get("back"))
+            part = cls(layout, int(d["front"]), d.get("back"))
+            same = d["num_layers"] == layout.num_layers
         except (KeyError, TypeError) as e:
             raise PartitionError(f"bad partition record {d!r} ({e})") from None
+        if not same or d.get("family", "pangu") != layout.family:
+            raise PartitionError(
+                f"cut {part.spec} was made for a {d.get('family', 'pangu')} model of "
+                f"{d['num_layers']} layers, this is a {layout.family} model of "
+                f"{layout.num_layers}"
+            )
+        return part
 
 
 _SPEC = re.compile(r"^(?:u:(\d+),(\d+)|two-way:(\d+))$")
 
 
-def parse_partition(spec: str, cfg: PanguConfig) -> Partition:
-    """``u:F,K`` (U-shape) or ``two-way:F`` for a model of ``cfg``'s depth."""
+def parse_partition(spec: str, cfg: ModelConfig) -> Partition:
+    """``u:F,K`` (U-shape) or ``two-way:F`` for a model of ``cfg``'s layout."""
     m = _SPEC.match(spec.strip())
     if not m:
         raise PartitionError(
             f"cut {spec!r}: expected 'u:FRONT,BACK' (e.g. u:1,1) or 'two-way:FRONT'"
         )
     if m.group(3) is not None:
-        return Partition(cfg.num_layers, int(m.group(3)), None)
-    return Partition(cfg.num_layers, int(m.group(1)), int(m.group(2)))
+        return Partition(cfg.layout, int(m.group(3)), None)
+    return Partition(cfg.layout, int(m.group(1)), int(m.group(2)))
 
 
 def check_party(party: str) -> None:
@@ -188,14 +203,14 @@ def check_party(party: str) -> None:
 
 
 def build_party_model(
-    cfg: PanguConfig,
+    cfg: ModelConfig,
     partition: Partition,
     party: str,
     *,
     seed: int | None = None,
     seeds: dict[str, int] | None = None,
     device: str | torch.device = "cpu",
-) -> PanguAlpha:
+) -> CausalLM:
     """The model with only ``party``'s modules materialised, the rest on meta.
 
     Each parameter is initialised exactly as ``build_model(cfg, seed=seed)``
@@ -204,19 +219,20 @@ def build_party_model(
     A party that must not know the run's seed gets ``seeds`` instead: the
     per-parameter seeds of exactly its own parameters (``init_seeds``).
     """
-    if partition.num_layers != cfg.num_layers:
+    if partition.layout != cfg.layout:
         raise PartitionError(
-            f"partition {partition.spec} is for {partition.num_layers} layers, the "
-            f"model has {cfg.num_layers}"
+            f"partition {partition.spec} is for a {partition.layout.family} model "
+            f"of {partition.layout.num_layers} layers, not this "
+            f"{cfg.layout.family} model of {cfg.layout.num_layers}"
         )
     if (seed is None) == (seeds is None):
         raise TypeError("build_party_model takes either seed or seeds")
     model = build_model(cfg, device="meta")
     for path in partition.module_paths(party):
         model.get_submodule(path).to_empty(device=device)
-    if "transformer.wte" in partition.module_paths(party):
-        # to_empty replaced wte.weight; lm_head still points at the meta one.
-        model.tie_weights()
+    # to_empty replaced the embedding's weight; a tied head still points at
+    # the meta one (and a tie to a module this party lacks stays on meta).
+    model.tie_weights()
     own = partition.parameter_names(model, party)
     if seeds is not None:
         if set(seeds) != set(own):
@@ -233,7 +249,7 @@ def build_party_model(
 
 
 def init_seeds(
-    cfg: PanguConfig, partition: Partition, party: str, seed: int
+    cfg: ModelConfig, partition: Partition, party: str, seed: int
 ) -> dict[str, int]:
     """Per-parameter init seeds of ``party``'s parameters in a run seeded with
     ``seed``: what the data party hands the compute party instead of the seed."""
@@ -270,7 +286,7 @@ def own_state_dict(
 
 
 def own_tensor_shapes(
-    cfg: PanguConfig, partition: Partition, party: str
+    cfg: ModelConfig, partition: Partition, party: str
 ) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the tensors ``own_state_dict`` gives for ``party``,
     without allocating any (e.g. to read just those from a whole checkpoint)."""
@@ -305,20 +321,20 @@ class Segment(nn.Module):
 
     ``forward(x, attn_mask, position_ids)``: token ids (B, T) if the stage
     starts with the embedding, else hidden states (B, T, C); returns hidden
-    states (B, T, C) -- after the top query layer for a head stage (apply
+    states (B, T, C) -- after the head's own layers for a head stage (apply
     ``logits`` for the vocabulary). The ops are exactly those of
-    ``PanguAlpha.hidden``, so chaining the stages reproduces the unsplit model.
+    ``CausalLM.hidden``, so chaining the stages reproduces the unsplit model.
     The model is held by reference, not registered, so parameter names stay
     the model's own.
     """
 
-    def __init__(self, model: PanguAlpha, stage: Stage) -> None:
+    def __init__(self, model: CausalLM, stage: Stage) -> None:
         super().__init__()
         self._model = (model,)
         self.stage = stage
 
     @property
-    def model(self) -> PanguAlpha:
+    def model(self) -> CausalLM:
         return self._model[0]
 
     def forward(
@@ -329,17 +345,18 @@ class Segment(nn.Module):
         cache: StageCache | None = None,
     ) -> torch.Tensor:
         """With ``cache`` (``new_cache``), ``x`` holds only the positions after
-        the cached ones, run exactly as ``PanguAlpha.hidden(..., cache=...)``
+        the cached ones, run exactly as ``CausalLM.hidden(..., cache=...)``
         runs them; the cache grows by them."""
         if cache is not None:
             return self._forward_cached(x, cache)
         m = self.model
+        ctx = m.context(x.shape[1], attn_mask, position_ids, x.device)
         if self.stage.embed:
             x = m.embed(x, position_ids)
         for i in self.stage.blocks:
-            x = m.transformer.h[i](x, attn_mask)
+            x = m.block(i, x, ctx)
         if self.stage.head:
-            x = m.top_query(x, attn_mask, position_ids)
+            x = m.finish(x, ctx)
         return x
 
     def _forward_cached(self, x: torch.Tensor, cache: StageCache) -> torch.Tensor:
@@ -351,39 +368,37 @@ class Segment(nn.Module):
             )
         m = self.model
         positions = torch.arange(start, start + T, device=x.device).unsqueeze(0)
+        ctx = m.context(T, None, positions, x.device)
         kvs = iter(cache.layers)
         if self.stage.embed:
             x = m.embed(x, positions)
         for i in self.stage.blocks:
-            x = m.transformer.h[i](x, kv=next(kvs))
+            x = m.block(i, x, ctx, next(kvs))
         if self.stage.head:
-            x = m.top_query(x, position_ids=positions, kv=next(kvs))
+            x = m.finish(x, ctx, list(kvs))
         cache.length = start + T
         return x
 
     def new_cache(self, capacity: int, batch_size: int = 1) -> StageCache:
         """An empty ``StageCache`` for this stage's layers, on the device and in
         the dtype of its weights, for up to ``capacity`` positions (at most
-        ``seq_len``: positions beyond have no learned embedding)."""
+        ``seq_len``)."""
         cfg = self.model.config
-        if not 1 <= capacity <= cfg.seq_len:
-            raise ValueError(
-                f"KV cache capacity must be in 1..{cfg.seq_len} (the model's "
-                f"seq_len), got {capacity}"
-            )
-        layers = [self.model.transformer.h[i] for i in self.stage.blocks]
-        if self.stage.head:
-            layers.append(self.model.transformer.h[cfg.num_layers - 1])
-        shape = (batch_size, cfg.num_heads, capacity, cfg.head_dim)
-        kvs = []
-        for layer in layers:
-            w = layer.attn.k_proj.weight
-            kvs.append(
-                LayerKV(
-                    torch.empty(shape, device=w.device, dtype=w.dtype),
-                    torch.empty(shape, device=w.device, dtype=w.dtype),
-                )
-            )
+        check_capacity(capacity, cfg.seq_len)
+        n = len(self.stage.blocks) + (cfg.layout.head_layers if self.stage.head else 0)
+        if n == 0:
+            return StageCache([], capacity)
+        lay = cfg.layout
+        path = (
+            lay.block_path(self.stage.blocks.start)
+            if len(self.stage.blocks)
+            else lay.head[-1]
+        )
+        w = next(self.model.get_submodule(path).parameters())
+        kvs = [
+            LayerKV.empty(cfg, capacity, batch_size, w.device, w.dtype)
+            for _ in range(n)
+        ]
         return StageCache(kvs, capacity)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -392,11 +407,11 @@ class Segment(nn.Module):
         return self.model.logits(hidden)
 
     def extra_repr(self) -> str:
-        return self.stage.describe(self.model.config.num_layers)
+        return self.stage.describe(self.model.config.layout)
 
 
 def segments_of(
-    model: PanguAlpha, partition: Partition, party: str
+    model: CausalLM, partition: Partition, party: str
 ) -> tuple[Segment, ...]:
     return tuple(Segment(model, s) for s in partition.stages_of(party))
 

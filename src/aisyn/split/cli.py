@@ -81,7 +81,7 @@ def cmd_plan(args) -> None:
     activations, and bytes crossing per step. Works for any preset (350M ... 200B)
     without allocating it."""
 
-    from aisyn.model.pangu import load_config
+    from aisyn.model.families import load_config
     from aisyn.model.plan import (
         PartySpec,
         Workload,
@@ -196,7 +196,7 @@ def cmd_serve(args) -> None:
     data-party run under --out. Serves one session at a time and stays up when a
     session fails."""
 
-    from aisyn.model.pangu import load_config
+    from aisyn.model.families import load_config
     from aisyn.model.segments import parse_partition
     from aisyn.split.compute_party import ComputeParty
     from aisyn.split.server import SplitServer

@@ -21,7 +21,8 @@ import torch
 from aisyn.link.base import Link
 from aisyn.link.codec import CODECS
 from aisyn.link.errors import HandshakeError
-from aisyn.model.pangu import PanguConfig, build_model, masks_from_documents
+from aisyn.model.causal_lm import masks_from_documents
+from aisyn.model.families import ModelConfig, build_model
 from aisyn.model.segments import (
     COMPUTE_PARTY,
     Partition,
@@ -67,7 +68,7 @@ class Session:
 class ComputeParty:
     def __init__(
         self,
-        cfg: PanguConfig,
+        cfg: ModelConfig,
         partition: Partition,
         root: str | Path | None,
         *,
@@ -80,10 +81,11 @@ class ComputeParty:
                 f"cut {partition.spec}: split training needs a U-shape cut "
                 "(u:FRONT,BACK); a two-way cut would send the labels to party B"
             )
-        if partition.num_layers != cfg.num_layers:
+        if partition.layout != cfg.layout:
             raise PartitionError(
-                f"cut {partition.spec} is for {partition.num_layers} layers, the "
-                f"model has {cfg.num_layers}"
+                f"cut {partition.spec} is for a {partition.layout.family} model of "
+                f"{partition.layout.num_layers} layers, this is a "
+                f"{cfg.layout.family} model of {cfg.layout.num_layers}"
             )
         self.cfg = cfg
         self.partition = partition

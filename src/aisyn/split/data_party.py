@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from aisyn.link.base import Link
-from aisyn.model.pangu import document_index, lm_loss
+from aisyn.model.causal_lm import document_index, lm_loss
 from aisyn.model.segments import Segment
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
@@ -200,7 +200,7 @@ class DataSession:
 
 class SplitModel(nn.Module):
     """A's view of the whole model, for evaluation: ``forward`` / ``hidden`` /
-    ``logits`` like ``PanguAlpha``, with the middle computed by B.
+    ``logits`` like ``CausalLM``, with the middle computed by B.
 
     ``evaluate_loss`` and ``cloze_accuracy`` run on it unchanged; tokens never
     leave A.

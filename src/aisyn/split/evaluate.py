@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from aisyn.model.pangu import PanguConfig
+from aisyn.model.families import config_from_dict
 from aisyn.model.segments import DATA_PARTY, Partition
 from aisyn.split import protocol as proto
 from aisyn.split.data_party import DataSession, SplitModel
@@ -72,8 +72,8 @@ def open_data_session(
             f"{run_dir.path}: not a split run's data party (kind "
             f"{config.get('kind')}); give the folder `aisyn split train --out` wrote"
         )
-    mcfg = PanguConfig.from_dict(config["model"])
-    partition = Partition.from_dict(config["partition"])
+    mcfg = config_from_dict(config["model"])
+    partition = Partition.from_dict(config["partition"], mcfg.layout)
     train = TrainConfig.from_dict(config["train"])
     last = ckpt.latest(run_dir.checkpoints)
     if last is None:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from aisyn.eval.generate import Generator, prompt_ids, run_tokenizer
+from aisyn.model.families import config_from_dict
 from aisyn.model.generate import Sampling, check_request
-from aisyn.model.pangu import PanguConfig
 from aisyn.split.evaluate import open_data_session
 from aisyn.split.transport import LinkSettings
 from aisyn.train.run import RunDir
@@ -51,7 +51,7 @@ def split_generate(
     # Refused here, before the compute party is reached, as aisyn generate would
     eod_reset = bool(config["train"].get("eod_reset"))
     check_request(
-        PanguConfig.from_dict(config["model"]),
+        config_from_dict(config["model"]),
         prompt_ids(tokenizer, prompt, eod_reset),
         max_new_tokens,
     )

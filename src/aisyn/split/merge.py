@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from aisyn.model.pangu import PanguConfig, build_model
+from aisyn.model.families import ModelConfig, build_model, config_from_dict
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.run import METRICS, TOKENIZER, RunDir
 
@@ -89,7 +89,7 @@ def merge(
         if both:
             raise MergeError(f"{name}: both halves hold {both[:3]}")
         files[name] = {**a_t, **b_t}
-    _check_complete(PanguConfig.from_dict(a_cfg["model"]), files[ckpt.MODEL_FILE])
+    _check_complete(config_from_dict(a_cfg["model"]), files[ckpt.MODEL_FILE])
 
     out_run = RunDir(out)
     config = {
@@ -121,7 +121,7 @@ def merge(
     return folder
 
 
-def _check_complete(cfg: PanguConfig, tensors: dict[str, torch.Tensor]) -> None:
+def _check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
     model = build_model(cfg, device="meta")
     # named_parameters lists the tied head once, as transformer.wte.weight.
     expected = dict(model.named_parameters()) | dict(model.named_buffers())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from aisyn.model.pangu import PanguConfig
+from aisyn.model.families import ModelConfig
 from aisyn.model.segments import (
     DATA_PARTY,
     Partition,
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class PartyState:
     def __init__(
         self,
-        cfg: PanguConfig,
+        cfg: ModelConfig,
         partition: Partition,
         party: str,
         train: TrainConfig,
@@ -190,7 +190,7 @@ class Base:
 
 
 def open_base(
-    path: str | Path, cfg: PanguConfig, partition: Partition, party: str
+    path: str | Path, cfg: ModelConfig, partition: Partition, party: str
 ) -> Base:
     """Check that a base (run folder, checkpoint folder or .safetensors file)
     holds ``party``'s tensors with the right shapes, and fingerprint it.

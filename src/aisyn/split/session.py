@@ -25,7 +25,7 @@ from pathlib import Path
 from aisyn.link.base import Link
 from aisyn.link.errors import LinkError, LinkTimeoutError
 from aisyn.link.memory import memory_pair
-from aisyn.model.pangu import PanguConfig
+from aisyn.model.families import ModelConfig
 from aisyn.model.segments import Partition
 from aisyn.procs import ChildProcess, child_env
 from aisyn.split import protocol as proto
@@ -95,7 +95,7 @@ class Opened:
 
 @contextlib.contextmanager
 def open_local(
-    cfg: PanguConfig,
+    cfg: ModelConfig,
     partition: Partition,
     compute_root: Path,
     hello: dict,
@@ -192,7 +192,7 @@ class SpawnedServer:
 
 def spawn_compute_party(
     workdir: Path,
-    cfg: PanguConfig,
+    cfg: ModelConfig,
     partition: Partition,
     compute_root: Path,
     *,
@@ -277,7 +277,7 @@ def spawn_compute_party(
 @contextlib.contextmanager
 def open_session(
     run: RunDir,
-    mcfg: PanguConfig,
+    mcfg: ModelConfig,
     partition,
     hello: dict,
     opts: SplitOptions,

@@ -22,7 +22,7 @@ import torch
 
 from aisyn.data.sft import IGNORE, SFTData, open_sft_many
 from aisyn.data.shards import open_many
-from aisyn.model.pangu import PanguConfig
+from aisyn.model.families import ModelConfig
 from aisyn.model.plan import exposure_warning
 from aisyn.model.segments import (
     COMPUTE_PARTY,
@@ -76,7 +76,7 @@ def secret_seed(out: str | Path, resume: bool) -> int:
 
 
 def split_train(
-    model_config: PanguConfig | str | Path,
+    model_config: ModelConfig | str | Path,
     data_dirs: Sequence[str | Path],
     out: str | Path,
     cfg: TrainConfig,

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from aisyn.data.sft import IGNORE, SFTData, cat_batches, open_sft_many
-from aisyn.model.pangu import PanguAlpha, PanguConfig, build_model
+from aisyn.model.causal_lm import CausalLM
+from aisyn.model.families import ModelConfig, build_model, config_from_dict
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.engine import Engine, Regime
 from aisyn.train.loop import (
@@ -55,7 +56,7 @@ class BaseModel:
 
     path: Path  # its run folder
     checkpoint: Path  # the model.safetensors read
-    model: PanguConfig
+    model: ModelConfig
     tokenizer: dict  # sha256, vocab_size, eod_id, pad_id
     fingerprint: str  # checkpoint.tensors_fingerprint of its weights
 
@@ -72,7 +73,7 @@ def describe_base(base: str | Path) -> BaseModel:
     run = RunDir(base)
     config = run.read_config()
     try:
-        mcfg = PanguConfig.from_dict(config["model"])
+        mcfg = config_from_dict(config["model"])
         tok = dict(config["tokenizer"])
         if "sha256" not in tok:
             raise KeyError("tokenizer.sha256")
@@ -89,7 +90,7 @@ def describe_base(base: str | Path) -> BaseModel:
 
 def load_base(
     base: BaseModel | str | Path, device: str | torch.device = "cpu"
-) -> tuple[PanguAlpha, BaseModel]:
+) -> tuple[CausalLM, BaseModel]:
     """The base model's weights, without a wasted random init (meta, then load)."""
     info = base if isinstance(base, BaseModel) else describe_base(base)
     model = build_model(info.model, device="meta")
@@ -119,7 +120,7 @@ def check_data_matches(info: BaseModel, data: Sequence[SFTData]) -> None:
 
 
 def sft_loss_sum(
-    model: PanguAlpha, inputs: torch.Tensor, targets: torch.Tensor
+    model: CausalLM, inputs: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy over supervised positions, and their count."""
     return supervised_loss_sum(model.logits, model.hidden(inputs), targets)
@@ -164,7 +165,7 @@ def add_proximal_grad(
 
 
 def sft_step(
-    model: PanguAlpha,
+    model: CausalLM,
     trainable: Sequence[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer,
     inputs: torch.Tensor,
@@ -254,7 +255,7 @@ class FineTuning(Regime):
 
     def __init__(
         self,
-        model: PanguAlpha,
+        model: CausalLM,
         trainable: Sequence[tuple[str, nn.Parameter]],
         optimizer: torch.optim.Optimizer,
         batches: SFTBatches,
@@ -312,7 +313,7 @@ class FineTuning(Regime):
 
 @torch.no_grad()
 def sft_eval_loss(
-    model: PanguAlpha,
+    model: CausalLM,
     data: SFTData,
     *,
     batch_size: int = 32,

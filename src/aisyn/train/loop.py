@@ -17,13 +17,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aisyn.data.shards import TokenShards, open_many
-from aisyn.model.pangu import (
-    PanguAlpha,
-    PanguConfig,
+from aisyn.model.causal_lm import CausalLM, eod_reset_masks, lm_loss
+from aisyn.model.families import (
+    ModelConfig,
     build_model,
-    eod_reset_masks,
-    lm_loss,
+    config_from_dict,
     load_config,
+    with_vocab,
 )
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import distributed
@@ -40,7 +40,7 @@ log = logging.getLogger("aisyn.train")
 
 @dataclass
 class TrainConfig:
-    """Run-level training settings (the model's shape lives in ``PanguConfig``)."""
+    """Run-level training settings (the model's shape lives in ``ModelConfig``)."""
 
     steps: int = 200
     batch_size: int = 8  # samples per optimizer step
@@ -115,8 +115,8 @@ class TrainConfig:
 
 
 def model_config_for(
-    model: PanguConfig | str | Path, tokenizer: dict, data_seq_len: int
-) -> PanguConfig:
+    model: ModelConfig | str | Path, tokenizer: dict, data_seq_len: int
+) -> ModelConfig:
     """The model config with the vocabulary of the data's tokenizer (so that
     ``aisyn train`` and ``aisyn split train`` build the same model); ValueError
     if the data's samples are longer than its positions."""
@@ -127,7 +127,7 @@ def model_config_for(
             mcfg.vocab_size,
             tokenizer["vocab_size"],
         )
-        mcfg = PanguConfig(**{**mcfg.to_dict(), "vocab_size": tokenizer["vocab_size"]})
+        mcfg = with_vocab(mcfg, tokenizer["vocab_size"])
     if data_seq_len > mcfg.seq_len:
         raise ValueError(
             f"data seq_len {data_seq_len} exceeds the model's {mcfg.seq_len}"
@@ -204,7 +204,7 @@ def forward_backward(
 
 
 def train_step(
-    model: PanguAlpha,
+    model: CausalLM,
     optimizer: torch.optim.Optimizer,
     batch: torch.Tensor,
     step: int,
@@ -226,7 +226,7 @@ def train_step(
 
 @torch.no_grad()
 def evaluate_loss(
-    model: PanguAlpha,
+    model: CausalLM,
     shards: TokenShards,
     *,
     batch_size: int,
@@ -255,7 +255,7 @@ def evaluate_loss(
 
 
 def train(
-    model_config: PanguConfig | str,
+    model_config: ModelConfig | str,
     data_dirs: Sequence[str | Path],
     out: str | Path,
     cfg: TrainConfig,
@@ -354,7 +354,7 @@ class Pretraining(Regime):
     def __init__(
         self,
         net: nn.Module,
-        model: PanguAlpha,
+        model: CausalLM,
         optimizer: torch.optim.Optimizer,
         named: list[tuple[str, nn.Parameter]],
         sampler: BatchSampler,
@@ -363,7 +363,7 @@ class Pretraining(Regime):
         eod_id: int | None,
         valid: TokenShards | None,
         run: RunDir,
-        mcfg: PanguConfig,
+        mcfg: ModelConfig,
     ) -> None:
         self.net, self.model, self.optimizer = net, model, optimizer
         self.named, self.sampler, self.ctx = named, sampler, ctx
@@ -438,12 +438,12 @@ def load_model_checkpoint(model: nn.Module, path: str | Path) -> Path:
 
 def load_run_model(
     run: str | Path, device: str | torch.device = "cpu"
-) -> tuple[PanguAlpha, dict]:
+) -> tuple[CausalLM, dict]:
     """The model of a run folder at its latest checkpoint, and the run's config."""
     run_dir = RunDir(run)
     config = run_dir.read_config()
     try:
-        mcfg = PanguConfig.from_dict(config["model"])
+        mcfg = config_from_dict(config["model"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
             f"{run_dir.path}/config.json: bad model config ({e})"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from aisyn.model.pangu import PanguConfig, build_model
+from aisyn.model.families import ModelConfig, build_model
 from aisyn.model.plan import (
     DTYPE_BYTES,
     Workload,
@@ -38,7 +38,7 @@ def compute_dtype(device: torch.device) -> str:
 
 
 def whole_model_bytes(
-    cfg: PanguConfig,
+    cfg: ModelConfig,
     micro_batch: int,
     seq_len: int,
     dtype: str,
@@ -70,7 +70,7 @@ def whole_model_bytes(
 
 
 def party_bytes(
-    cfg: PanguConfig,
+    cfg: ModelConfig,
     partition: Partition,
     party: str,
     micro_batch: int,

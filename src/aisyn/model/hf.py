@@ -1,0 +1,682 @@
+"""Hugging Face causal LMs: GPT-2 and the Llama / Qwen2 family.
+
+Written here (like ``pangu.py``), not wrapped from ``transformers``: the cut
+points, the KV cache and the per-parameter seeded init are then the same for
+every family, and nothing depends on ``transformers``' internal layer API,
+which changes between releases. ``tests/model/test_hf.py`` checks the logits
+against ``transformers``' own implementation for each family.
+
+Parameter names are ``transformers``' own, so a folder written by
+``save_pretrained`` loads by name (``read_hf_folder``) and a run writes one
+back (``write_hf_folder``). One difference: GPT-2 keeps its projections as
+``Conv1D`` (weight stored [in, out]); here they are ``nn.Linear`` ([out, in],
+what peft's LoRA and our optimizer expect), transposed at the folder boundary.
+
+* **GPT-2**: learned positions, pre-LN blocks with fused ``c_attn``, tanh-GELU
+  MLP, final ``ln_f``, head tied to ``wte``.
+* **Llama / Qwen2**: rotary positions, RMSNorm, grouped-query attention,
+  SwiGLU MLP, final ``norm``, tied or untied ``lm_head``. Qwen2 is Llama with
+  biases on the q/k/v projections.
+
+Dropout is off (0.0) for models read from a folder, whatever their config
+says: fine-tuning here is deterministic, and split runs stay exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from aisyn.model.causal_lm import (
+    CausalLM,
+    Context,
+    LayerKV,
+    Layout,
+    attend,
+    check_positions,
+    residual_scale,
+    seeded_init,
+)
+
+FAMILIES = ("gpt2", "llama", "qwen2")
+ACTIVATIONS = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+HF_PREFIX = "hf:"
+
+
+class HFError(ValueError):
+    """A folder that is not a Hugging Face model we can run."""
+
+
+@dataclass
+class HFConfig:
+    """The dimensions of a GPT-2, Llama or Qwen2 model.
+
+    ``num_layers`` counts the blocks (there is no extra head layer);
+    ``num_kv_heads`` < ``num_heads`` is grouped-query attention.
+    """
+
+    family: str = "llama"
+    vocab_size: int = 8000
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 0  # 0: as many as num_heads
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    ffn_size: int = 344
+    seq_len: int = 256
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # Llama: q/k/v/o; Qwen2 always has q/k/v
+    mlp_bias: bool = False
+    activation: str = "silu"
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(
+                f"model family {self.family!r} is not supported; supported: "
+                f"pangu, {', '.join(FAMILIES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "ffn_size",
+            "seq_len",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_kv_heads == 0:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by "
+                    f"num_heads {self.num_heads}; pick heads that divide it"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                f"{self.num_kv_heads}"
+            )
+        if self.family == "gpt2":
+            if self.head_dim * self.num_heads != self.hidden_size:
+                raise ValueError("GPT-2 needs head_dim * num_heads == hidden_size")
+            if self.num_kv_heads != self.num_heads:
+                raise ValueError("GPT-2 has no grouped-query attention")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation {self.activation!r} is not supported "
+                f"({', '.join(ACTIVATIONS)})"
+            )
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers
+
+    @property
+    def layout(self) -> Layout:
+        if self.family == "gpt2":
+            return Layout(
+                family="gpt2",
+                num_blocks=self.num_layers,
+                embed=("transformer.wte", "transformer.wpe"),
+                block="transformer.h.{i}",
+                head=("transformer.wte", "transformer.ln_f"),
+                head_label="ln_f + head",
+            )
+        head = ("model.norm", "lm_head")
+        if self.tie_embeddings:
+            head = ("model.embed_tokens", "model.norm")
+        return Layout(
+            family=self.family,
+            num_blocks=self.num_layers,
+            embed=("model.embed_tokens",),
+            block="model.layers.{i}",
+            head=head,
+            head_label="norm + lm_head",
+        )
+
+    @property
+    def block_matmul_weights(self) -> int:
+        """Weights of one block's matrix products (planner's FLOP count)."""
+        h, f = self.hidden_size, self.ffn_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        mlp = 2 * h * f if self.family == "gpt2" else 3 * h * f
+        return 2 * h * q + 2 * h * kv + mlp
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The Linear modules LoRA adapts in this family."""
+        if self.family == "gpt2":
+            return ("c_attn", "c_proj", "c_fc")
+        return (
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HFConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+# Small random-init presets of each family, for tests and trying things out.
+HF_CONFIGS: dict[str, dict] = {
+    "gpt2-tiny": dict(
+        family="gpt2",
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        ffn_size=512,
+        seq_len=128,
+        norm_eps=1e-5,
+        activation="gelu_new",
+        tie_embeddings=True,
+        vocab_size=8000,
+    ),
+    "llama-tiny": dict(
+        family="llama",
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_size=344,
+        seq_len=128,
+        vocab_size=8000,
+    ),
+    "qwen2-tiny": dict(
+        family="qwen2",
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_size=344,
+        seq_len=128,
+        vocab_size=8000,
+        tie_embeddings=True,
+    ),
+}
+
+
+# -- GPT-2 -----------------------------------------------------------------
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads, self.dropout = cfg.num_heads, cfg.dropout
+        self.c_attn = nn.Linear(h, 3 * h)
+        self.c_proj = nn.Linear(h, h)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, attn_mask, kv):
+        B, T, C = x.shape
+        nh = self.num_heads
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
+        y = attend(q, k, v, attn_mask, kv, self.dropout if self.training else 0.0)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.hidden_size, cfg.ffn_size)
+        self.c_proj = nn.Linear(cfg.ffn_size, cfg.hidden_size)
+        self.act = ACTIVATIONS[cfg.activation]
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = GPT2Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = GPT2MLP(cfg)
+
+    def forward(self, x, attn_mask=None, kv=None):
+        x = x + self.attn(self.ln_1(x), attn_mask, kv)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Transformer(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden_size)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+class GPT2(CausalLM):
+    """GPT-2 (``GPT2LMHeadModel`` names)."""
+
+    def __init__(self, cfg: HFConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.config = cfg
+        self.transformer = GPT2Transformer(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters(seed)
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def reset_parameters(self, seed=0, names=None, *, seeds=None) -> None:
+        scale = residual_scale(self.config.num_layers)
+        seeded_init(
+            self,
+            self.config.init_std,
+            seed,
+            names,
+            seeds,
+            is_gain=lambda n: ".ln_" in n,
+            scale_of=lambda n: scale if n.endswith("c_proj.weight") else 1.0,
+        )
+
+    def embed(self, tokens, position_ids=None):
+        T = tokens.shape[1]
+        check_positions(T, position_ids, self.config.seq_len)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=tokens.device).unsqueeze(0)
+        x = self.transformer.wte(tokens) + self.transformer.wpe(position_ids)
+        return self.transformer.drop(x)
+
+    def block(self, i, x, ctx: Context, kv: LayerKV | None = None):
+        return self.transformer.h[i](x, ctx.attn_mask, kv)
+
+    def finish(self, x, ctx: Context, kvs=None):
+        return self.transformer.ln_f(x)
+
+    def logits(self, x):
+        return self.lm_head(x)
+
+
+# -- Llama / Qwen2 ---------------------------------------------------------
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            hd,
+        )
+        self.dropout = cfg.dropout
+        qkv_bias = cfg.attention_bias or cfg.family == "qwen2"
+        self.q_proj = nn.Linear(h, cfg.num_heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=cfg.attention_bias)
+
+    def forward(self, x, attn_mask, rotary, kv):
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.q_proj(x).view(B, T, self.num_heads, hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, hd).transpose(1, 2)
+        cos, sin = (t.to(q.dtype) for t in rotary)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        y = attend(q, k, v, attn_mask, kv, self.dropout if self.training else 0.0)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * hd))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        h, f, b = cfg.hidden_size, cfg.ffn_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, f, bias=b)
+        self.up_proj = nn.Linear(h, f, bias=b)
+        self.down_proj = nn.Linear(f, h, bias=b)
+        self.act = ACTIVATIONS[cfg.activation]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = LlamaMLP(cfg)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, attn_mask, rotary, kv=None):
+        a = self.self_attn(self.input_layernorm(x), attn_mask, rotary, kv)
+        x = x + self.resid_dropout(a)
+        return x + self.resid_dropout(self.mlp(self.post_attention_layernorm(x)))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+class Llama(CausalLM):
+    """Llama and Qwen2 (``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` names)."""
+
+    def __init__(self, cfg: HFConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters(seed)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def reset_parameters(self, seed=0, names=None, *, seeds=None) -> None:
+        seeded_init(
+            self,
+            self.config.init_std,
+            seed,
+            names,
+            seeds,
+            is_gain=lambda n: "norm" in n,
+            scale_of=lambda n: 1.0,
+        )
+
+    def context(self, T, attn_mask, position_ids, device):
+        if position_ids is None:
+            position_ids = torch.arange(T, device=device).unsqueeze(0)
+        hd = self.config.head_dim
+        # As transformers computes it: fp32 angles, cos/sin per position.
+        inv_freq = 1.0 / (
+            self.config.rope_theta
+            ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
+        )
+        angles = position_ids.float().unsqueeze(-1) * inv_freq  # (B, T, hd/2)
+        emb = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, hd)
+        return Context(attn_mask, position_ids, (emb.cos(), emb.sin()))
+
+    def embed(self, tokens, position_ids=None):
+        # Rotary positions carry no table: seq_len bounds what was trained.
+        check_positions(tokens.shape[1], position_ids, self.config.seq_len)
+        return self.model.embed_tokens(tokens)
+
+    def block(self, i, x, ctx: Context, kv: LayerKV | None = None):
+        return self.model.layers[i](x, ctx.attn_mask, ctx.rotary, kv)
+
+    def finish(self, x, ctx: Context, kvs=None):
+        return self.model.norm(x)
+
+    def logits(self, x):
+        return self.lm_head(x)
+
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "gpt2": GPT2,
+    "llama": Llama,
+    "qwen2": Llama,
+}
+
+
+# -- folders written by save_pretrained -------------------------------------
+
+# GPT-2 projections stored by transformers as Conv1D ([in, out]).
+_CONV1D = (
+    "attn.c_attn.weight",
+    "attn.c_proj.weight",
+    "mlp.c_fc.weight",
+    "mlp.c_proj.weight",
+)
+
+
+def _rope_theta(c: dict, path: Path) -> float:
+    params = c.get("rope_parameters") or {}
+    for where in (params, c.get("rope_scaling") or {}):
+        kind = where.get("rope_type") or where.get("type") or "default"
+        if kind != "default":
+            raise HFError(f"{path}: rope type {kind!r} is not supported (only default)")
+    return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(c: dict, path: Path) -> HFConfig:
+    """Our ``HFConfig`` of a ``config.json`` as transformers writes it."""
+    family = c.get("model_type")
+    if family not in FAMILIES:
+        raise HFError(
+            f"{path}: model_type {family!r} is not supported; supported: "
+            f"{', '.join(FAMILIES)} (and PanGu-α: gpt_pangu, through "
+            "aisyn convert --from pangu-port)"
+        )
+    try:
+        if family == "gpt2":
+            for flag in (
+                "scale_attn_by_inverse_layer_idx",
+                "reorder_and_upcast_attn",
+                "add_cross_attention",
+            ):
+                if c.get(flag):
+                    raise HFError(f"{path}: GPT-2 with {flag} is not supported")
+            if not c.get("scale_attn_weights", True):
+                raise HFError(
+                    f"{path}: GPT-2 without scale_attn_weights is not supported"
+                )
+            h = c.get("n_embd", 768)
+            return HFConfig(
+                family="gpt2",
+                vocab_size=c.get("vocab_size", 50257),
+                hidden_size=h,
+                num_layers=c.get("n_layer", 12),
+                num_heads=c.get("n_head", 12),
+                ffn_size=c.get("n_inner") or 4 * h,
+                seq_len=c.get("n_positions", 1024),
+                norm_eps=c.get("layer_norm_epsilon", 1e-5),
+                activation=c.get("activation_function", "gelu_new"),
+                tie_embeddings=True,
+                init_std=c.get("initializer_range", 0.02),
+            )
+        if c.get("use_sliding_window"):
+            raise HFError(f"{path}: sliding-window attention is not supported")
+        if c.get("pretraining_tp", 1) != 1:
+            raise HFError(f"{path}: pretraining_tp != 1 is not supported")
+        heads = c.get("num_attention_heads", 32)
+        return HFConfig(
+            family=family,
+            vocab_size=c.get("vocab_size", 32000),
+            hidden_size=c.get("hidden_size", 4096),
+            num_layers=c.get("num_hidden_layers", 32),
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or 0,
+            ffn_size=c.get("intermediate_size", 11008),
+            seq_len=c.get("max_position_embeddings", 2048),
+            norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(c, path),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=bool(c.get("attention_bias", False)) and family == "llama",
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            activation=c.get("hidden_act", "silu"),
+            init_std=c.get("initializer_range", 0.02),
+        )
+    except (TypeError, ValueError) as e:
+        if isinstance(e, HFError):
+            raise
+        raise HFError(f"{path}: {e}") from None
+
+
+def config_to_hf(cfg: HFConfig) -> dict:
+    """The ``config.json`` transformers reads for ``cfg`` (no ``auto_map``)."""
+    if cfg.family == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.seq_len,
+            "n_embd": cfg.hidden_size,
+            "n_layer": cfg.num_layers,
+            "n_head": cfg.num_heads,
+            "n_inner": cfg.ffn_size,
+            "activation_function": cfg.activation,
+            "layer_norm_epsilon": cfg.norm_eps,
+            "initializer_range": cfg.init_std,
+            "tie_word_embeddings": True,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        }
+    arch = "LlamaForCausalLM" if cfg.family == "llama" else "Qwen2ForCausalLM"
+    out = {
+        "architectures": [arch],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": cfg.activation,
+        "initializer_range": cfg.init_std,
+        "attention_dropout": 0.0,
+    }
+    if cfg.family == "llama":
+        out.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
+    return out
+
+
+def read_hf_config(folder: str | Path) -> HFConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise HFError(f"{folder}: no config.json; not a Hugging Face model folder")
+    try:
+        c = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(c, dict):
+        raise HFError(f"{path}: a model config must be a JSON object")
+    return config_from_hf(c, path)
+
+
+def hf_state_dict(
+    tensors: dict[str, torch.Tensor], cfg: HFConfig, source: str
+) -> dict[str, torch.Tensor]:
+    """A folder's tensors named and shaped as our model's: GPT-2's Conv1D
+    weights transposed, its causal-mask buffers dropped, the un-prefixed
+    names of a bare ``GPT2Model`` given their ``transformer.`` prefix, and a
+    tied head stored once."""
+    out = {}
+    for name, t in tensors.items():
+        if cfg.family == "gpt2":
+            if name.endswith((".attn.bias", ".attn.masked_bias")) and t.dim() != 1:
+                continue  # transformers' causal mask buffers: we compute masks
+            if name.endswith(".attn.masked_bias"):
+                continue
+            if not name.startswith(("transformer.", "lm_head.")):
+                name = "transformer." + name
+            if name.endswith(_CONV1D):
+                t = t.t().contiguous()
+        out[name] = t
+    embed = (
+        "transformer.wte.weight"
+        if cfg.family == "gpt2"
+        else "model.embed_tokens.weight"
+    )
+    if cfg.family == "gpt2" or cfg.tie_embeddings:
+        head = out.pop("lm_head.weight", None)
+        if head is not None and embed in out and not torch.equal(head, out[embed]):
+            raise HFError(f"{source}: lm_head.weight is not tied to {embed}")
+    return out
+
+
+def read_hf_folder(folder: str | Path) -> tuple[HFConfig, dict[str, torch.Tensor]]:
+    """(config, state dict for our model) of a ``save_pretrained`` folder; load
+    the state dict with ``train.checkpoint.load_weights``, which checks every
+    name and shape."""
+    from aisyn.model.port import PortError, read_folder_tensors
+
+    cfg = read_hf_config(folder)
+    try:
+        tensors = read_folder_tensors(folder)
+    except PortError as e:
+        raise HFError(str(e)) from None
+    return cfg, hf_state_dict(tensors, cfg, str(folder))
+
+
+def write_hf_folder(
+    cfg: HFConfig, state: dict[str, torch.Tensor], out: Path
+) -> list[Path]:
+    """``config.json`` + ``model.safetensors`` that transformers loads as
+    ``cfg``'s family; returns the files written (into ``out``, which the
+    caller creates and later moves into place)."""
+    tied = cfg.family == "gpt2" or cfg.tie_embeddings
+    tensors = {}
+    for name, t in state.items():
+        if tied and name == "lm_head.weight":
+            continue  # transformers ties it to the embedding on load
+        t = t.detach().cpu()
+        if cfg.family == "gpt2" and name.endswith(_CONV1D):
+            t = t.t()
+        tensors[name] = t.contiguous()
+    if cfg.family != "gpt2" and not cfg.tie_embeddings:
+        if "lm_head.weight" not in tensors:
+            raise HFError("an untied model's state lacks lm_head.weight")
+    config = out / "config.json"
+    config.write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    weights = out / "model.safetensors"
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return [config, weights]

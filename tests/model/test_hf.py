@@ -1,0 +1,193 @@
+"""GPT-2, Llama and Qwen2: our implementation against transformers' own.
+
+Tiny random models built from configs (nothing downloaded): a folder written
+by transformers' ``save_pretrained`` loads into our model with equal logits,
+and a folder we write loads into transformers with equal logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from aisyn.model.families import build_model, config_from_dict, load_config
+from aisyn.model.hf import HFConfig, HFError, read_hf_folder, write_hf_folder
+from aisyn.train.checkpoint import load_weights
+
+transformers = pytest.importorskip("transformers")
+
+HF_CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=97,
+        n_positions=32,
+        n_embd=32,
+        n_layer=3,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=56,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_theta=500.0,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=56,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def hf_model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = HF_CONFIGS[family]()
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation="eager"
+    )
+    # Random biases and norm gains, so that a misplaced one shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if "norm" in name or "ln" in name else 0.0, 0.1)
+    return model.eval()
+
+
+def tokens(vocab: int = 97, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (2, 20), generator=g)
+
+
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_a_save_pretrained_folder_gives_transformers_logits(family, tmp_path):
+    ref = hf_model(family)
+    ref.save_pretrained(tmp_path)
+    cfg, state = read_hf_folder(tmp_path)
+    assert cfg.family == family
+    ours = build_model(cfg)
+    load_weights(ours, state, str(tmp_path))
+    x = tokens()
+    with torch.no_grad():
+        want = ref(x).logits
+        got = ours(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_a_folder_we_write_loads_in_transformers_with_equal_logits(family, tmp_path):
+    cfg = load_config(tmp_path_config(family, tmp_path))
+    ours = build_model(cfg, seed=5).eval()
+    out = tmp_path / "out"
+    out.mkdir()
+    write_hf_folder(cfg, ours.state_dict(), out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert "auto_map" not in json.loads((out / "config.json").read_text())
+    x = tokens(cfg.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x).logits, rtol=1e-5, atol=1e-5)
+    # And back again, bit-exact.
+    cfg2, state = read_hf_folder(out)
+    assert cfg2 == cfg
+    again = build_model(cfg2)
+    load_weights(again, state, str(out))
+    for (n, a), (_, b) in zip(
+        ours.state_dict().items(), again.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), n
+
+
+def tmp_path_config(family: str, tmp_path) -> str:
+    """hf:DIR of a transformers-written config (weights not needed)."""
+    d = tmp_path / f"{family}-config"
+    d.mkdir()
+    HF_CONFIGS[family]().save_pretrained(d)
+    return f"hf:{d}"
+
+
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_the_kv_cache_decodes_as_the_full_pass(family):
+    cfg = load_config(f"{family}-tiny")
+    model = build_model(cfg, seed=2).eval()
+    x = tokens(cfg.vocab_size)[:1]
+    with torch.no_grad():
+        full = model(x)
+        cache = model.new_cache(x.shape[1])
+        first = model(x[:, :12], cache=cache)
+        rest = [model(x[:, i : i + 1], cache=cache) for i in range(12, x.shape[1])]
+    got = torch.cat([first, *rest], dim=1)
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpt2_of_a_bare_base_model_loads_with_its_prefix(tmp_path):
+    """Hub GPT-2 files hold ``GPT2Model`` names (``h.0...``, ``wte``)."""
+    ref = hf_model("gpt2")
+    ref.transformer.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg, state = read_hf_folder(tmp_path)
+    ours = build_model(cfg)
+    load_weights(ours, state, str(tmp_path))
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"model_type": "mamba"}, "model_type .mamba. is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
+        ({"use_sliding_window": True}, "sliding-window attention is not supported"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_kv_heads 3"),
+        ({"hidden_act": "relu2"}, "activation 'relu2' is not supported"),
+    ],
+)
+def test_an_unsupported_config_is_refused_in_one_line(edit, message, tmp_path):
+    config = HF_CONFIGS["qwen2"]().to_dict()
+    config.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFError, match=message) as e:
+        read_hf_folder(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_folder_without_config_or_weights_is_refused(tmp_path):
+    with pytest.raises(HFError, match="no config.json; not a Hugging Face model"):
+        load_config(f"hf:{tmp_path}")
+    HF_CONFIGS["llama"]().save_pretrained(tmp_path)
+    with pytest.raises(HFError, match="no weights"):
+        read_hf_folder(tmp_path)
+
+
+def test_missing_and_extra_tensors_are_named(tmp_path):
+    ref = hf_model("llama")
+    ref.save_pretrained(tmp_path)
+    cfg, state = read_hf_folder(tmp_path)
+    model = build_model(cfg)
+    state.pop("model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        load_weights(model, state, "x")
+
+
+def test_configs_round_trip_through_their_dict():
+    for name in ("gpt2-tiny", "llama-tiny", "qwen2-tiny"):
+        cfg = load_config(name)
+        assert isinstance(cfg, HFConfig)
+        assert config_from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="model family 'rwkv' is not supported"):
+        config_from_dict({"family": "rwkv"})
