@@ -262,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--model",
             None,
             "tiny",
-            "preset (tiny, small, 350M, 2.6B, 13B, 200B) or JSON file",
+            "preset (tiny, small, 350M, 2.6B, 13B, 200B; gpt2-tiny, llama-tiny, "
+            "qwen2-tiny), JSON file, or hf:DIR: a Hugging Face GPT-2/Llama/Qwen2 "
+            "folder, its pretrained weights the start",
         ),
         ("--data", "append", REQUIRED, "prepared data folder (repeat to pool several)"),
         ("--out", None, REQUIRED, "run folder"),

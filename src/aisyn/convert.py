@@ -12,8 +12,14 @@ beside ``--out`` and renamed into place, so a failure leaves nothing behind.
 ``--from pangu-port DIR --out DIR`` does the same for a folder of the public
 PyTorch port (``aisyn.model.port``; its ``vocab.model`` is the tokenizer).
 
+``--from hf DIR --out DIR`` does the same for a Hugging Face GPT-2, Llama or
+Qwen2 folder as ``save_pretrained`` writes it (``aisyn.model.hf``).
+
 ``--to mindspore --run RUN --out FILE.ckpt`` writes a run's latest weights
 under the official MindSpore model's names (``aisyn.model.mindspore_pangu``).
+``--to hf --run RUN --out DIR`` writes them as a Hugging Face folder
+(``config.json`` + ``model.safetensors``): one ``transformers`` loads for a
+GPT-2/Llama/Qwen2 run, the PyTorch port's layout for a PanGu-α run.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ from pathlib import Path
 
 from aisyn.validate import positive_int
 
-SOURCES = ["mindspore", "pangu-port"]
-TARGETS = ["mindspore"]
+SOURCES = ["mindspore", "pangu-port", "hf"]
+TARGETS = ["mindspore", "hf"]
 
 
 def convert_from_mindspore(
@@ -85,6 +91,27 @@ def convert_from_port(
     return write_base(
         out, cfg, state, tok, {"format": "pangu-port", "folder": str(folder)}
     )
+
+
+def convert_from_hf(
+    folder: str | Path, out: str | Path, *, tokenizer: str | Path | None = None
+) -> dict:
+    """Read a Hugging Face model folder (``aisyn.model.hf``) into a new run
+    folder ``out``."""
+    from aisyn.data.tokenizer import PanguTokenizer
+    from aisyn.model.families import build_model
+    from aisyn.model.hf import read_hf_folder
+    from aisyn.train import checkpoint as ckpt
+
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out}: already exists; choose another --out")
+    tok = PanguTokenizer.load(tokenizer) if tokenizer else None  # fail early
+    cfg, tensors = read_hf_folder(folder)
+    model = build_model(cfg, device="meta")
+    names = ckpt.check_weights(model, tensors, str(folder))
+    state = {k: tensors[k].contiguous() for k in names}
+    return write_base(out, cfg, state, tok, {"format": "hf", "folder": str(folder)})
 
 
 def write_base(out: Path, cfg, state: dict, tok, source: dict) -> dict:
@@ -157,12 +184,55 @@ def convert_to_mindspore(
     return {"out": str(out), "tensors": len(tensors)}
 
 
+def convert_to_hf(run: str | Path, out: str | Path) -> dict:
+    """Write the latest weights of run folder ``run`` as a Hugging Face folder
+    ``out``, built beside it and renamed into place."""
+    from aisyn.model.families import build_model, config_from_dict
+    from aisyn.model.hf import HFConfig, write_hf_folder
+    from aisyn.model.port import write_port_folder
+    from aisyn.train import checkpoint as ckpt
+    from aisyn.train.run import RunDir
+
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out}: already exists; choose another --out")
+    config = RunDir(run).read_config()
+    try:
+        cfg = config_from_dict(config["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{run}/config.json: not a model run ({e})") from None
+    weights = ckpt.model_file(run)
+    state = ckpt.read_tensors(weights)
+    try:
+        names = ckpt.check_weights(build_model(cfg, device="meta"), state, str(weights))
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(
+            f"{e}; a split run holds one party's half: merge it first "
+            "(aisyn split merge)"
+        ) from None
+    state = {k: state[k] for k in names}
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        if isinstance(cfg, HFConfig):
+            write_hf_folder(cfg, state, tmp)
+        else:
+            write_port_folder(cfg, state, tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"out": str(out), "tensors": len(state), "family": cfg.layout.family}
+
+
 def cmd_convert(args) -> None:
     """Convert PanGu-α weights: --from mindspore FILE.ckpt ... --out DIR writes a
     run folder usable as a base model (config read off the tensor shapes);
     --from pangu-port DIR --out DIR does the same for a folder of the public
-    PyTorch port (config.json, weights, vocab.model); --to mindspore --run RUN
-    --out FILE.ckpt writes a run's latest weights as a MindSpore checkpoint."""
+    PyTorch port (config.json, weights, vocab.model), --from hf DIR --out DIR
+    for a Hugging Face GPT-2/Llama/Qwen2 folder; --to mindspore --run RUN --out
+    FILE.ckpt writes a run's latest weights as a MindSpore checkpoint, --to hf
+    --run RUN --out DIR as a Hugging Face folder."""
 
     if args.source:
         if args.run or args.crc:
@@ -173,6 +243,12 @@ def cmd_convert(args) -> None:
             if args.num_heads:
                 raise ValueError("--from pangu-port reads the heads from config.json")
             res = convert_from_port(args.files[0], args.out, tokenizer=args.tokenizer)
+        elif args.source == "hf":
+            if len(args.files) != 1 or not Path(args.files[0]).is_dir():
+                raise ValueError("--from hf: give the model's folder")
+            if args.num_heads:
+                raise ValueError("--from hf reads the heads from config.json")
+            res = convert_from_hf(args.files[0], args.out, tokenizer=args.tokenizer)
         else:
             if not args.files or not all(Path(f).is_file() for f in args.files):
                 raise ValueError("--from mindspore: give one or more .ckpt files")
@@ -184,19 +260,25 @@ def cmd_convert(args) -> None:
             )
         m = res["model"]
         print(
-            f"wrote {res['out']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
+            f"wrote {res['out']}: {m.get('family', 'pangu')}, {m['num_layers']} "
+            f"layers, hidden {m['hidden_size']}, "
             f"{m['num_heads']} heads, FFN {m['ffn_size']}, vocab {m['vocab_size']}, "
             f"{m['seq_len']} positions ({res['tensors']} tensors)"
         )
         return
     if args.files or args.tokenizer or args.num_heads:
         raise ValueError(
-            "--to mindspore takes --run RUN and --out FILE.ckpt, no files, "
+            f"--to {args.target} takes --run RUN and --out, no files, "
             "--tokenizer or --num-heads"
         )
     if not args.run:
-        raise ValueError("--to mindspore: give --run RUN")
-    res = convert_to_mindspore(args.run, args.out, crc=args.crc)
+        raise ValueError(f"--to {args.target}: give --run RUN")
+    if args.target == "hf":
+        if args.crc:
+            raise ValueError("--crc goes with --to mindspore")
+        res = convert_to_hf(args.run, args.out)
+    else:
+        res = convert_to_mindspore(args.run, args.out, crc=args.crc)
     print(f"wrote {res['out']}: {res['tensors']} tensors")
 
 
@@ -214,7 +296,7 @@ def register(sub) -> None:
         sub,
         "convert",
         cmd_convert,
-        "PanGu-α weights from MindSpore or the PyTorch port, to MindSpore",
+        "model weights from/to MindSpore, the PanGu-α port or Hugging Face",
     )
     way = c.add_mutually_exclusive_group(required=True)
     way.add_argument(
@@ -229,11 +311,11 @@ def register(sub) -> None:
         type=_existing,
         metavar="SOURCE",
         help="with --from mindspore: the .ckpt, or its parts (embedding, backbone, "
-        "head); with --from pangu-port: the port's model folder",
+        "head); with --from pangu-port or hf: the model folder",
     )
     add_flags(
         c,
-        ("--out", None, REQUIRED, "--from: new run folder; --to: new .ckpt file"),
+        ("--out", None, REQUIRED, "--from: new run folder; --to: new .ckpt or folder"),
         ("--run", None, None, "--to: run folder whose latest weights to write"),
         (
             "--tokenizer",

@@ -191,3 +191,142 @@ def test_configs_round_trip_through_their_dict():
         assert config_from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="model family 'rwkv' is not supported"):
         config_from_dict({"family": "rwkv"})
+
+
+def test_convert_from_and_to_hf_round_trips_through_the_cli(tmp_path, capsys):
+    from aisyn.cli import main
+
+    ref = hf_model("llama")
+    ref.save_pretrained(tmp_path / "hf")
+    main(
+        [
+            "convert",
+            "--from",
+            "hf",
+            str(tmp_path / "hf"),
+            "--out",
+            str(tmp_path / "base"),
+        ]
+    )
+    assert "llama, 3 layers, hidden 32" in capsys.readouterr().out
+    main(
+        [
+            "convert",
+            "--to",
+            "hf",
+            "--run",
+            str(tmp_path / "base"),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    theirs = ref.state_dict()
+    for name, t in back.state_dict().items():  # bit-exact, through our run
+        assert torch.equal(t, theirs[name]), name
+    # An existing --out is never overwritten.
+    before = (tmp_path / "out" / "model.safetensors").read_bytes()
+    argv = ["convert", "--to", "hf", "--run", str(tmp_path / "base")]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
+
+
+def test_a_pangu_run_goes_out_in_the_ports_layout(tmp_path, capsys):
+    from aisyn.cli import main
+    from aisyn.convert import write_base
+    from aisyn.model.port import read_port
+
+    cfg = load_config("tiny")
+    model = build_model(cfg, seed=4)
+    from aisyn.train.checkpoint import unique_state_dict
+
+    write_base(
+        tmp_path / "base", cfg, unique_state_dict(model), None, {"format": "test"}
+    )
+    main(
+        [
+            "convert",
+            "--to",
+            "hf",
+            "--run",
+            str(tmp_path / "base"),
+            "--out",
+            str(tmp_path / "port"),
+        ]
+    )
+    cfg2, state = read_port(tmp_path / "port")
+    assert cfg2 == cfg
+    again = build_model(cfg2)
+    load_weights(again, state, "port")
+    for name, t in unique_state_dict(model).items():
+        assert torch.equal(t, again.state_dict()[name]), name
+
+
+def test_training_from_an_hf_folder_starts_from_its_weights(tmp_path, news_data):
+    from aisyn.train.loop import TrainConfig, train
+    from aisyn.train.run import read_metrics
+
+    # A tiny random Qwen2 with room for the data tokenizer's 8000 pieces.
+    cfg = HF_CONFIGS["qwen2"]()
+    cfg.vocab_size = 8000
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    tc = TrainConfig(
+        steps=2,
+        batch_size=4,
+        micro_batch_size=4,
+        lr=1e-3,
+        warmup_steps=0,
+        log_every=1,
+        seed=3,
+        device="cpu",
+    )
+    train(f"hf:{tmp_path / 'hf'}", [news_data], tmp_path / "a", tc, progress=False)
+    train(
+        load_config(
+            "qwen2-tiny",
+            vocab_size=8000,
+            hidden_size=32,
+            num_layers=3,
+            num_heads=4,
+            num_kv_heads=1,
+            ffn_size=56,
+            seq_len=32,
+            tie_embeddings=True,
+            rope_theta=1e6,
+        ),
+        [news_data],
+        tmp_path / "b",
+        tc,
+        progress=False,
+    )
+
+    def first_loss(run):
+        return next(
+            r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r
+        )
+
+    # ln(8000) = 8.99 for a random model; the pretrained weights differ from
+    # a fresh seeded init of the same shape, so the first losses differ.
+    assert first_loss(tmp_path / "a") != first_loss(tmp_path / "b")
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["model"]["family"] == "qwen2"
+    assert config["init_from"].startswith("hf:")
+
+
+def test_a_data_tokenizer_larger_than_the_models_vocab_is_refused(tmp_path, news_data):
+    from aisyn.train.loop import TrainConfig, train
+
+    hf_model("llama").save_pretrained(tmp_path / "hf")  # 97 pieces
+    with pytest.raises(
+        ValueError, match="prepare the data with the model's own tokenizer"
+    ):
+        train(
+            f"hf:{tmp_path / 'hf'}",
+            [news_data],
+            tmp_path / "a",
+            TrainConfig(steps=1, batch_size=2, micro_batch_size=2, device="cpu"),
+            progress=False,
+        )
+    assert not (tmp_path / "a").exists()

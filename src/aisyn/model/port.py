@@ -169,3 +169,38 @@ def read_port(folder: str | Path) -> tuple[PanguConfig, dict[str, torch.Tensor]]
     shape."""
     cfg = read_port_config(folder)
     return cfg, port_state_dict(read_folder_tensors(folder), cfg, str(folder))
+
+
+def port_config(cfg: PanguConfig) -> dict:
+    """The port's ``config.json`` for ``cfg`` (what ``read_port_config`` reads)."""
+    return {
+        "architectures": ["GPTPanguForCausalLM"],
+        "model_type": MODEL_TYPE,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers,
+        "num_heads": cfg.num_heads,
+        "intermediate_size": cfg.ffn_size,
+        "max_position_embeddings": cfg.seq_len,
+        "layer_norm_epsilon": cfg.layer_norm_eps,
+        "activation_function": "gelu",
+        "scale_attn_weights": True,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": True,
+    }
+
+
+def write_port_folder(
+    cfg: PanguConfig, state: dict[str, torch.Tensor], out: Path
+) -> list[Path]:
+    """``config.json`` + ``model.safetensors`` in the port's layout (our names
+    are its names; the tied head is stored once, as ``transformer.wte``)."""
+    from safetensors.torch import save_file
+
+    config = out / "config.json"
+    config.write_text(json.dumps(port_config(cfg), indent=2) + "\n")
+    weights = out / "model.safetensors"
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return [config, weights]

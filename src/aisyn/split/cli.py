@@ -301,7 +301,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compute party B runs the middle blocks. See docs/split.md.",
     )
     ssub = s.add_subparsers(dest="split_command", required=True, metavar="ACTION")
-    model_help = "preset or JSON model config"
+    model_help = "preset, JSON model config or hf:DIR (a Hugging Face folder)"
     # A command's --help description is its cmd_* function's docstring.
 
     p = add_command(

@@ -41,7 +41,9 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``state_dict`` with each shared tensor once (first name wins)."""
     seen: set[int] = set()
     out = {}
-    for name, t in model.state_dict().items():
+    # keep_vars: a tied parameter is then one object under both names, which
+    # is how a meta model (no storage to compare) shows its ties.
+    for name, t in model.state_dict(keep_vars=True).items():
         key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
         if key in seen:
             continue

@@ -22,9 +22,11 @@ from aisyn.model.families import (
     ModelConfig,
     build_model,
     config_from_dict,
+    hf_folder,
     load_config,
     with_vocab,
 )
+from aisyn.model.hf import read_hf_folder
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import distributed
 from aisyn.train.engine import Engine, Regime
@@ -119,9 +121,20 @@ def model_config_for(
 ) -> ModelConfig:
     """The model config with the vocabulary of the data's tokenizer (so that
     ``aisyn train`` and ``aisyn split train`` build the same model); ValueError
-    if the data's samples are longer than its positions."""
+    if the data's samples are longer than its positions.
+
+    A pretrained model (``hf:DIR``) keeps its vocabulary: its embedding rows
+    are fixed, so the data's tokenizer must fit in them.
+    """
     mcfg = load_config(model) if isinstance(model, str | Path) else model
-    if mcfg.vocab_size != tokenizer["vocab_size"]:
+    if isinstance(model, str | Path) and hf_folder(model) is not None:
+        if tokenizer["vocab_size"] > mcfg.vocab_size:
+            raise ValueError(
+                f"the data's tokenizer has {tokenizer['vocab_size']} pieces, the "
+                f"model {model} embeds {mcfg.vocab_size}: prepare the data with "
+                "the model's own tokenizer"
+            )
+    elif mcfg.vocab_size != tokenizer["vocab_size"]:
         log.info(
             "model vocab_size %d -> %d (the tokenizer's)",
             mcfg.vocab_size,
@@ -272,6 +285,9 @@ def train(
     sources = open_many(data_dirs, "train")
     tok = sources[0].tokenizer_info
     mcfg = model_config_for(model_config, tok, sources[0].seq_len)
+    if init_from is None and isinstance(model_config, str | Path):
+        if hf_folder(model_config) is not None:
+            init_from = model_config  # a pretrained folder brings its weights
     world = distributed.world_size()
     if cfg.batch_size % (world * cfg.micro):
         raise ValueError(
@@ -430,7 +446,15 @@ class Pretraining(Regime):
 
 def load_model_checkpoint(model: nn.Module, path: str | Path) -> Path:
     """Load weights from a run folder (its latest checkpoint), a checkpoint folder,
-    or a ``.safetensors`` file; returns the file read."""
+    a ``.safetensors`` file or ``hf:DIR`` (a Hugging Face model folder);
+    returns the file or folder read."""
+    folder = hf_folder(path)
+    if folder is not None:
+        cfg, tensors = read_hf_folder(folder)
+        if cfg != model.config:
+            raise ValueError(f"{folder}: its config.json is not this model's")
+        ckpt.load_weights(model, tensors, str(folder))
+        return folder
     path = ckpt.model_file(path)
     ckpt.load_weights(model, ckpt.read_tensors(path), str(path))
     return path
