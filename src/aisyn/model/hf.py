@@ -657,6 +657,75 @@ def read_hf_folder(folder: str | Path) -> tuple[HFConfig, dict[str, torch.Tensor
     return cfg, hf_state_dict(tensors, cfg, str(folder))
 
 
+def stored_name(name: str, cfg: HFConfig, stored: set[str]) -> str:
+    """The name ``name`` (ours) has in a folder holding ``stored``."""
+    if cfg.family == "gpt2" and name not in stored:
+        bare = name.removeprefix("transformer.")
+        if bare in stored:
+            return bare
+    return name
+
+
+def read_hf_tensors(
+    folder: str | Path,
+    shapes: dict[str, tuple[int, ...]],
+    whose: str,
+    *,
+    read: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Only the tensors named in ``shapes`` (ours: name -> shape) from a
+    ``save_pretrained`` folder, checked; ``read=False`` only checks.
+
+    Safetensors files (one, or shards listed in an index) are read lazily by
+    their headers, so a party that owns a few tensors of a large model reads
+    just those; a ``pytorch_model.bin`` is read whole (``weights_only``).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from aisyn.model.port import PortError, weight_files
+
+    folder = Path(folder)
+    cfg = read_hf_config(folder)
+    try:
+        files = weight_files(folder)  # stored name -> file
+    except PortError as e:
+        raise HFError(str(e)) from None
+    out: dict[str, torch.Tensor] = {}
+    if any(f.suffix != ".safetensors" for f in files.values()):
+        state = {k: v for k, v in read_hf_folder(folder)[1].items() if k in shapes}
+        missing = sorted(set(shapes) - set(state))
+        if missing:
+            raise HFError(f"{folder}: lacks {missing[0]} ({whose})")
+        for name, t in state.items():
+            if tuple(t.shape) != tuple(shapes[name]):
+                raise HFError(
+                    f"{folder}: {name} has shape {tuple(t.shape)}, expected "
+                    f"{tuple(shapes[name])}"
+                )
+        return state if read else {}
+    stored = set(files)
+    try:
+        for name, shape in shapes.items():
+            key = stored_name(name, cfg, stored)
+            if key not in files:
+                raise HFError(f"{folder}: lacks {name} ({whose})")
+            with safe_open(str(files[key]), framework="pt") as f:
+                got = tuple(f.get_slice(key).get_shape())
+                conv = cfg.family == "gpt2" and name.endswith(_CONV1D)
+                if conv:
+                    got = got[::-1]
+                if got != tuple(shape):
+                    raise HFError(
+                        f"{folder}: {name} has shape {got}, expected {tuple(shape)}"
+                    )
+                if read:
+                    t = f.get_tensor(key)
+                    out[name] = t.t().contiguous() if conv else t
+    except (SafetensorError, OSError) as e:
+        raise HFError(f"{folder}: unreadable weights ({e})") from None
+    return out
+
+
 def write_hf_folder(
     cfg: HFConfig, state: dict[str, torch.Tensor], out: Path
 ) -> list[Path]:

@@ -112,8 +112,44 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def weight_files(folder: str | Path) -> dict[str, Path]:
+    """Which file of a model folder holds each stored tensor name (read from
+    the shard index, or from the one file's header)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    name = next((f for f in WEIGHT_FILES if (folder / f).is_file()), None)
+    if name is None:
+        raise PortError(
+            f"{folder}: no weights (expected one of {', '.join(WEIGHT_FILES)})"
+        )
+    if name.endswith(".index.json"):
+        weight_map = _shard_index(folder / name)
+        return {k: folder / v for k, v in weight_map.items()}
+    if name.endswith(".bin"):
+        return {k: folder / name for k in _read_file(folder / name)}
+    try:
+        with safe_open(str(folder / name), framework="pt") as f:
+            return {k: folder / name for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise PortError(f"{folder / name}: unreadable weights ({e})") from None
+
+
+def _shard_index(path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+        shards = set(weight_map.values())
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise PortError(f"{path}: bad shard index ({e!r})") from None
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard:
+            # the index names files beside it, no paths
+            raise PortError(f"{path}: shard {shard!r} is not a file name")
+    return weight_map
+
+
 def read_folder_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the port's weight files (all shards), as stored."""
+    """Every tensor of a model folder's weight files (all shards), as stored."""
     folder = Path(folder)
     name = next((f for f in WEIGHT_FILES if (folder / f).is_file()), None)
     if name is None:
@@ -122,15 +158,9 @@ def read_folder_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
         )
     if not name.endswith(".index.json"):
         return _read_file(folder / name)
-    try:
-        weight_map = json.loads((folder / name).read_text())["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise PortError(f"{folder / name}: bad shard index ({e!r})") from None
+    weight_map = _shard_index(folder / name)
     tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        if Path(shard).name != shard:  # the index names files beside it, no paths
-            raise PortError(f"{folder / name}: shard {shard!r} is not a file name")
+    for shard in sorted(set(weight_map.values())):
         tensors.update(_read_file(folder / shard))
     listed, found = set(weight_map), set(tensors)
     if listed != found:

@@ -196,19 +196,21 @@ def cmd_serve(args) -> None:
     data-party run under --out. Serves one session at a time and stays up when a
     session fails."""
 
-    from aisyn.model.families import load_config
+    from aisyn.model.families import hf_folder, load_config
     from aisyn.model.segments import parse_partition
     from aisyn.split.compute_party import ComputeParty
     from aisyn.split.server import SplitServer
 
     cfg = load_config(args.model)
+    # A pretrained folder (hf:DIR) is also where B's blocks start from.
+    init_from = args.init_from or (args.model if hf_folder(args.model) else None)
     party = ComputeParty(
         cfg,
         parse_partition(args.cut, cfg),
         args.out,
         device=args.device,
         keep_checkpoints=args.keep_checkpoints,
-        init_from=args.init_from,
+        init_from=init_from,
     )
     options = link_options(recv_timeout_s=args.idle_timeout)
     server = SplitServer(party, _settings(args, args.listen), options)

@@ -25,7 +25,7 @@ from pathlib import Path
 from aisyn.link.base import Link
 from aisyn.link.errors import LinkError, LinkTimeoutError
 from aisyn.link.memory import memory_pair
-from aisyn.model.families import ModelConfig
+from aisyn.model.families import ModelConfig, hf_folder
 from aisyn.model.segments import Partition
 from aisyn.procs import ChildProcess, child_env
 from aisyn.split import protocol as proto
@@ -240,7 +240,9 @@ def spawn_compute_party(
         device,
     ]
     if init_from:
-        args += ["--init-from", str(Path(init_from).resolve())]
+        folder = hf_folder(init_from)
+        where = f"hf:{folder.resolve()}" if folder else str(Path(init_from).resolve())
+        args += ["--init-from", where]
     if insecure:
         args.append("--insecure")
         tls: dict = {}

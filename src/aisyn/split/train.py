@@ -22,7 +22,7 @@ import torch
 
 from aisyn.data.sft import IGNORE, SFTData, open_sft_many
 from aisyn.data.shards import open_many
-from aisyn.model.families import ModelConfig
+from aisyn.model.families import ModelConfig, hf_folder
 from aisyn.model.plan import exposure_warning
 from aisyn.model.segments import (
     COMPUTE_PARTY,
@@ -101,7 +101,10 @@ def split_train(
     compute party cannot tell the difference: it gets the same rounds, with a
     sequence length that changes from step to step.
     """
-    if init_from is not None and not Path(init_from).exists():
+    if init_from is None and isinstance(model_config, str | Path):
+        if hf_folder(model_config) is not None:
+            init_from = model_config  # a pretrained folder brings its weights
+    if init_from is not None and not (hf_folder(init_from) or Path(init_from)).exists():
         raise ValueError(
             f"--init-from {init_from}: no such base model (a run folder, "
             "checkpoint folder or .safetensors file)"

@@ -26,6 +26,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from aisyn.data.cache import cache_dir
+from aisyn.model.families import hf_folder
+from aisyn.model.hf import read_hf_tensors
 
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
@@ -242,7 +244,10 @@ def read_state(ckpt: Path) -> dict:
 
 def model_file(path: str | Path) -> Path:
     """The weights file of a run folder (its latest checkpoint), a checkpoint
-    folder, or a ``.safetensors`` file itself."""
+    folder, or a ``.safetensors`` file itself; ``hf:DIR`` (a Hugging Face
+    model folder) stays as it is, for ``read_some_tensors``."""
+    if hf_folder(path) is not None:
+        return Path(str(path))
     path = Path(path)
     if path.is_dir() and (path / "checkpoints").is_dir():
         last = latest(path / "checkpoints")
@@ -312,8 +317,15 @@ def read_some_tensors(
 
     A safetensors file is indexed by its header, so a party that owns a few
     tensors of a large model reads just those. Missing names or a wrong shape
-    raise CheckpointError in one line; ``read=False`` only checks.
+    raise CheckpointError in one line; ``read=False`` only checks. ``path``
+    may also be ``hf:DIR``, a Hugging Face model folder (see ``model_file``).
     """
+    folder = hf_folder(path)
+    if folder is not None:
+        try:
+            return read_hf_tensors(folder, shapes, whose, read=read)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
     try:
