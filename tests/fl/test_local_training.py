@@ -177,3 +177,61 @@ def test_client_with_missing_or_foreign_data_fails_clearly(
     (foreign / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ValueError, match="client acme: .*tokenizer"):
         check_client("acme", foreign, base_run)
+
+
+@pytest.mark.parametrize(
+    ("preset", "adapted"),
+    [
+        (
+            "llama-tiny",
+            (
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ),
+        ),
+        (
+            "qwen2-tiny",
+            (
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ),
+        ),
+        ("gpt2-tiny", ("c_attn", "attn.c_proj", "c_fc", "mlp.c_proj")),
+    ],
+)
+def test_lora_adapts_each_familys_own_linear_layers(preset, adapted):
+    """The family names its LoRA targets; every one of them in every block is
+    adapted, and merging the adapters gives the same function."""
+    from aisyn.model.families import load_config
+
+    cfg = load_config(preset)
+    model = build_model(cfg, seed=0)
+    trainable = apply_method(model, Method("lora", rank=4), seed=0)
+    names = [n for n, _ in trainable]
+    assert len(names) == cfg.num_layers * len(adapted) * 2
+    for i in range(cfg.num_layers):
+        for module in adapted:
+            assert any(f".{i}." in n and f"{module}.lora_A" in n for n in names), (
+                i,
+                module,
+            )
+    with torch.no_grad():
+        for n, p in trainable:
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    x = torch.randint(0, cfg.vocab_size, (2, 10))
+    expected = model(x)
+    plain = build_model(cfg, seed=123)
+    plain.load_state_dict(merged_state_dict(model), strict=False)
+    plain.tie_weights()
+    torch.testing.assert_close(plain(x), expected, rtol=1e-4, atol=1e-4)

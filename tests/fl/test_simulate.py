@@ -188,3 +188,40 @@ def test_client_that_drops_out_mid_round_does_not_stop_the_server(
     assert hist[0]["accepted"] == 1
     assert hist[1]["accepted"] == 1 and hist[1]["clients"] == 1
     assert result["final_global_valid_loss"] is not None
+
+
+def test_lora_federated_fine_tuning_of_a_llama_base(tokenizer, sft_dirs, tmp_path):
+    """The same run with a Llama-family base (grouped-query attention, rotary
+    positions, RMSNorm): LoRA adapters on its own layers cross, the loss drops
+    and the server's merged checkpoint is a plain Llama."""
+    from conftest import make_base_run
+
+    from aisyn.model.hf import HFConfig
+    from aisyn.train.checkpoint import model_file, read_tensors
+
+    cfg = HFConfig(
+        family="llama",
+        vocab_size=8000,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_size=64,
+        seq_len=48,
+    )
+    base = make_base_run(tmp_path / "base", cfg, tokenizer)
+    settings = small_run(
+        local_steps=4,
+        eval_items=32,
+        lr=1e-2,
+        method="lora",
+        lora_rank=4,
+        round_timeout=300,
+    )
+    result = simulate(base, sft_dirs, tmp_path / "run", settings)
+    hist = result["history"]
+    assert [h["accepted"] for h in hist] == [2, 2]
+    assert result["final_global_valid_loss"] < hist[0]["global_valid_loss"]
+    merged = read_tensors(model_file(tmp_path / "run" / "server"))
+    assert "model.layers.1.self_attn.o_proj.weight" in merged
+    assert not any("lora_" in n for n in merged)

@@ -91,6 +91,11 @@ class PanguConfig:
         return "pangu"
 
     @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The Linear modules LoRA adapts: attention and MLP of every block."""
+        return ("q_proj", "k_proj", "v_proj", "c_proj", "c_fc")
+
+    @property
     def block_matmul_weights(self) -> int:
         """Weights of one block's matrix products (planner's FLOP count)."""
         h, f = self.hidden_size, self.ffn_size

@@ -1,9 +1,11 @@
-"""LoRA adapters on PanGu-α through ``peft``, and what a fine-tuning run trains.
+"""LoRA adapters through ``peft``, and what a fine-tuning run trains.
 
-``peft.inject_adapter_in_model`` replaces the attention (``q_proj``, ``k_proj``,
-``v_proj``, ``c_proj``) and MLP (``c_fc``, ``c_proj``) ``nn.Linear`` modules of
-every block, matched by name, with LoRA layers in place; the base weights are
-frozen. Whatever the method, the *trainable tensors* are named exactly as in
+``peft.inject_adapter_in_model`` replaces the attention and MLP ``nn.Linear``
+modules of every block, matched by name, with LoRA layers in place; the base
+weights are frozen. Which modules those are is the model family's to say
+(``config.lora_targets``: PanGu-α's ``q/k/v/c_proj`` and ``c_fc``, Llama's
+``q/k/v/o_proj`` and ``gate/up/down_proj``, GPT-2's ``c_attn``, ``c_proj``,
+``c_fc``). Whatever the method, the *trainable tensors* are named exactly as in
 ``model.named_parameters()``: all parameters for full fine-tuning, only
 ``...lora_A.default.weight`` / ``...lora_B.default.weight`` for LoRA. Those, and
 nothing else, are what a federated client sends.
@@ -24,19 +26,19 @@ from torch import nn
 
 from aisyn.train.checkpoint import unique_state_dict
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "c_proj", "c_fc")
 ADAPTER_NAME = "default"
 METHODS = ("full", "lora")
 
 
 @dataclass
 class Method:
-    """Full fine-tuning, or LoRA of a given rank on the named Linear modules."""
+    """Full fine-tuning, or LoRA of a given rank on the named Linear modules
+    (none named: the model family's ``lora_targets``)."""
 
     name: str = "full"
     rank: int = 8
     alpha: float = 16.0
-    targets: Sequence[str] = field(default_factory=lambda: TARGET_MODULES)
+    targets: Sequence[str] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -72,7 +74,7 @@ def apply_method(
     config = LoraConfig(
         r=method.rank,
         lora_alpha=method.alpha,
-        target_modules=list(method.targets),
+        target_modules=list(method.targets or model.config.lora_targets),
         lora_dropout=0.0,
         bias="none",
     )
