@@ -60,9 +60,9 @@ def cmd_prepare(args) -> None:
 
     from aisyn.data.corpora import load_corpora, portable_specs
     from aisyn.data.shards import prepare
-    from aisyn.data.tokenizer import PanguTokenizer
+    from aisyn.data.tokenizer import load_tokenizer
 
-    tok = PanguTokenizer.load(args.tokenizer)
+    tok = load_tokenizer(args.tokenizer)
     corpus = load_corpora(args.corpus)
     m = prepare(
         corpus,
@@ -242,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--tokenizer",
             None,
             None,
-            "shipped tokenizer name (default zh8k) or a .model file, e.g. PanGu's "
-            "vocab.model",
+            "shipped tokenizer name (default zh8k), a .model file (e.g. PanGu's "
+            "vocab.model), hf:DIR (a Hugging Face model folder's tokenizer.json, "
+            "for --model hf:DIR) or a tokenizer.json file",
         ),
         ("--seq-len", positive_int, 128, None),
         ("--max-docs", positive_int, None, "use only the first N documents"),

@@ -43,7 +43,7 @@ def convert_from_mindspore(
     num_heads: int | None = None,
 ) -> dict:
     """Read MindSpore checkpoints into a new run folder ``out``; its summary."""
-    from aisyn.data.tokenizer import PanguTokenizer
+    from aisyn.data.tokenizer import load_tokenizer
     from aisyn.model.mindspore_ckpt import read_checkpoint
     from aisyn.model.mindspore_pangu import (
         gather_weights,
@@ -55,7 +55,7 @@ def convert_from_mindspore(
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out}: already exists; choose another --out")
-    tok = PanguTokenizer.load(tokenizer) if tokenizer else None  # fail early
+    tok = load_tokenizer(tokenizer) if tokenizer else None  # fail early
     entries = {
         str(f): read_checkpoint(f, keep=lambda name: not is_training_state(name))
         for f in files
@@ -73,7 +73,7 @@ def convert_from_port(
     """Read a folder of the public PyTorch port (``aisyn.model.port``) into a
     new run folder ``out``; its ``vocab.model`` is the tokenizer unless
     ``tokenizer`` is given."""
-    from aisyn.data.tokenizer import PanguTokenizer
+    from aisyn.data.tokenizer import load_tokenizer
     from aisyn.model.families import build_model
     from aisyn.model.port import read_port
     from aisyn.train import checkpoint as ckpt
@@ -83,7 +83,7 @@ def convert_from_port(
         raise FileExistsError(f"{out}: already exists; choose another --out")
     if tokenizer is None and (Path(folder) / "vocab.model").is_file():
         tokenizer = Path(folder) / "vocab.model"
-    tok = PanguTokenizer.load(tokenizer) if tokenizer else None  # fail early
+    tok = load_tokenizer(tokenizer) if tokenizer else None  # fail early
     cfg, tensors = read_port(folder)
     model = build_model(cfg, device="meta")
     names = ckpt.check_weights(model, tensors, str(folder))
@@ -98,7 +98,7 @@ def convert_from_hf(
 ) -> dict:
     """Read a Hugging Face model folder (``aisyn.model.hf``) into a new run
     folder ``out``."""
-    from aisyn.data.tokenizer import PanguTokenizer
+    from aisyn.data.tokenizer import load_tokenizer
     from aisyn.model.families import build_model
     from aisyn.model.hf import read_hf_folder
     from aisyn.train import checkpoint as ckpt
@@ -106,7 +106,7 @@ def convert_from_hf(
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out}: already exists; choose another --out")
-    tok = PanguTokenizer.load(tokenizer) if tokenizer else None  # fail early
+    tok = load_tokenizer(tokenizer) if tokenizer else None  # fail early
     cfg, tensors = read_hf_folder(folder)
     model = build_model(cfg, device="meta")
     names = ckpt.check_weights(model, tensors, str(folder))
@@ -120,7 +120,13 @@ def write_base(out: Path, cfg, state: dict, tok, source: dict) -> dict:
     from aisyn.train import checkpoint as ckpt
     from aisyn.train.run import RunDir
 
-    if tok is not None and tok.vocab_size != cfg.vocab_size:
+    # Hugging Face models may pad their embedding past the tokenizer's
+    # vocabulary (Qwen2: 151936 rows for 151665 tokens); a PanGu one may not.
+    padded = tok is not None and tok.info().get("kind") == "hf"
+    if tok is not None and (
+        tok.vocab_size > cfg.vocab_size
+        or (tok.vocab_size != cfg.vocab_size and not padded)
+    ):
         raise ValueError(
             f"{tok.path}: {tok.vocab_size} pieces, but the weights' word "
             f"embedding has {cfg.vocab_size} rows; the wrong tokenizer?"
@@ -321,7 +327,8 @@ def register(sub) -> None:
             "--tokenizer",
             None,
             None,
-            "--from: the model's tokenizer (PanGu's vocab.model), copied in",
+            "--from: the model's tokenizer (PanGu's vocab.model; hf:DIR or a "
+            "tokenizer.json for a Hugging Face one), copied in",
         ),
         (
             "--num-heads",

@@ -38,6 +38,7 @@ def _check_report(out, names):
     assert regimes[0] == "without ft (base)"
     assert f"{names[0]} ft" in regimes and f"{names[1]} ft" in regimes
     assert f"{names[0]}+{names[1]} ft" in regimes
+    assert f"{names[0]} split ft" in regimes and f"{names[1]} split ft" in regimes
     assert any(r.startswith("AIsyn federated") for r in regimes)
     assert sum(r.startswith("client ") for r in regimes) == 2
     for r in rows:
@@ -49,8 +50,15 @@ def _check_report(out, names):
     steps = {r["regime"]: int(r["steps"]) for r in rows}
     fed = next(v for k, v in steps.items() if k.startswith("AIsyn"))
     assert steps[f"{names[0]} ft"] == steps[f"{names[0]}+{names[1]} ft"] == fed
+    assert steps[f"{names[0]} split ft"] == steps[f"{names[0]} ft"]
+    split = next(r for r in rows if r["regime"] == f"{names[0]} split ft")
+    assert float(split["bytes_on_wire"]) > 0
     report = json.loads((out / "report.json").read_text())
+    # The split regime takes standalone fine-tuning's steps: it scores the same.
+    for n in names:
+        assert report["targets"]["e_split_equals_standalone"][n]["pass"]
     assert set(report["targets"]) == {
+        "e_split_equals_standalone",
         "a_standalone_2x_chance",
         "b_fed_vs_fusion_accuracy",
         "c_fed_vs_fusion_loss",
@@ -126,6 +134,7 @@ def test_targets_are_judged_as_the_issue_states():
     # Execute
     t = check_targets(rows, ["news", "reviews"])
     # Assert
+    assert t["e_split_equals_standalone"] == {}  # no split rows, nothing judged
     assert t["a_standalone_2x_chance"]["news"]["pass"]
     assert not t["a_standalone_2x_chance"]["reviews"]["pass"]
     assert t["b_fed_vs_fusion_accuracy"]["news"]["pass"]  # within 1 point

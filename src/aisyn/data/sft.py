@@ -41,7 +41,7 @@ from aisyn.data.folder import (
     read_manifest,
     start_folder,
 )
-from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,7 @@ class SFTError(ValueError):
     """SFT data is missing, corrupt, or made with another tokenizer/length."""
 
 
-def encode_item(
-    item: ClozeItem, tok: PanguTokenizer, seq_len: int
-) -> tuple[list[int], int]:
+def encode_item(item: ClozeItem, tok: Tokenizer, seq_len: int) -> tuple[list[int], int]:
     """(token ids, index of the first supervised token) for one item.
 
     The sequence holds at most ``seq_len + 1`` tokens (inputs are ``ids[:-1]``);
@@ -76,7 +74,7 @@ def encode_item(
 
 
 def encode_items(
-    items: Sequence[ClozeItem], tok: PanguTokenizer, seq_len: int
+    items: Sequence[ClozeItem], tok: Tokenizer, seq_len: int
 ) -> dict[str, torch.Tensor]:
     """Tensors of many items: tokens (N, seq_len+1), answer_start (N,), length (N,)."""
     n = len(items)
@@ -112,7 +110,7 @@ def targets_for(
 
 def prepare_sft(
     corpus: Corpus,
-    tok: PanguTokenizer,
+    tok: Tokenizer,
     seq_len: int,
     out_dir: str | Path,
     *,

@@ -28,7 +28,7 @@ from aisyn.data.folder import (
     finish_folder,
     start_folder,
 )
-from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def pack(docs_ids: Sequence[Sequence[int]], eod_id: int, sample_len: int) -> np.
 
 def prepare(
     corpus: Corpus,
-    tokenizer: PanguTokenizer,
+    tokenizer: Tokenizer,
     seq_len: int,
     out_dir: str | Path,
     *,

@@ -10,17 +10,25 @@ literal ``▂``/``▃`` in the input come back as space/newline, as in PanGu).
 
 jieba is the slow part (~15 s over both corpora), so segmented documents are
 cached on disk, keyed by the text they came from.
+
+``HFTokenizer`` offers the same interface over a Hugging Face ``tokenizer.json``
+(GPT-2, Llama, Qwen2 ...), for data made for those model families;
+``load_tokenizer`` picks the kind from a ``--tokenizer`` value and
+``open_tokenizer`` from the content of a data or run folder's copy.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import TypeAlias
 
 import sentencepiece as spm
 
@@ -145,6 +153,222 @@ class PanguTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         text = self.sp.decode(list(ids))
         return text.replace(" ", "").replace(SPACE, " ").replace(NEWLINE, "\n")
+
+
+HF_PREFIX = "hf:"  # as aisyn.model.families.HF_PREFIX: --tokenizer hf:DIR
+HF_TOKENIZER_FILE = "tokenizer.json"
+# End-of-text tokens of the common families, tried in this order when neither
+# a tokenizer_config.json nor a config.json beside the file names one.
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+
+def _read_json_beside(path: Path, name: str) -> dict:
+    """The JSON object in file ``name`` beside ``path`` ({} if there is none)."""
+    f = path.parent / name
+    if not f.is_file():
+        return {}
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{f}: not valid JSON ({e})".splitlines()[0]) from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value) -> str | None:
+    """A special token of tokenizer_config.json: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` library) with
+    ``PanguTokenizer``'s interface. Encoding adds no special tokens (documents
+    are joined with ``eod_id``, as for PanGu); decoding skips none.
+
+    The end-of-document token is the ``eos_token`` of the
+    ``tokenizer_config.json`` beside the file, else the ``eos_token_id`` of the
+    ``config.json`` beside it, else the first of ``EOS_TOKENS`` in the
+    vocabulary; pad is the configured pad token, else eod. ``eod_id`` and
+    ``pad_id`` given (a folder's recorded ones) win over all that, and
+    ``beside=False`` ignores the files beside it (a data or run folder's copy
+    sits beside that folder's own config.json, which is not a model's).
+    """
+
+    def __init__(
+        self,
+        json_file: str | Path,
+        *,
+        eod_id: int | None = None,
+        pad_id: int | None = None,
+        beside: bool = True,
+    ) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        path = Path(json_file)
+        if not path.is_file():
+            raise TokenizerError(f"{path}: tokenizer file not found")
+        self.model_bytes = path.read_bytes()
+        self.path = path
+        try:
+            self.tk = _Tokenizer.from_str(self.model_bytes.decode("utf-8"))
+        except Exception as e:  # tokenizers raises plain Exception
+            raise TokenizerError(
+                f"{path}: not a Hugging Face tokenizer.json ({e})".splitlines()[0]
+            ) from None
+        self.sha256 = hashlib.sha256(self.model_bytes).hexdigest()
+        settings = _read_json_beside(path, "tokenizer_config.json") if beside else {}
+        model = _read_json_beside(path, "config.json") if beside else {}
+        if eod_id is None:
+            eod_id = self._configured(settings.get("eos_token"), model, "eos")
+        if eod_id is None:
+            eod_id = next(
+                (i for t in EOS_TOKENS if (i := self.tk.token_to_id(t)) is not None),
+                None,
+            )
+        if eod_id is None:
+            raise TokenizerError(
+                f"{path}: no end-of-text token (no eos_token in a "
+                "tokenizer_config.json or config.json beside it, and none of "
+                f"{' '.join(EOS_TOKENS)} in the vocabulary)"
+            )
+        if pad_id is None:
+            pad_id = self._configured(settings.get("pad_token"), model, "pad")
+        self.eod_id = self._check_id(eod_id, "eod")
+        self.pad_id = eod_id if pad_id is None else self._check_id(pad_id, "pad")
+
+    def _configured(self, token, model_config: dict, kind: str) -> int | None:
+        """The id of a tokenizer_config.json special token, else of the
+        config.json's ``{kind}_token_id`` (a list: its first), else None."""
+        content = _token_content(token)
+        if content is not None:
+            i = self.tk.token_to_id(content)
+            if i is not None:
+                return i
+            log.warning(
+                "%s: %s token %r is not in the vocabulary", self.path, kind, content
+            )
+        i = model_config.get(f"{kind}_token_id")
+        if isinstance(i, list):
+            i = i[0] if i else None
+        if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size:
+            return i
+        return None
+
+    def _check_id(self, i, kind: str) -> int:
+        if (
+            not isinstance(i, int)
+            or isinstance(i, bool)
+            or not 0 <= i < self.vocab_size
+        ):
+            raise TokenizerError(
+                f"{self.path}: {kind} id {i!r} is not in the vocabulary "
+                f"(0..{self.vocab_size - 1})"
+            )
+        return i
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    def info(self) -> dict:
+        return {
+            "kind": "hf",
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "eod_id": self.eod_id,
+            "pad_id": self.pad_id,
+        }
+
+    def encode(self, text: str) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def encode_segmented(self, texts: Sequence[str]) -> list[list[int]]:
+        """Batch-encode plain texts (no pre-segmentation; ``tokenizers`` runs
+        threaded)."""
+        encoded = self.tk.encode_batch(list(texts), add_special_tokens=False)
+        return [e.ids for e in encoded]
+
+    def encode_many(self, texts: Sequence[str], cache: bool = True) -> list[list[int]]:
+        # ``cache`` is for PanguTokenizer's jieba pass; nothing here is slow.
+        return self.encode_segmented(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=False)
+
+
+Tokenizer: TypeAlias = PanguTokenizer | HFTokenizer
+
+
+def load_tokenizer(name_or_path: str | Path | None = None) -> Tokenizer:
+    """The tokenizer a ``--tokenizer`` value names: ``hf:DIR`` (the
+    ``tokenizer.json`` of a Hugging Face model folder), a ``.json`` file (a
+    Hugging Face tokenizer), a data or run folder's ``tokenizer.model`` copy
+    (either kind, see ``open_tokenizer``), else a shipped name or ``.model``
+    file (``PanguTokenizer.load``; None: the default ``zh8k``)."""
+    name = "" if name_or_path is None else str(name_or_path)
+    if name.startswith(HF_PREFIX):
+        folder = Path(name[len(HF_PREFIX) :])
+        file = folder / HF_TOKENIZER_FILE
+        if not file.is_file():
+            raise TokenizerError(
+                f"{folder}: no {HF_TOKENIZER_FILE}; save the model's (fast) "
+                "tokenizer there with save_pretrained, or pass --tokenizer a "
+                "tokenizer.json or .model file"
+            )
+        return HFTokenizer(file)
+    if name.endswith(".json"):
+        return HFTokenizer(name)
+    if name and _is_json(Path(name)):
+        return open_tokenizer(name)
+    return PanguTokenizer.load(name_or_path)
+
+
+# A JSON object's start: a tokenizer.json, never a SentencePiece protobuf.
+_JSON_START = re.compile(rb"\s*\{\s*[\"}]")
+
+
+def _is_json(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return _JSON_START.match(f.read(256)) is not None
+
+
+def _recorded_info(path: Path, sha256: str) -> dict:
+    """The ``tokenizer`` entry of the run config.json or data manifest.json
+    beside a folder's tokenizer copy, if it records this very file."""
+    for name in ("config.json", "manifest.json"):
+        try:
+            info = _read_json_beside(path, name).get("tokenizer")
+        except TokenizerError:
+            continue
+        if isinstance(info, dict) and info.get("sha256") == sha256:
+            return info
+    return {}
+
+
+def open_tokenizer(path: str | Path, info: dict | None = None) -> Tokenizer:
+    """A data or run folder's copy of its tokenizer, of the kind its content
+    says (a JSON object: ``HFTokenizer``, else ``PanguTokenizer``).
+
+    The copy is named ``tokenizer.model`` whatever its kind, so that folder
+    layouts (and ``TOKENIZER_FILE``, ``aisyn.train.run.TOKENIZER``) stay the
+    same. An HF copy has no tokenizer_config.json beside it: its eod/pad ids
+    are those recorded with it, ``info`` (the folder's ``tokenizer.info()``)
+    or else the folder's config.json/manifest.json, so they never drift from
+    the data's.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TokenizerError(f"{path}: tokenizer model not found")
+    if not _is_json(path):
+        return PanguTokenizer(path)
+    if info is None:
+        info = _recorded_info(path, hashlib.sha256(path.read_bytes()).hexdigest())
+    return HFTokenizer(
+        path, eod_id=info.get("eod_id"), pad_id=info.get("pad_id"), beside=False
+    )
 
 
 def train_tokenizer(

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from aisyn.data.cloze import ClozeItem, prompt_text
-from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.data.tokenizer import Tokenizer
 from aisyn.model.causal_lm import CausalLM
 
 REST_CHARS = 32
@@ -73,7 +73,7 @@ class EncodedItem:
 
 
 def encode_item(
-    item: ClozeItem, tok: PanguTokenizer, max_len: int, fmt: str = "lm"
+    item: ClozeItem, tok: Tokenizer, max_len: int, fmt: str = "lm"
 ) -> EncodedItem:
     if fmt == "lm":
         rest = rest_of_sentence(item.suffix)
@@ -99,7 +99,7 @@ def encode_item(
 
 
 def encode_items(
-    items: Sequence[ClozeItem], tok: PanguTokenizer, max_len: int, fmt: str = "lm"
+    items: Sequence[ClozeItem], tok: Tokenizer, max_len: int, fmt: str = "lm"
 ) -> list[EncodedItem]:
     return [encode_item(it, tok, max_len, fmt) for it in items]
 
@@ -378,7 +378,7 @@ def encoded_accuracy(
 def cloze_accuracy(
     model: torch.nn.Module,
     items: Sequence[ClozeItem],
-    tok: PanguTokenizer,
+    tok: Tokenizer,
     *,
     fmt: str = "lm",
     max_len: int | None = None,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from aisyn.data.detokenizer import IncrementalDetokenizer
-from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.data.tokenizer import Tokenizer, open_tokenizer
 from aisyn.model.causal_lm import CausalLM
 from aisyn.model.generate import (
     Decoder,
@@ -36,7 +36,7 @@ class Generator:
     """A run's model and tokenizer, ready to continue prompts."""
 
     model: CausalLM
-    tokenizer: PanguTokenizer
+    tokenizer: Tokenizer
     #: positions restart after each EOD in training (``--eod-reset``)
     eod_reset: bool = False
     #: the sample length the run was trained on (None: unknown)
@@ -119,16 +119,17 @@ def load_generator(run: str | Path, device: str = "auto") -> Generator:
     )
 
 
-def run_tokenizer(run_dir: RunDir, config: dict) -> PanguTokenizer:
+def run_tokenizer(run_dir: RunDir, config: dict) -> Tokenizer:
     """The tokenizer a run was trained with (its folder's copy, checked)."""
     tok_path = run_dir.path / TOKENIZER
-    tokenizer = PanguTokenizer(tok_path)
-    if tokenizer.sha256 != config.get("tokenizer", {}).get("sha256"):
+    info = config.get("tokenizer", {})
+    tokenizer = open_tokenizer(tok_path, info)
+    if tokenizer.sha256 != info.get("sha256"):
         raise ValueError(f"{tok_path}: is not the tokenizer this run was trained with")
     return tokenizer
 
 
-def prompt_ids(tokenizer: PanguTokenizer, prompt: str, eod_reset: bool) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, prompt: str, eod_reset: bool) -> list[int]:
     """The prompt's token ids as the model saw documents in training.
 
     Without EOD reset a document follows the previous one's ``<eod>``, so the

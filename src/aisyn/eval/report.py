@@ -9,7 +9,7 @@ from pathlib import Path
 from aisyn.data.cloze import build_items, read_items
 from aisyn.data.corpora import BUILTIN_CORPORA, load_corpora
 from aisyn.data.shards import TokenShards, read_manifest
-from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.data.tokenizer import open_tokenizer
 from aisyn.eval.cloze import cloze_accuracy
 from aisyn.train.loop import evaluate_loss, load_run_model, resolve_device
 from aisyn.train.run import TOKENIZER, RunDir, write_json_atomic
@@ -54,7 +54,7 @@ def evaluate_run(
     else:
         config = run_dir.read_config()
     tok_path = run_dir.path / TOKENIZER
-    tok = PanguTokenizer(tok_path)
+    tok = open_tokenizer(tok_path, config.get("tokenizer"))
     if tok.sha256 != config["tokenizer"]["sha256"]:
         raise ValueError(f"{tok_path}: is not the tokenizer this run was trained with")
     # Fine-tuned runs (standalone, or split with --sft) learnt the prompt format.

@@ -44,9 +44,9 @@ def cmd_prepare_sft(args) -> None:
 
     from aisyn.data.corpora import load_corpora, portable_specs
     from aisyn.data.sft import prepare_sft
-    from aisyn.data.tokenizer import PanguTokenizer
+    from aisyn.data.tokenizer import load_tokenizer
 
-    tok = PanguTokenizer.load(args.tokenizer)
+    tok = load_tokenizer(args.tokenizer)
     m = prepare_sft(
         load_corpora(args.corpus),
         tok,
@@ -142,7 +142,13 @@ def register(sub) -> None:
     add_flags(
         p,
         ("--out", None, REQUIRED, "output folder"),
-        ("--tokenizer", None, None, "tokenizer name or .model file"),
+        (
+            "--tokenizer",
+            None,
+            None,
+            "shipped tokenizer name (default zh8k), .model file, hf:DIR or "
+            "tokenizer.json (a Hugging Face tokenizer)",
+        ),
         ("--seq-len", positive_int, 128, None),
         ("--per-doc", positive_int, 5, "blanks per train document"),
         ("--test-per-doc", positive_int, 5, "blanks per test document"),

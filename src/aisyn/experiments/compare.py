@@ -39,7 +39,13 @@ from aisyn.fl.settings import FLSettings
 from aisyn.model.causal_lm import CausalLM
 from aisyn.model.families import ModelConfig, config_from_dict
 from aisyn.train.finetune import finetune
-from aisyn.train.loop import evaluate_loss, load_run_model, resolve_device, train
+from aisyn.train.loop import (
+    TrainConfig,
+    evaluate_loss,
+    load_run_model,
+    resolve_device,
+    train,
+)
 from aisyn.train.lora import Method
 from aisyn.train.run import read_metrics, write_json_atomic
 
@@ -351,6 +357,9 @@ def run_compare(
     for n in names:
         finetuned(n, [sft[n]])
     finetuned("+".join(names), [sft[n] for n in names])
+    if method.name == "full":  # split fine-tuning trains every weight
+        for n in names:
+            add_row(**split_finetuned(n, base, base_cfg, sft[n], runs, cfg, dev))
 
     from aisyn.fl.launch import simulate
 
@@ -414,6 +423,62 @@ def run_compare(
     return report
 
 
+def split_cut(cfg: ModelConfig) -> str:
+    """A U-shape cut with one block on A at each end when the model has the
+    blocks for it (B keeps the rest)."""
+    return "u:1,1" if cfg.num_blocks >= 3 else "u:1,0"
+
+
+def split_finetuned(
+    name: str,
+    base: Path,
+    base_cfg: dict,
+    data: Path,
+    runs: Path,
+    cfg: TrainConfig,
+    dev,
+) -> dict:
+    """The data owner of ``name`` fine-tunes the base through a compute party
+    (both in this process, over the in-memory link): the same steps as
+    standalone fine-tuning, at split's cost. Returns ``add_row``'s arguments,
+    the model being the two halves merged."""
+    from aisyn.split.merge import merge
+    from aisyn.split.session import COMPUTE_DIR, SplitOptions
+    from aisyn.split.train import split_train
+
+    mcfg = config_from_dict(base_cfg["model"])
+    run = runs / f"{name}_split"
+    cut = split_cut(mcfg)
+    summary = split_train(
+        mcfg,
+        [data],
+        run,
+        cfg,
+        SplitOptions(cut=cut, mode="local", window=2),
+        sft=True,
+        init_from=base,
+        progress=False,
+    )
+    (compute_run,) = [
+        p for p in (run / COMPUTE_DIR).iterdir() if (p / "checkpoints").is_dir()
+    ]
+    merge(run, compute_run, runs / f"{name}_split_merged")
+    model, _ = load_run_model(runs / f"{name}_split_merged", dev)
+    wire = summary["bytes_sent_per_step"] + summary["bytes_received_per_step"]
+    return dict(
+        regime=f"{name} split ft",
+        model=model,
+        fmt="prompt",
+        epochs_or_rounds="-",
+        steps=summary["steps"],
+        wall_s=summary["elapsed_s"],
+        final_loss=_final_loss(run / "metrics.jsonl"),
+        bytes_on_wire=wire * summary["steps"],
+        note=f"cut {cut}, in-process link",
+        run=str(run),
+    )
+
+
 def _brief(row: dict, names: Sequence[str]) -> dict:
     return {
         **{f"acc_{n}": round(row[f"acc_{n}"]["accuracy"], 4) for n in names},
@@ -438,6 +503,21 @@ def check_targets(rows: list[dict], names: Sequence[str]) -> dict:
         }
         for n in names
         if f"{n} ft" in by
+    }
+    # Split fine-tuning takes the same steps as standalone fine-tuning (to
+    # float rounding), so it scores the same, item for item or nearly.
+    out["e_split_equals_standalone"] = {
+        n: {
+            "split": by[f"{n} split ft"][f"acc_{n}"]["accuracy"],
+            "standalone": by[f"{n} ft"][f"acc_{n}"]["accuracy"],
+            "pass": abs(
+                by[f"{n} split ft"][f"acc_{n}"]["accuracy"]
+                - by[f"{n} ft"][f"acc_{n}"]["accuracy"]
+            )
+            <= 2 / by[f"{n} ft"][f"acc_{n}"]["items"],
+        }
+        for n in names
+        if f"{n} split ft" in by and f"{n} ft" in by
     }
     out["b_fed_vs_fusion_accuracy"] = {}
     out["c_fed_vs_fusion_loss"] = {}
@@ -493,6 +573,8 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]], list[dict]]:
         if r.get("overhead_s") is not None:
             train_s, over_s = _fmt_time(r["train_s"]), _fmt_time(r["overhead_s"])
             wall += f" (train {train_s} + overhead {over_s})"
+        if r.get("bytes_on_wire") is not None:
+            wall += f" ({r['bytes_on_wire'] / 1e6:.1f} MB on the wire)"
         fl = r.get("final_loss")
         md.append(
             [
@@ -515,6 +597,7 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]], list[dict]]:
                 "wall_s": r.get("wall_s"),
                 "train_s": r.get("train_s"),
                 "overhead_s": r.get("overhead_s"),
+                "bytes_on_wire": r.get("bytes_on_wire"),
                 "final_loss": fl,
                 **{f"acc_{n}": r[f"acc_{n}"]["accuracy"] for n in names},
                 **{f"acc_{n}_ci_lo": r[f"acc_{n}"]["ci95"][0] for n in names},

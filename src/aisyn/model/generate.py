@@ -113,7 +113,7 @@ class Decoder:
         self.model = model
         self.capacity = capacity
         self.use_cache = use_cache
-        self.device = model.transformer.wte.weight.device
+        self.device = next(model.parameters()).device
         self.cache: KVCache | None = None
         self.tokens: list[int] = []
 
