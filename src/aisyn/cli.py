@@ -147,15 +147,28 @@ def cmd_eval(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    """Continue --prompt with a run's latest checkpoint (greedy unless
-    --temperature > 0), streaming the completion to stdout as it is produced;
-    everything else goes to stderr, so stdout holds the completion alone."""
+    """Continue --prompt with a run's latest checkpoint, or with a Hugging Face
+    folder (--model hf:DIR), greedy unless --temperature > 0, streaming the
+    completion to stdout as it is produced; everything else goes to stderr, so
+    stdout holds the completion alone."""
 
     from aisyn.eval.flags import sampling_from_args
-    from aisyn.eval.generate import load_generator
+    from aisyn.eval.generate import load_generator, load_pretrained_generator
+    from aisyn.model.families import hf_folder
 
     sampling = sampling_from_args(args)
-    gen = load_generator(args.run, args.device)
+    if (args.run is None) == (args.model is None):
+        raise ValueError("give --run RUN or --model hf:DIR (one of them)")
+    if args.model is not None:
+        folder = hf_folder(args.model)
+        if folder is None:
+            raise ValueError(
+                f"--model {args.model}: give hf:DIR, a Hugging Face model folder "
+                "(a run folder goes with --run)"
+            )
+        gen = load_pretrained_generator(folder, args.device)
+    else:
+        gen = load_generator(args.run, args.device)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -286,7 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = add_command(sub, "generate", cmd_generate, "continue a prompt with a run")
     add_flags(
         g,
-        ("--run", None, REQUIRED, "run folder (its latest checkpoint)"),
+        ("--run", None, None, "run folder (its latest checkpoint)"),
+        (
+            "--model",
+            None,
+            None,
+            "instead of --run: hf:DIR, a Hugging Face model folder with its "
+            "tokenizer.json",
+        ),
     )
     add_generate_args(g)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from aisyn.data.detokenizer import IncrementalDetokenizer
-from aisyn.data.tokenizer import Tokenizer, open_tokenizer
+from aisyn.data.tokenizer import Tokenizer, load_tokenizer, open_tokenizer
 from aisyn.model.causal_lm import CausalLM
 from aisyn.model.generate import (
     Decoder,
@@ -44,8 +44,16 @@ class Generator:
     #: the decoder of one sequence of up to N positions: by default the
     #: model's with a KV cache; a split run's runs the middle through the link
     new_decoder: Callable[[int], StepDecoder] | None = None
+    #: a pretrained folder's model: prompts get the tokenizer's own special
+    #: tokens (Llama's BOS), as transformers gives them
+    pretrained: bool = False
 
     def prompt_ids(self, prompt: str) -> list[int]:
+        if self.pretrained:
+            ids = self.tokenizer.tk.encode(prompt, add_special_tokens=True).ids
+            if not ids:
+                raise ValueError("--prompt is empty: it needs at least one token")
+            return ids
         return prompt_ids(self.tokenizer, prompt, self.eod_reset)
 
     def complete(
@@ -117,6 +125,25 @@ def load_generator(run: str | Path, device: str = "auto") -> Generator:
         eod_reset=bool(config.get("train", {}).get("eod_reset")),
         trained_len=config.get("seq_len"),
     )
+
+
+def load_pretrained_generator(folder: str | Path, device: str = "auto") -> Generator:
+    """A Hugging Face model folder (``hf:DIR``) with its own ``tokenizer.json``."""
+    from aisyn.model.families import build_model
+    from aisyn.model.hf import read_hf_folder
+    from aisyn.train.checkpoint import load_weights
+
+    tokenizer = load_tokenizer(f"hf:{folder}")
+    cfg, state = read_hf_folder(folder)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"{folder}: tokenizer.json has {tokenizer.vocab_size} tokens, the "
+            f"model embeds {cfg.vocab_size}: not this model's tokenizer"
+        )
+    model = build_model(cfg, device="meta").to_empty(device=resolve_device(device))
+    model.tie_weights()
+    load_weights(model, state, str(folder))
+    return Generator(model.eval(), tokenizer, pretrained=True)
 
 
 def run_tokenizer(run_dir: RunDir, config: dict) -> Tokenizer:
