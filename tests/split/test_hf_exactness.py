@@ -158,3 +158,27 @@ def test_a_grpc_compute_party_serving_a_pretrained_folder(
             progress=False,
         )
     assert_matches(losses(tmp_path / "a"), losses(tmp_path / "base"))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_split_generation_of_an_hf_family_equals_unsplit(tmp_path, news_data, family):
+    """Each party keeps the KV cache of its own layers (grouped-query heads
+    for Llama); greedy tokens and every step's logits equal the merged model's."""
+    from test_split_generate import NEW, SAMPLINGS, assert_same, split, unsplit
+
+    from aisyn.split.merge import merge
+    from aisyn.split.session import COMPUTE_DIR
+
+    run = tmp_path / "run"
+    split_train(
+        CONFIGS[family],
+        [news_data],
+        run,
+        train_cfg(steps=3, ckpt_every=3),
+        SplitOptions(cut="u:1,1", mode="local"),
+        progress=False,
+    )
+    merge(run, run / COMPUTE_DIR, tmp_path / "merged")
+    assert NEW + 6 <= CONFIGS[family].seq_len
+    want = unsplit(tmp_path / "merged", SAMPLINGS["greedy"])
+    assert_same(split(run, SAMPLINGS["greedy"], mode="local"), want)
