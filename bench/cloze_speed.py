@@ -37,7 +37,7 @@ from aisyn.eval.cloze import (
     score_packed,
     score_per_candidate,
 )
-from aisyn.model.pangu import build_model
+from aisyn.model.families import build_model
 
 SCORERS = {"per-candidate": score_per_candidate, "packed": score_packed}
 

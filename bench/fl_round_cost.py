@@ -30,7 +30,8 @@ from aisyn.experiments.presets import Preset
 from aisyn.fl.launch import simulate
 from aisyn.fl.records import decode_checked, expected_spec, tensors_to_record
 from aisyn.fl.settings import FLSettings
-from aisyn.model.pangu import CONFIGS, PanguConfig, build_model
+from aisyn.model.families import build_model
+from aisyn.model.pangu import CONFIGS, PanguConfig
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.run import RunDir
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
+from aisyn.model.families import build_model
 from aisyn.model.generate import Sampling, decode, generate
-from aisyn.model.pangu import build_model
 
 
 def timed(model, prompt: list[int], new: int, use_cache: bool):

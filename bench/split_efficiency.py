@@ -52,7 +52,7 @@ from aisyn.data.shards import open_many, prepare
 from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.link import ShapedProxy
 from aisyn.link.memory import memory_pair
-from aisyn.model.pangu import build_model, load_config
+from aisyn.model.families import build_model, load_config
 from aisyn.model.segments import (
     COMPUTE_PARTY,
     DATA_PARTY,

@@ -47,7 +47,8 @@ def _measure(
 ) -> None:
     import torch
 
-    from aisyn.model.pangu import build_model, lm_loss, load_config
+    from aisyn.model.causal_lm import lm_loss
+    from aisyn.model.families import build_model, load_config
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
