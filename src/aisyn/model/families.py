@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from aisyn.model.causal_lm import CausalLM
 from aisyn.model.hf import (
@@ -84,6 +85,27 @@ def load_config(name_or_path: str | Path, **overrides) -> ModelConfig:
         raise ValueError(f"{path}: {e}") from None
 
 
+# torch.nn's default initialisers, which the modules' constructors call.
+_INIT_OPS = frozenset(
+    {"normal_", "uniform_", "fill_", "zero_", "kaiming_uniform_", "trunc_normal_"}
+)
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """Skip in-place initialisation of meta tensors (there are no values to
+    set). Not skipped, torch runs them through its reference implementations,
+    whose first use imports ``torch._dynamo``: 2 s of every command's start."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _INIT_OPS:
+            # torch.nn.init passes the tensor by keyword, Tensor methods as self
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
     if isinstance(cfg, PanguConfig):
         return PanguAlpha
@@ -100,7 +122,7 @@ def build_model(
     cfg = load_config(config) if isinstance(config, str) else config
     cls = model_class(cfg)
     if device is not None and torch.device(device).type == "meta":
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipMetaInit():
             return cls(cfg)
     model = cls(cfg, seed=seed or 0)
     return model.to(device) if device is not None else model
