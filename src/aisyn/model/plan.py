@@ -234,10 +234,11 @@ class Plan:
     def render(self) -> str:
         d = self.to_dict()
         w = self.workload
+        lay = self.config.layout
+        top = " (incl. top query)" if lay.head_layers else ""
         lines = [
             f"model {self.model}: {self.total_params:,} parameters, "
-            f"{self.config.num_layers} layers (incl. top query), hidden "
-            f"{self.config.hidden_size}",
+            f"{lay.num_layers} layers{top}, hidden {self.config.hidden_size}",
             f"workload: batch {w.batch_size} = {w.micro_batches} x micro-batch "
             f"{w.micro_batch_size}, seq {self.seq_len}, {w.dtype}, link codec "
             f"{w.codec}, {w.in_flight} micro-batch(es) in flight",
