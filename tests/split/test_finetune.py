@@ -19,12 +19,14 @@ import torch
 from conftest import CUT, losses, start_server, train_cfg
 
 from aisyn.model.pangu import PanguConfig
+from aisyn.split.merge import merge
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.finetune import finetune
 from aisyn.train.loop import train
+from aisyn.train.lora import Method
 from aisyn.train.run import RunDir, read_metrics
 
 REL = 1e-5
@@ -238,3 +240,165 @@ def test_validation_through_the_link_matches_standalone(
     want, got = val_losses(tmp_path / "ref"), val_losses(tmp_path / "split")
     assert len(got) == len(want) == 2
     assert got == pytest.approx(want, rel=REL)
+
+
+# --- LoRA on either party's blocks -------------------------------------------
+
+LORA = Method("lora", rank=4, alpha=8.0)
+
+
+def lora_split(out, ft_config, base, sft_dir, cfg=None, *, a=LORA, b=LORA, **kw):
+    return split_train(
+        ft_config,
+        [sft_dir],
+        out,
+        cfg or ft_cfg(),
+        SplitOptions(cut=CUT, mode="local", window=2),
+        sft=True,
+        init_from=base,
+        progress=False,
+        method=a,
+        compute_method=b,
+        **kw,
+    )
+
+
+def test_lora_on_both_parties_matches_standalone_lora(
+    tmp_path, ft_config, base, sft_dir
+):
+    """Each party adapts its own blocks, drawing every adapter as the unsplit
+    model does (B from seeds A gives it): the steps are standalone LoRA
+    fine-tuning's, and the merged halves are its merged model."""
+    finetune(base, [sft_dir], tmp_path / "ref", ft_cfg(), LORA, progress=False)
+    out = tmp_path / "split"
+    lora_split(out, ft_config, base, sft_dir)
+    want, got = losses(tmp_path / "ref"), losses(out)
+    assert len(got) == STEPS
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) <= REL
+    merge(out, b_run(out / COMPUTE_DIR), tmp_path / "merged")
+    reference, merged = (
+        final_weights(tmp_path / "ref"),
+        final_weights(tmp_path / "merged"),
+    )
+    start = final_weights(base)
+    for name, w in merged.items():
+        torch.testing.assert_close(w, reference[name], rtol=0, atol=1e-5, msg=name)
+    # the adapters moved the adapted weights away from the base, and only those
+    moved = {n for n, w in merged.items() if not torch.equal(w, start[n])}
+    assert moved and all(n.endswith("_proj.weight") or ".c_fc." in n for n in moved)
+    # a generate session puts base + adapters back on both sides: the same
+    # tokens and logits as the merged model
+    from test_split_generate import SAMPLINGS, assert_same, split, unsplit
+
+    want = unsplit(tmp_path / "merged", SAMPLINGS["greedy"])
+    assert_same(split(out, SAMPLINGS["greedy"], mode="local"), want)
+
+
+def test_a_compute_party_with_lora_keeps_its_base_and_saves_adapters_only(
+    tmp_path, ft_config, base, sft_dir
+):
+    """A trains its blocks in full, B trains adapters on its frozen blocks: B's
+    checkpoints hold the adapters (and their moments) alone, a fraction of its
+    blocks' size, and resuming from step 6 repeats steps 7-12 exactly."""
+    from aisyn.train.lora import lora_parameter_names
+
+    base_bytes = ckpt.model_file(base).read_bytes()
+    out = tmp_path / "split"
+    cfg = train_cfg(steps=STEPS, lr=1e-3, warmup_steps=2, ckpt_every=6)
+    lora_split(out, ft_config, base, sft_dir, cfg, a=Method())
+    whole = losses(out)
+    assert whole[-1] < whole[0]
+    b_folder = b_run(out / COMPUTE_DIR)
+    b_weights = final_weights(b_folder)
+    assert b_weights and all(".lora_" in n for n in b_weights)
+    from aisyn.model.families import build_model
+    from aisyn.model.segments import parse_partition
+
+    meta = build_model(ft_config, device="meta")
+    b_paths = parse_partition(CUT, ft_config).module_paths("B")
+    assert sorted(b_weights) == sorted(lora_parameter_names(meta, LORA, b_paths))
+    assert RunDir(b_folder).read_config()["lora"] == {"rank": 4, "alpha": 8.0}
+    a_weights = final_weights(out)
+    assert not any(".lora_" in n for n in a_weights)
+    assert ckpt.model_file(base).read_bytes() == base_bytes  # the base untouched
+    # resume from step 6: the same steps again
+    for checkpoints in (out / "checkpoints", b_folder / "checkpoints"):
+        shutil.rmtree(ckpt.step_folder(checkpoints, STEPS))
+        (checkpoints / ckpt.LATEST).write_text(ckpt.step_folder(checkpoints, 6).name)
+    lora_split(out, ft_config, base, sft_dir, cfg, a=Method(), resume=True)
+    assert losses(out) == pytest.approx(whole, rel=REL)
+    # and the merged model is the base plus the adapters' deltas on B's blocks
+    merge(out, b_folder, tmp_path / "merged")
+    merged, start = final_weights(tmp_path / "merged"), final_weights(base)
+    mid = "transformer.h.2.attn.q_proj.weight"  # a block of B's (cut u:1,1)
+    assert not torch.equal(merged[mid], start[mid])
+
+
+def test_lora_without_a_base_is_refused(tmp_path, ft_config, news_data):
+    with pytest.raises(ValueError, match="LoRA trains adapters on a base model"):
+        split_train(
+            ft_config,
+            [news_data],
+            tmp_path / "x",
+            train_cfg(steps=1),
+            SplitOptions(cut=CUT, mode="local"),
+            progress=False,
+            compute_method=LORA,
+        )
+    assert not (tmp_path / "x").exists()
+
+
+def test_lora_over_grpc_against_a_served_base(
+    tmp_path, ft_config, base, sft_dir, token_file
+):
+    """A compute party serving the base (aisyn split serve --init-from) takes
+    LoRA from the hello: the same steps as in-process."""
+    lora_split(tmp_path / "local", ft_config, base, sft_dir)
+    settings = LinkSettings("127.0.0.1:0", token_file=str(token_file), insecure=True)
+    with start_server(ft_config, tmp_path / "b", settings, init_from=base) as server:
+        peer = LinkSettings(server.address, token_file=str(token_file), insecure=True)
+        split_train(
+            ft_config,
+            [sft_dir],
+            tmp_path / "a",
+            ft_cfg(),
+            SplitOptions(cut=CUT, mode="grpc", window=2, peer=peer),
+            sft=True,
+            init_from=base,
+            progress=False,
+            method=LORA,
+            compute_method=LORA,
+        )
+    assert losses(tmp_path / "a") == pytest.approx(losses(tmp_path / "local"), rel=REL)
+    assert all(".lora_" in n for n in final_weights(b_run(tmp_path / "b")))
+
+
+@pytest.mark.parametrize(
+    ("lora", "message"),
+    [
+        ({"rank": 0, "alpha": 8.0, "seeds": {}}, "lora rank must be in 1..4096"),
+        ({"rank": 4, "alpha": float("nan"), "seeds": {}}, "lora alpha must be"),
+        ({"rank": 4, "alpha": 8.0, "seeds": {"x": 1}}, "init_seeds are not this"),
+        ({"rank": 4, "alpha": 8.0}, "lora must be an object of rank, alpha, seeds"),
+    ],
+)
+def test_a_bad_lora_hello_is_refused(tmp_path, ft_config, base, lora, message):
+    from aisyn.link.errors import HandshakeError
+    from aisyn.model.segments import parse_partition
+    from aisyn.split import protocol as proto
+    from aisyn.split.compute_party import ComputeParty
+
+    cfg = ft_config
+    party = ComputeParty(cfg, parse_partition(CUT, cfg), tmp_path, init_from=base)
+    hello = proto.hello(
+        purpose="train",
+        run_id="run-1",
+        model=cfg.to_dict(),
+        partition=parse_partition(CUT, cfg).to_dict(),
+        train=ft_cfg(),
+        lora=lora,
+        init=party.base.fingerprint,
+    )
+    with pytest.raises(HandshakeError, match=message):
+        party.negotiate(proto.encode_json(hello))
+    assert list(tmp_path.iterdir()) == []  # nothing written

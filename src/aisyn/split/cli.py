@@ -135,11 +135,14 @@ def cmd_train(args) -> None:
     link bytes per step). --mode local runs the compute party in this process;
     --mode grpc dials --peer or, with --spawn-backbone, starts one on this
     machine. With --sft instead of --data it fine-tunes --init-from BASE on
-    supervised items as `aisyn finetune` does (the compute party is unchanged)."""
+    supervised items as `aisyn finetune` does (the compute party is unchanged);
+    --method / --compute-method lora train LoRA adapters on either party's
+    blocks instead, the base frozen."""
 
     from aisyn.split.session import SplitOptions
     from aisyn.split.train import secret_seed, split_train
     from aisyn.train.flags import train_config_from_args
+    from aisyn.train.lora import Method
 
     if args.resume:
         validate.check_resumable(args.out)
@@ -180,6 +183,12 @@ def cmd_train(args) -> None:
         init_from=args.init_from,
         progress=not args.quiet,
         tensorboard=args.tensorboard,
+        method=Method(args.method, rank=args.lora_rank, alpha=args.lora_alpha),
+        compute_method=Method(
+            args.compute_method or args.method,
+            rank=args.lora_rank,
+            alpha=args.lora_alpha,
+        ),
     )
     print(
         f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
@@ -408,6 +417,22 @@ def register(sub: argparse._SubParsersAction) -> None:
             "from the same base (local and spawned ones are given it)",
         ),
         ("--quiet", "store_true", None, "no progress bar"),
+        (
+            "--method",
+            ["full", "lora"],
+            "full",
+            "the data party's blocks: train them (full) or LoRA adapters on "
+            "them, the base frozen (needs --init-from or --model hf:DIR)",
+        ),
+        (
+            "--compute-method",
+            ["full", "lora"],
+            None,
+            "the compute party's blocks (default: --method); lora keeps its "
+            "copy of the base unchanged and its checkpoints small",
+        ),
+        ("--lora-rank", positive_int, 8, None),
+        ("--lora-alpha", positive_float, 16.0, None),
     )
     _add_link_args(t, server=False)
     add_train_args(t)

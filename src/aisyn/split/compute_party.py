@@ -36,9 +36,11 @@ from aisyn.split.party import (
     SkippedStep,
     base_label,
     open_base,
+    place_weights,
 )
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import TrainConfig, autocast_for, resolve_device
+from aisyn.train.lora import Method, lora_parameter_names
 from aisyn.train.run import RunDir
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class Session:
         start_step: int,
         codec: str = "none",
         seeds: dict[str, int] | None = None,
+        lora: tuple[Method, dict[str, int]] | None = None,
     ) -> None:
         self.codec = codec
         self.purpose = purpose
@@ -63,6 +66,8 @@ class Session:
         self.start_step = start_step
         #: init seeds of B's parameters (a fresh run from random init)
         self.seeds = seeds
+        #: LoRA on B's frozen blocks: (method, seeds of the A matrices)
+        self.lora = lora
 
 
 class ComputeParty:
@@ -144,6 +149,13 @@ class ComputeParty:
             )
         train = proto.parse_compute_party_train(h.get("train"))
         seeds = proto.parse_init_seeds(h.get("init_seeds"), self.own_parameters)
+        lora = proto.parse_lora(h.get("lora"), self.lora_a_names)
+        if lora is not None and self.base is None:
+            raise proto.ProtocolError(
+                "LoRA on the compute party's blocks trains adapters on a base "
+                "model, and this compute party has none: start it with "
+                "--init-from BASE (or --model hf:DIR)"
+            )
         codec = h.get("codec", "none")
         if codec not in CODECS:
             raise proto.ProtocolError(f"hello: unknown codec {codec!r}")
@@ -212,8 +224,17 @@ class ComputeParty:
         # Nothing is written here: a refused, failed or fuzzed session leaves
         # B's disk as it was. config.json comes with the first checkpoint.
         return proto.encode_json(proto.reply(start, b_steps)), Session(
-            purpose, run_id, train, start, codec, seeds
+            purpose, run_id, train, start, codec, seeds, lora
         )
+
+    def lora_a_names(self, method: Method) -> list[str]:
+        """The ``A`` matrices of LoRA ``method`` on this party's blocks."""
+        names = lora_parameter_names(
+            build_model(self.cfg, device="meta"),
+            method,
+            within=self.partition.module_paths(COMPUTE_PARTY),
+        )
+        return [n for n in names if ".lora_A." in n]
 
     def run_config(self, session: Session) -> dict:
         """B's record of a run (its config.json): B's own settings and what the
@@ -225,12 +246,20 @@ class ComputeParty:
             "partition": self.partition.to_dict(),
             "train": proto.compute_party_train(session.train),
             "device": str(self.device),
+            # LoRA: B's checkpoints hold its adapters; its weights are the base's
+            "lora": (
+                None
+                if session.lora is None
+                else {"rank": session.lora[0].rank, "alpha": session.lora[0].alpha}
+            ),
+            "init_from": str(self.base.file) if self.base else None,
         }
 
     # --- one session -------------------------------------------------------------
 
     def serve_session(self, link: Link, session: Session) -> None:
         """Run rounds until A closes the link (or it fails: raises LinkError)."""
+        method, lora_seeds = session.lora or (None, None)
         state = PartyState(
             self.cfg,
             self.partition,
@@ -238,15 +267,18 @@ class ComputeParty:
             session.train,
             self.device,
             seeds=session.seeds,
+            method=method,
+            lora_seeds=lora_seeds,
         )
+        folder = None
         if session.start_step:
             run = self.run_dir(session.run_id)
             assert run is not None  # negotiate() only resumes with a folder
             folder = ckpt.step_folder(run.checkpoints, session.start_step)
-            state.load(folder)
+        place_weights(state, self.base, folder, fresh_train=session.purpose == "train")
+        if folder is not None:
             log.info("loaded %s", folder)
-        elif session.purpose == "train" and self.base is not None:
-            state.init_from(self.base)
+        elif self.base is not None and session.purpose == "train":
             log.info("initialised from %s", self.base.file)
         server = _Rounds(self, state, link, session)
         server.run()

@@ -22,7 +22,13 @@ from aisyn.model.families import config_from_dict
 from aisyn.model.segments import DATA_PARTY, Partition
 from aisyn.split import protocol as proto
 from aisyn.split.data_party import DataSession, SplitModel
-from aisyn.split.party import PartyState
+from aisyn.split.party import (
+    PartyState,
+    compute_lora_hello,
+    open_base,
+    place_weights,
+    run_methods,
+)
 from aisyn.split.session import SplitOptions, open_session
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
@@ -78,8 +84,16 @@ def open_data_session(
     last = ckpt.latest(run_dir.checkpoints)
     if last is None:
         raise ckpt.CheckpointError(f"{run_dir.path}: split run has no checkpoint yet")
-    state = PartyState(mcfg, partition, DATA_PARTY, train, torch.device(device))
-    step = state.load(last)["step"]
+    method, compute_method = run_methods(config)
+    state = PartyState(
+        mcfg, partition, DATA_PARTY, train, torch.device(device), method=method
+    )
+    # A LoRA run's checkpoints hold adapters; its weights come from the base.
+    init_from = (
+        config.get("init_from") if state.lora or compute_method.name == "lora" else None
+    )
+    base = open_base(init_from, mcfg, partition, DATA_PARTY) if init_from else None
+    step = place_weights(state, base, last, fresh_train=False)["step"]
     state.train(False)
     opts = split_options(config, peer, mode)
     hello = proto.hello(
@@ -90,9 +104,13 @@ def open_data_session(
         train=train,
         eval_step=step,
         codec=opts.codec,
+        lora=compute_lora_hello(mcfg, partition, compute_method, train.seed),
     )
     eod_id = config["tokenizer"]["eod_id"] if train.eod_reset else None
-    with open_session(run_dir, mcfg, partition, hello, opts, str(device)) as opened:
+    # An in-process compute party with LoRA adapters needs the base too.
+    with open_session(
+        run_dir, mcfg, partition, hello, opts, str(device), init_from
+    ) as opened:
         yield DataSession(state, opened.link, eod_id=eod_id), config
 
 

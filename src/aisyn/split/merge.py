@@ -17,7 +17,15 @@ from pathlib import Path
 import torch
 
 from aisyn.model.families import ModelConfig, build_model, config_from_dict
+from aisyn.model.segments import (
+    COMPUTE_PARTY,
+    DATA_PARTY,
+    Partition,
+    own_tensor_shapes,
+)
+from aisyn.split.party import run_methods
 from aisyn.train import checkpoint as ckpt
+from aisyn.train.lora import ADAPTER_NAME, Method
 from aisyn.train.run import METRICS, TOKENIZER, RunDir
 
 log = logging.getLogger(__name__)
@@ -79,17 +87,33 @@ def merge(
         )
     a_dir = ckpt.step_folder(a_run.checkpoints, step)
     b_dir = ckpt.step_folder(b_run.checkpoints, step)
+    mcfg = config_from_dict(a_cfg["model"])
+    partition = Partition.from_dict(a_cfg["partition"], mcfg.layout)
+    a_method = run_methods(a_cfg)[0]
+    b_lora = b_cfg.get("lora")
+    b_method = Method("lora", **b_lora) if b_lora else Method()
+    halves = {
+        DATA_PARTY: (a_dir, a_method, a_cfg.get("init_from")),
+        COMPUTE_PARTY: (b_dir, b_method, b_cfg.get("init_from")),
+    }
     files = {}
     for name in (ckpt.MODEL_FILE, ckpt.OPTIM_FILE):
-        a_t = ckpt.read_tensors(a_dir / name)
-        b_t = ckpt.read_tensors(b_dir / name)
+        half = {}
+        for party, (folder, method, base) in halves.items():
+            t = ckpt.read_tensors(folder / name)
+            if name == ckpt.MODEL_FILE:
+                t = plain_weights(mcfg, partition, party, t, method, base, folder)
+            elif method.name == "lora":  # adapters' moments fit no plain weight
+                t = {k: v for k, v in t.items() if k.startswith("rng.")}
+            half[party] = t
+        a_t, b_t = half[DATA_PARTY], half[COMPUTE_PARTY]
         if name == ckpt.OPTIM_FILE:  # RNG states are per party; keep A's
             b_t = {k: v for k, v in b_t.items() if not k.startswith("rng.")}
         both = sorted(set(a_t) & set(b_t))
         if both:
             raise MergeError(f"{name}: both halves hold {both[:3]}")
         files[name] = {**a_t, **b_t}
-    _check_complete(config_from_dict(a_cfg["model"]), files[ckpt.MODEL_FILE])
+    _check_complete(mcfg, files[ckpt.MODEL_FILE])
 
     out_run = RunDir(out)
     config = {
@@ -119,6 +143,42 @@ def merge(
     out_run.plot()
     log.info("merged step %d of run %s into %s", step, a_cfg["run_id"], folder)
     return folder
+
+
+def plain_weights(
+    cfg: ModelConfig,
+    partition: Partition,
+    party: str,
+    tensors: dict[str, torch.Tensor],
+    method: Method,
+    base: str | None,
+    source: Path,
+) -> dict[str, torch.Tensor]:
+    """A half's weights as plain tensors: a LoRA half's checkpoint holds its
+    adapters only, so its base tensors get ``W + alpha / rank * B @ A``."""
+    if method.name != "lora":
+        return tensors
+    if not base:
+        raise MergeError(f"{source}: LoRA adapters, but the run records no base")
+    plain = ckpt.read_some_tensors(
+        ckpt.model_file(base),
+        own_tensor_shapes(cfg, partition, party),
+        f"party {party} needs to merge its adapters",
+    )
+    suffix = f".lora_A.{ADAPTER_NAME}.weight"
+    modules = [n[: -len(suffix)] for n in tensors if n.endswith(suffix)]
+    expected = {f"{m}.lora_{x}.{ADAPTER_NAME}.weight" for m in modules for x in "AB"}
+    if not modules or set(tensors) != expected:
+        raise MergeError(f"{source}: not a set of LoRA adapters")
+    scale = method.alpha / method.rank
+    for m in modules:
+        a = tensors[f"{m}.lora_A.{ADAPTER_NAME}.weight"].float()
+        b = tensors[f"{m}.lora_B.{ADAPTER_NAME}.weight"].float()
+        w = plain.get(f"{m}.weight")
+        if w is None or tuple(w.shape) != (b.shape[0], a.shape[1]):
+            raise MergeError(f"{source}: adapters of {m} fit no base weight")
+        plain[f"{m}.weight"] = (w.float() + scale * (b @ a)).to(w.dtype)
+    return plain
 
 
 def _check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

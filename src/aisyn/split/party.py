@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
-from aisyn.model.families import ModelConfig
+from aisyn.model.causal_lm import parameter_seed
+from aisyn.model.families import ModelConfig, build_model
 from aisyn.model.segments import (
+    COMPUTE_PARTY,
     DATA_PARTY,
     Partition,
     Segment,
@@ -29,6 +31,7 @@ from aisyn.model.segments import (
 )
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import TrainConfig, make_optimizer
+from aisyn.train.lora import Method, apply_method, lora_parameter_names
 from aisyn.train.update import SkippedStep, apply_update, grad_sq_norm
 
 log = logging.getLogger(__name__)
@@ -44,10 +47,17 @@ class PartyState:
         device: torch.device,
         *,
         seeds: dict[str, int] | None = None,
+        method: Method | None = None,
+        lora_seeds: dict[str, int] | None = None,
     ) -> None:
         """``seeds``: per-parameter init seeds of this party's parameters, for a
         party that is not told the run's seed (the compute party); otherwise the
-        parameters are initialised from ``train.seed``."""
+        parameters are initialised from ``train.seed``.
+
+        ``method`` LoRA: once its weights are in place (``init_from`` a base),
+        ``adapt`` freezes them and trains adapters on this party's blocks only;
+        their ``A`` matrices are drawn from ``lora_seeds`` (the compute party's,
+        given by the data party) or from ``train.seed``."""
         self.cfg = cfg
         self.partition = partition
         self.party = party
@@ -62,12 +72,33 @@ class PartyState:
             seeds=seeds,
             device=device,
         )
+        self.method = method or Method()
+        self.lora_seeds = lora_seeds
         self.named = own_named_parameters(self.model, partition, party)
         self.params = [p for _, p in self.named]
         self.optimizer = make_optimizer(self.named, train)
         self.segments: tuple[Segment, ...] = segments_of(self.model, partition, party)
         #: why this step cannot be applied, found while it ran (first reason)
         self.problem: str | None = None
+
+    @property
+    def lora(self) -> bool:
+        return self.method.name == "lora"
+
+    def adapt(self) -> None:
+        """With LoRA: adapters on this party's blocks, everything else frozen,
+        the optimizer over the adapters alone. Call once the base is loaded."""
+        if not self.lora:
+            return
+        self.named = apply_method(
+            self.model,
+            self.method,
+            self.train_cfg.seed,
+            within=self.partition.module_paths(self.party),
+            seeds=self.lora_seeds,
+        )
+        self.params = [p for _, p in self.named]
+        self.optimizer = make_optimizer(self.named, self.train_cfg)
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
@@ -144,9 +175,16 @@ class PartyState:
     # --- checkpoints ----------------------------------------------------------
 
     def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """A checkpoint's files. A LoRA party saves its adapters alone: its
+        base never changes, and it starts from the base again to resume."""
         names = {p: n for n, p in self.named}
+        weights = (
+            {n: p.detach().contiguous() for n, p in self.named}
+            if self.lora
+            else own_state_dict(self.model, self.partition, self.party)
+        )
         return {
-            ckpt.MODEL_FILE: own_state_dict(self.model, self.partition, self.party),
+            ckpt.MODEL_FILE: weights,
             ckpt.OPTIM_FILE: {
                 **ckpt.optimizer_tensors(self.optimizer, names),
                 **ckpt.rng_tensors(),
@@ -170,7 +208,10 @@ class PartyState:
                 f"{self.party}"
             )
         weights = ckpt.read_tensors(folder / ckpt.MODEL_FILE)
-        load_own_weights(self, weights, str(folder / ckpt.MODEL_FILE))
+        if self.lora:
+            load_adapters(self, weights, str(folder / ckpt.MODEL_FILE))
+        else:
+            load_own_weights(self, weights, str(folder / ckpt.MODEL_FILE))
         opt = ckpt.read_tensors(folder / ckpt.OPTIM_FILE)
         ckpt.load_optimizer_tensors(
             self.optimizer, dict(self.named), opt, str(folder / ckpt.OPTIM_FILE)
@@ -226,6 +267,28 @@ def base_label(fingerprint: str | None) -> str:
     return f"base {fingerprint[:12]}" if fingerprint else "random init"
 
 
+def load_adapters(
+    party: PartyState, tensors: dict[str, torch.Tensor], source: str
+) -> None:
+    """Strict load of exactly this LoRA party's adapter tensors."""
+    expected = dict(party.named)
+    if set(tensors) != set(expected):
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        raise ckpt.CheckpointError(
+            f"{source}: not party {party.party}'s LoRA adapters (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    with torch.no_grad():
+        for name, p in expected.items():
+            if tensors[name].shape != p.shape:
+                raise ckpt.CheckpointError(
+                    f"{source}: {name} has shape {tuple(tensors[name].shape)}, "
+                    f"expected {tuple(p.shape)}"
+                )
+            p.copy_(tensors[name])
+
+
 def load_own_weights(
     party: PartyState, tensors: dict[str, torch.Tensor], source: str
 ) -> None:
@@ -247,3 +310,50 @@ def load_own_weights(
     with torch.no_grad():
         for name, t in expected.items():
             t.copy_(tensors[name])
+
+
+def run_methods(config: dict) -> tuple[Method, Method]:
+    """(data party's, compute party's) training method of a split run's
+    config.json (full for runs recorded before LoRA existed)."""
+    a = Method.from_dict(config.get("method") or {})
+    b = Method.from_dict(config.get("compute_method") or {})
+    return a, b
+
+
+def compute_lora_hello(
+    cfg: ModelConfig, partition: Partition, method: Method, seed: int
+) -> dict | None:
+    """The hello's ``lora`` object for LoRA on B's blocks (None: full): the
+    seeds of B's ``A`` matrices, each keyed by the run's seed as the data
+    party's own are, so that B draws what the unsplit model would."""
+    if method.name != "lora":
+        return None
+    names = lora_parameter_names(
+        build_model(cfg, device="meta"),
+        method,
+        within=partition.module_paths(COMPUTE_PARTY),
+    )
+    seeds = {n: parameter_seed(seed, n) for n in names if ".lora_A." in n}
+    return {"rank": method.rank, "alpha": method.alpha, "seeds": seeds}
+
+
+def place_weights(
+    state: PartyState, base: Base | None, start: Path | None, *, fresh_train: bool
+) -> dict | None:
+    """Put a party's weights in place: a LoRA party loads the base and adds
+    its adapters first (its checkpoints hold only those); then the checkpoint
+    ``start`` is loaded (its state.json returned), or for a fresh training run
+    the base. Raises ValueError for LoRA without a base."""
+    if state.lora:
+        if base is None:
+            raise ValueError(
+                "LoRA trains adapters on a base model: give --init-from BASE "
+                "(or --model hf:DIR)"
+            )
+        state.init_from(base)
+        state.adapt()
+    if start is not None:
+        return state.load(start)
+    if fresh_train and base is not None and not state.lora:
+        state.init_from(base)
+    return None

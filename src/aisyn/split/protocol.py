@@ -5,7 +5,9 @@ link's HELLO session string over gRPC, or handed over directly in-process)
 and a JSON *reply* from the compute party B. The hello names the run, the
 model and cut A expects B to hold, the optimisation settings B needs for its
 own parameters (``COMPUTE_PARTY_TRAIN_FIELDS``: never the seed), the init
-seeds of B's own parameters for a fresh run from random init, which
+seeds of B's own parameters for a fresh run from random init, whether B
+trains LoRA adapters on its frozen blocks (rank, alpha and the init seeds of
+the adapters' ``A`` matrices) instead of the blocks themselves, which
 checkpoints A has, and the fingerprint of the base model A starts a fresh run
 from (``--init-from``; none: random init); the reply names the step both
 resume from. docs/split.md#security lists all that B learns.
@@ -43,12 +45,14 @@ metadata carries only tags, sizes and ids.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 
 import torch
 
 from aisyn.train.loop import TrainConfig
+from aisyn.train.lora import Method
 
 # /2: the hello carries only the settings B needs and B's own init seeds
 # /3: generate sessions (purpose "generate", GEN_* rounds)
@@ -256,6 +260,37 @@ def parse_init_seeds(seeds: object, names: list[str]) -> dict[str, int] | None:
     return dict(seeds)
 
 
+def lora_settings(rank: int, alpha: float, seeds: dict[str, int]) -> dict:
+    """The hello's ``lora`` object: LoRA on the compute party's blocks, with
+    the init seeds of its adapters' ``A`` matrices (keyed by the run's seed,
+    which stays with the data party)."""
+    return {"rank": rank, "alpha": alpha, "seeds": seeds}
+
+
+def parse_lora(d: object, names_for) -> tuple[Method, dict[str, int]] | None:
+    """A hello's ``lora`` object: (method, seeds) or None for full training.
+    ``names_for(method)`` lists the ``A`` matrices the seeds must name."""
+    if d is None:
+        return None
+    if not isinstance(d, dict) or set(d) != {"rank", "alpha", "seeds"}:
+        raise ProtocolError("hello: lora must be an object of rank, alpha, seeds")
+    rank, alpha = d["rank"], d["alpha"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 4096:
+        raise ProtocolError(f"hello: lora rank must be in 1..4096, got {rank!r}")
+    if (
+        isinstance(alpha, bool)
+        or not isinstance(alpha, int | float)
+        or not math.isfinite(alpha)
+        or alpha <= 0
+    ):
+        raise ProtocolError(f"hello: lora alpha must be a number > 0, got {alpha!r}")
+    method = Method("lora", rank=rank, alpha=float(alpha))
+    seeds = parse_init_seeds(d["seeds"], names_for(method))
+    if seeds is None:
+        raise ProtocolError("hello: lora needs the seeds of its A matrices")
+    return method, seeds
+
+
 def hello(
     *,
     purpose: str,
@@ -264,6 +299,7 @@ def hello(
     partition: dict,
     train: TrainConfig,
     init_seeds: dict[str, int] | None = None,
+    lora: dict | None = None,
     resume: bool = False,
     a_steps: list[int] | None = None,
     eval_step: int | None = None,
@@ -283,6 +319,7 @@ def hello(
         "partition": partition,
         "train": compute_party_train(train),
         "init_seeds": init_seeds,
+        "lora": lora,
         "resume": resume,
         "a_steps": sorted(a_steps or []),
         "eval_step": eval_step,

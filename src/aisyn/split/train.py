@@ -40,7 +40,14 @@ from aisyn.split.data_party import (
     SplitModel,
     lm_loss_per_micro_batch,
 )
-from aisyn.split.party import Base, PartyState, open_base
+from aisyn.split.party import (
+    Base,
+    PartyState,
+    compute_lora_hello,
+    open_base,
+    place_weights,
+    run_methods,
+)
 from aisyn.split.session import SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.engine import Engine, Regime
@@ -52,6 +59,7 @@ from aisyn.train.loop import (
     model_config_for,
     resolve_device,
 )
+from aisyn.train.lora import Method
 from aisyn.train.memory import check_fits, compute_dtype, party_bytes
 from aisyn.train.run import TOKENIZER, RunDir
 from aisyn.train.sampler import BatchSampler
@@ -87,8 +95,15 @@ def split_train(
     init_from: str | Path | None = None,
     progress: bool = True,
     tensorboard: bool = False,
+    method: Method | None = None,
+    compute_method: Method | None = None,
 ) -> dict:
     """Train as the data party; returns a summary like ``train.loop.train``.
+
+    ``method`` / ``compute_method``: full training or LoRA of the data party's
+    / the compute party's blocks (default: full for both). A LoRA party keeps
+    its base weights frozen and trains adapters only (its checkpoints hold
+    just those); it needs ``init_from``.
 
     ``init_from`` (run folder, checkpoint folder or .safetensors file): a run
     that starts at step 0 loads A's tensors from this base instead of the
@@ -108,6 +123,15 @@ def split_train(
         raise ValueError(
             f"--init-from {init_from}: no such base model (a run folder, "
             "checkpoint folder or .safetensors file)"
+        )
+    method, compute_method = method or Method(), compute_method or Method()
+    lora = method.name == "lora" or compute_method.name == "lora"
+    if lora and resume and init_from is None and (Path(out) / "config.json").is_file():
+        init_from = RunDir(out).read_config().get("init_from")  # LoRA's base
+    if lora and init_from is None:
+        raise ValueError(
+            "LoRA trains adapters on a base model: give --init-from BASE (or "
+            "--model hf:DIR); the compute party needs the same base"
         )
     if sft and init_from is None and not resume:
         raise ValueError(
@@ -168,6 +192,11 @@ def split_train(
                 f"{run.path}: a split run of objective {was!r}; resume it with {flag}"
             )
         run_id = old["run_id"]
+        if run_methods(old) != (method, compute_method):
+            raise ValueError(
+                f"{run.path}: trained with method {run_methods(old)[0].name} / "
+                f"compute method {run_methods(old)[1].name}; resume it with those"
+            )
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(4)
     config = {
         "kind": "split",
@@ -182,11 +211,13 @@ def split_train(
         "tokenizer": tok,
         "seq_len": source.seq_len,
         "init_from": str(base.file) if base else None,
+        "method": method.to_dict(),
+        "compute_method": compute_method.to_dict(),
     }
     run.create(config, resume=resume)
     run.copy_tokenizer(Path(data_dirs[0]) / tok["file"])
 
-    state = PartyState(mcfg, partition, DATA_PARTY, cfg, device)
+    state = PartyState(mcfg, partition, DATA_PARTY, cfg, device, method=method)
     source.start(device)
     a_steps = ckpt.complete_steps(run.checkpoints) if resume else []
     hello = proto.hello(
@@ -201,6 +232,7 @@ def split_train(
         init_seeds=(
             None if base else init_seeds(mcfg, partition, COMPUTE_PARTY, cfg.seed)
         ),
+        lora=compute_lora_hello(mcfg, partition, compute_method, cfg.seed),
         resume=resume,
         a_steps=a_steps,
         codec=opts.codec,
@@ -244,9 +276,9 @@ def _train_loop(
         tensorboard=tensorboard,
     )
     start_step = opened.reply["start_step"]
-    if start_step:
-        folder = ckpt.step_folder(run.checkpoints, start_step)
-        saved = state.load(folder)
+    folder = ckpt.step_folder(run.checkpoints, start_step) if start_step else None
+    saved = place_weights(state, base, folder, fresh_train=True)
+    if saved is not None:
         engine.load_state_dict(saved)
         regime.load_state_dict(saved)
         run.truncate_metrics(start_step)
@@ -259,7 +291,6 @@ def _train_loop(
             )
         log.info("resumed from %s (step %d)", folder, start_step)
     elif base is not None:  # a fresh start; B did the same (the hello says so)
-        state.init_from(base)
         log.info("initialised from %s", base.file)
     summary = engine.run(regime, range(start_step, cfg.steps))
     steps_run = cfg.steps - start_step

@@ -17,13 +17,16 @@ other run.
 
 from __future__ import annotations
 
+import math
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
+from aisyn.model.causal_lm import parameter_seed
 from aisyn.train.checkpoint import unique_state_dict
 
 ADAPTER_NAME = "default"
@@ -57,13 +60,43 @@ class Method:
         return cls(**d)
 
 
+def lora_parameter_names(
+    model: nn.Module, method: Method, within: Iterable[str] | None = None
+) -> list[str]:
+    """The names the LoRA tensors of ``method`` will have on ``model`` (a meta
+    model will do), limited to the submodules ``within`` (module paths)."""
+    targets = set(method.targets or model.config.lora_targets)
+    prefixes = None if within is None else tuple(p + "." for p in within)
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in targets:
+            continue
+        if prefixes is not None and not name.startswith(prefixes):
+            continue
+        names += [
+            f"{name}.lora_A.{ADAPTER_NAME}.weight",
+            f"{name}.lora_B.{ADAPTER_NAME}.weight",
+        ]
+    return names
+
+
 def apply_method(
-    model: nn.Module, method: Method, seed: int = 0
+    model: nn.Module,
+    method: Method,
+    seed: int = 0,
+    *,
+    within: Iterable[str] | None = None,
+    seeds: dict[str, int] | None = None,
 ) -> list[tuple[str, nn.Parameter]]:
     """Prepare ``model`` for ``method``; returns its trainable (name, parameter)s.
 
-    LoRA ``A`` matrices are drawn from a generator seeded by ``seed`` (``B`` is
-    zero, so the adapted model starts equal to the base).
+    LoRA adapts the target modules inside ``within`` (module paths; default
+    everywhere) and freezes every other weight. Each ``A`` matrix is drawn
+    (peft's Kaiming-uniform) from its own generator, seeded by
+    ``parameter_seed(seed, name)`` or by ``seeds[name]``, so a split party
+    that adapts only its own blocks draws exactly what an unsplit model
+    would, and a compute party is given its seeds, never ``seed``; ``B`` is
+    zero, so the adapted model starts equal to the base.
     """
     if method.name == "full":
         for p in model.parameters():
@@ -71,20 +104,31 @@ def apply_method(
         return list(model.named_parameters())
     from peft import LoraConfig, inject_adapter_in_model
 
+    names = lora_parameter_names(model, method, within)
+    if not names:
+        raise ValueError("LoRA: no module to adapt in this part of the model")
+    modules = sorted({n.rsplit(".lora_", 1)[0] for n in names})
     config = LoraConfig(
         r=method.rank,
         lora_alpha=method.alpha,
-        target_modules=list(method.targets or model.config.lora_targets),
+        # exactly these modules (a regex is matched against whole names)
+        target_modules="|".join(re.escape(m) for m in modules),
         lora_dropout=0.0,
         bias="none",
     )
-    # peft draws A with the global RNG; fork it so the caller's stream is untouched.
+    # peft draws A with the global RNG; fork it so the caller's stream is
+    # untouched (the draws are replaced below anyway).
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
         inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not trainable or not all(".lora_" in n for n, _ in trainable):
+    if sorted(n for n, _ in trainable) != sorted(names):
         raise RuntimeError(f"LoRA left unexpected trainable tensors: {trainable[:3]}")
+    with torch.no_grad():
+        for name, p in trainable:
+            if ".lora_A." in name:
+                g = torch.Generator(device=p.device)
+                g.manual_seed(seeds[name] if seeds else parameter_seed(seed, name))
+                nn.init.kaiming_uniform_(p, a=math.sqrt(5), generator=g)
     return trainable
 
 
