@@ -5,10 +5,10 @@ Writes one model with random weights (PanGu-α ``350M`` by default, its real
 in every format, then loads each in a fresh process, as a user
 would start a run from it, and reports:
 
-* wall time from "read the weights" to "a model ready to run" (imports and
-  process start excluded);
+* wall time from "read the weights" to "a model ready to run", every weight
+  read once (imports and process start excluded);
 * peak resident memory of that process above what it held after its imports
-  (``ru_maxrss``), against the fp32 weights' own size.
+  (``VmHWM``), against the fp32 weights' own size.
 
 Formats (PanGu-α): our run folder (``model.safetensors``), the PyTorch port's
 folder as ``model.safetensors`` and as ``pytorch_model.bin``, and a MindSpore
@@ -44,7 +44,7 @@ LOADERS = {
 }
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import torch
 from pathlib import Path
 import aisyn.model.families, aisyn.train.loop, aisyn.model.port, aisyn.model.hf
@@ -52,7 +52,11 @@ import aisyn.model.mindspore_ckpt, aisyn.model.mindspore_pangu
 kind, where = sys.argv[1], Path(sys.argv[2])
 torch.set_num_threads(int(sys.argv[3]))
 heads = int(sys.argv[4])
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def hwm():  # this process's peak resident memory (VmHWM; ru_maxrss survives exec)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+before = hwm()
 t = time.perf_counter()
 from aisyn.model.families import build_model
 from aisyn.train.checkpoint import load_weights
@@ -60,13 +64,11 @@ if kind == "load_run":
     model, _ = aisyn.train.loop.load_run_model(where)
 elif kind == "load_port":
     cfg, state = aisyn.model.port.read_port(where)
-    model = build_model(cfg, device="meta").to_empty(device="cpu")
-    model.tie_weights()
+    model = build_model(cfg, device="meta")
     load_weights(model, state, str(where))
 elif kind == "load_hf":
     cfg, state = aisyn.model.hf.read_hf_folder(where)
-    model = build_model(cfg, device="meta").to_empty(device="cpu")
-    model.tie_weights()
+    model = build_model(cfg, device="meta")
     load_weights(model, state, str(where))
 else:
     from aisyn.model.mindspore_pangu import gather_weights, infer_config
@@ -75,11 +77,14 @@ else:
         where, keep=lambda n: not is_training_state(n))}
     weights = gather_weights(entries)
     cfg = infer_config(weights, heads)
-    model = build_model(cfg, device="meta").to_empty(device="cpu")
-    model.tie_weights()
+    model = build_model(cfg, device="meta")
     load_weights(model, to_state_dict(weights, cfg), str(where))
+# Read every weight once (as the first forward pass will): safetensors maps
+# files lazily, and load time or memory without this would flatter it.
+with torch.no_grad():
+    total = sum(float(p.float().sum()) for p in model.parameters())
 s = time.perf_counter() - t
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = hwm()
 print(json.dumps({"s": s, "rss": peak - before, "params": model.num_parameters()}))
 """
 

@@ -140,10 +140,11 @@ def load_pretrained_generator(folder: str | Path, device: str = "auto") -> Gener
             f"{folder}: tokenizer.json has {tokenizer.vocab_size} tokens, the "
             f"model embeds {cfg.vocab_size}: not this model's tokenizer"
         )
-    model = build_model(cfg, device="meta").to_empty(device=resolve_device(device))
-    model.tie_weights()
+    model = build_model(cfg, device="meta")
     load_weights(model, state, str(folder))
-    return Generator(model.eval(), tokenizer, pretrained=True)
+    return Generator(
+        model.to(resolve_device(device)).eval(), tokenizer, pretrained=True
+    )
 
 
 def run_tokenizer(run_dir: RunDir, config: dict) -> Tokenizer:

@@ -94,10 +94,8 @@ def load_base(
     """The base model's weights, without a wasted random init (meta, then load)."""
     info = base if isinstance(base, BaseModel) else describe_base(base)
     model = build_model(info.model, device="meta")
-    model.to_empty(device=device)
-    model.tie_weights()
     ckpt.load_weights(model, ckpt.read_tensors(info.checkpoint), str(info.checkpoint))
-    return model.train(), info
+    return model.to(device).train(), info
 
 
 def check_data_matches(info: BaseModel, data: Sequence[SFTData]) -> None:
