@@ -28,6 +28,7 @@ EXTENSIONS = (
     "aisyn.fl.cli",
     "aisyn.experiments.cli",
     "aisyn.convert",
+    "aisyn.privacy.cli",
 )
 
 

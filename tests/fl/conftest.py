@@ -63,6 +63,13 @@ def fl_config():
 
 
 @pytest.fixture(scope="session")
+def base_run_factory():
+    """``make_base_run`` for tests that need a base of another config (a test
+    module cannot import it: ``conftest`` names several modules)."""
+    return make_base_run
+
+
+@pytest.fixture(scope="session")
 def base_run(tmp_path_factory, fl_config, tokenizer) -> Path:
     return make_base_run(tmp_path_factory.mktemp("base") / "base", fl_config, tokenizer)
 

@@ -190,12 +190,12 @@ def test_client_that_drops_out_mid_round_does_not_stop_the_server(
     assert result["final_global_valid_loss"] is not None
 
 
-def test_lora_federated_fine_tuning_of_a_llama_base(tokenizer, sft_dirs, tmp_path):
+def test_lora_federated_fine_tuning_of_a_llama_base(
+    tokenizer, sft_dirs, tmp_path, base_run_factory
+):
     """The same run with a Llama-family base (grouped-query attention, rotary
     positions, RMSNorm): LoRA adapters on its own layers cross, the loss drops
     and the server's merged checkpoint is a plain Llama."""
-    from conftest import make_base_run
-
     from aisyn.model.hf import HFConfig
     from aisyn.train.checkpoint import model_file, read_tensors
 
@@ -209,7 +209,7 @@ def test_lora_federated_fine_tuning_of_a_llama_base(tokenizer, sft_dirs, tmp_pat
         ffn_size=64,
         seq_len=48,
     )
-    base = make_base_run(tmp_path / "base", cfg, tokenizer)
+    base = base_run_factory(tmp_path / "base", cfg, tokenizer)
     settings = small_run(
         local_steps=4,
         eval_items=32,

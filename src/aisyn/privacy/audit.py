@@ -1,0 +1,281 @@
+"""``aisyn privacy audit``: play the honest-but-curious compute party of a
+split run and report how much of the data party's text it recovers.
+
+For each cut, A's model (the base, or a run fine-tuned from it: "early" and
+"late" in training) computes one training step's worth of what crosses on
+rows of A's private data: the front cut's activations, B's output and the
+gradient A returns for it. B then attacks with the weights it knows — the
+public base's ("base known") or, for comparison, another model of the same
+shape ("base unknown") — using each attack of ``attacks.py``. Recovery is the
+share of positions whose token (forward: A's input; backward: A's label, the
+next token) is guessed exactly, beside what always guessing the most frequent
+token gets.
+
+Writes ``audit.md``, ``audit.csv``, ``audit.json`` and ``recovery.png``
+(recovery against the blocks A keeps on that side of B) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from aisyn.data.shards import TokenShards
+from aisyn.model.causal_lm import CausalLM
+from aisyn.model.families import build_model
+from aisyn.model.segments import Partition, parse_partition
+from aisyn.privacy.attacks import (
+    LearnedDecoder,
+    back_logits,
+    frequent_token_rate,
+    front,
+    infer_labels,
+    invert_activations,
+    recovery,
+)
+from aisyn.train.loop import load_run_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AuditSettings:
+    samples: int = 8  # rows of A's test split attacked
+    public_samples: int = 256  # rows of public text B trains its decoders on
+    steps: int = 200  # optimisation steps of the white-box attacks
+    seed: int = 0
+
+
+@dataclass
+class Crossing:
+    """What B sees of one batch, and the truth it tries to recover."""
+
+    inputs: torch.Tensor  # (B, T) A's tokens
+    labels: torch.Tensor  # (B, T) the next tokens
+    acts: torch.Tensor  # (B, T, C) front cut activations (A -> B)
+    out: torch.Tensor  # (B, T, C) B's output
+    grad: torch.Tensor  # (B, T, C) gradient of the loss w.r.t. ``out`` (A -> B)
+
+
+def blocks_of(partition: Partition) -> tuple[range, range, range]:
+    """(A's front blocks, B's blocks, A's back blocks)."""
+    n = partition.num_blocks
+    back = partition.back or 0
+    return range(partition.front), partition.middle, range(n - back, n)
+
+
+def crossing(model: CausalLM, rows: torch.Tensor, partition: Partition) -> Crossing:
+    """One step's traffic of a split run of ``model`` on ``rows`` (B, T+1)."""
+    inputs, labels = rows[:, :-1], rows[:, 1:]
+    first, middle, back = blocks_of(partition)
+    with torch.no_grad():
+        acts = front(model, model.embed(inputs), first)
+        out = front(model, acts, middle)
+    out = out.detach().requires_grad_(True)
+    logits = back_logits(model, out, back)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    (grad,) = torch.autograd.grad(loss, out)
+    return Crossing(inputs, labels, acts, out.detach(), grad)
+
+
+def public_pairs(
+    model: CausalLM, rows: torch.Tensor, partition: Partition, batch: int = 32
+) -> tuple[torch.Tensor, ...]:
+    """B's training material for the learned decoders: public rows run through
+    the model B knows, as A's would be (acts, inputs, grads, labels)."""
+    parts = [
+        crossing(model, rows[i : i + batch], partition)
+        for i in range(0, len(rows), batch)
+    ]
+    return (
+        torch.cat([c.acts for c in parts]),
+        torch.cat([c.inputs for c in parts]),
+        torch.cat([c.grad for c in parts]),
+        torch.cat([c.labels for c in parts]),
+    )
+
+
+def audit(
+    base: str | Path,
+    data: str | Path,
+    public: str | Path,
+    out: str | Path,
+    cuts: list[str],
+    *,
+    trained: str | Path | None = None,
+    settings: AuditSettings | None = None,
+) -> dict:
+    """Run every attack on every cut; write and return the report."""
+    s = settings or AuditSettings()
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: exists and is not empty; choose another --out")
+    t0 = time.perf_counter()
+    torch.manual_seed(s.seed)
+    base_model, base_cfg = load_run_model(base)
+    cfg = base_model.config
+    partitions = [parse_partition(c, cfg) for c in cuts]  # bad cuts fail first
+    sha = base_cfg["tokenizer"]["sha256"]
+    private = TokenShards.open(data, "test", tokenizer_sha256=sha)
+    pub = TokenShards.open(public, "train", tokenizer_sha256=sha)
+    g = torch.Generator().manual_seed(s.seed)
+    rows = private.batch(torch.randperm(len(private), generator=g)[: s.samples])
+    pub_rows = pub.batch(torch.randperm(len(pub), generator=g)[: s.public_samples])
+    # "base unknown": B's guess of the weights is another model of this shape.
+    stranger = build_model(cfg, seed=s.seed + 1).eval()
+    victims = {"base (early)": base_model}
+    if trained is not None:
+        victims["fine-tuned (late)"] = load_run_model(trained)[0]
+    for m in (base_model, stranger, *victims.values()):
+        m.eval().requires_grad_(False)
+
+    results = []
+
+    def add(cut, weights, knows, attack, direction, guess, truth):
+        results.append(
+            {
+                "cut": cut.spec,
+                "front_blocks_on_A": cut.front,
+                "back_blocks_on_A": cut.back or 0,
+                "A_weights": weights,
+                "B_knows": knows,
+                "attack": attack,
+                "direction": direction,
+                "recovery": recovery(guess, truth),
+                "frequent_token": frequent_token_rate(truth),
+            }
+        )
+        log.info("%s", json.dumps(results[-1]))
+
+    for cut in partitions:
+        first, _, back = blocks_of(cut)
+        learned = None
+        for weights, victim in victims.items():
+            seen = crossing(victim, rows, cut)
+            for knows, attacker in (("base", base_model), ("nothing", stranger)):
+                guess = invert_activations(attacker, seen.acts, first, steps=s.steps)
+                add(cut, weights, knows, "white-box", "forward", guess, seen.inputs)
+                guess = infer_labels(attacker, seen.out, seen.grad, back, steps=s.steps)
+                add(cut, weights, knows, "white-box", "backward", guess, seen.labels)
+            if learned is None:  # B's decoders, fitted once per cut on public text
+                acts, toks, grads, labels = public_pairs(base_model, pub_rows, cut)
+                learned = (
+                    LearnedDecoder(acts.shape[-1], cfg.vocab_size).fit(acts, toks),
+                    LearnedDecoder(grads.shape[-1], cfg.vocab_size, normalise=True).fit(
+                        grads, labels
+                    ),
+                )
+            fwd, bwd = learned
+            add(
+                cut,
+                weights,
+                "base",
+                "learned",
+                "forward",
+                fwd.predict(seen.acts),
+                seen.inputs,
+            )
+            add(
+                cut,
+                weights,
+                "base",
+                "learned",
+                "backward",
+                bwd.predict(seen.grad),
+                seen.labels,
+            )
+    report = {
+        "base": str(base),
+        "data": str(data),
+        "public": str(public),
+        "trained": str(trained) if trained else None,
+        "model": cfg.to_dict(),
+        "settings": asdict(s),
+        "rows": results,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+    write_report(out, report)
+    return report
+
+
+HEADER = [
+    "cut",
+    "A's weights",
+    "B knows",
+    "attack",
+    "direction",
+    "recovery",
+    "frequent token",
+]
+
+
+def write_report(out: Path, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = report["rows"]
+    lines = [
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "---|" * len(HEADER),
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['cut']} | {r['A_weights']} | {r['B_knows']} | {r['attack']} | "
+            f"{r['direction']} | {100 * r['recovery']:.1f} % | "
+            f"{100 * r['frequent_token']:.1f} % |"
+        )
+    s = report["settings"]
+    (out / "audit.md").write_text(
+        "# What the compute party recovers\n\n"
+        f"{s['samples']} rows of {report['data']} (test split), attacks with "
+        f"{s['steps']} optimisation steps, decoders fitted on {s['public_samples']} "
+        f"rows of {report['public']}.\n\n" + "\n".join(lines) + "\n",
+        encoding="utf-8",
+    )
+    with (out / "audit.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    (out / "audit.json").write_text(json.dumps(report, indent=2))
+    plot(out / "recovery.png", rows)
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, direction, key in (
+        (axes[0], "forward", "front_blocks_on_A"),
+        (axes[1], "backward", "back_blocks_on_A"),
+    ):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["direction"] == direction:
+                name = f"{r['attack']}, B knows {r['B_knows']}, A {r['A_weights']}"
+                series.setdefault(name, []).append((r[key], r["recovery"]))
+        for name, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot(
+                [p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=name
+            )
+        base = [100 * r["frequent_token"] for r in rows if r["direction"] == direction]
+        if base:
+            ax.axhline(max(base), color="grey", linestyle=":", label="frequent token")
+        ax.set_xlabel(
+            f"blocks A keeps {'before' if direction == 'forward' else 'after'} B"
+        )
+        ax.set_title(f"{direction}: {'inputs' if direction == 'forward' else 'labels'}")
+        ax.set_ylim(0, 100)
+    axes[0].set_ylabel("tokens recovered (%)")
+    axes[1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
