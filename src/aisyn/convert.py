@@ -153,17 +153,13 @@ def write_base(out: Path, cfg, state: dict, tok, source: dict) -> dict:
     return {"out": str(out), "model": cfg.to_dict(), "tensors": len(state)}
 
 
-def convert_to_mindspore(
-    run: str | Path, out: str | Path, *, crc: bool = False
-) -> dict:
-    """Write the latest weights of run folder ``run`` as MindSpore ``out``."""
+def _run_weights(run: str | Path, out: Path):
+    """(model config, latest weights, their file) of run folder ``run``, after
+    refusing an ``out`` that exists (nothing is ever overwritten)."""
     from aisyn.model.families import config_from_dict
-    from aisyn.model.mindspore_ckpt import write_checkpoint
-    from aisyn.model.mindspore_pangu import expected_shapes, to_mindspore
     from aisyn.train import checkpoint as ckpt
     from aisyn.train.run import RunDir
 
-    out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out}: already exists; choose another --out")
     config = RunDir(run).read_config()
@@ -172,7 +168,19 @@ def convert_to_mindspore(
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{run}/config.json: not a model run ({e})") from None
     weights = ckpt.model_file(run)
-    state = ckpt.read_tensors(weights)
+    return cfg, ckpt.read_tensors(weights), weights
+
+
+def convert_to_mindspore(
+    run: str | Path, out: str | Path, *, crc: bool = False
+) -> dict:
+    """Write the latest weights of run folder ``run`` as MindSpore ``out``."""
+    from aisyn.model.mindspore_ckpt import write_checkpoint
+    from aisyn.model.mindspore_pangu import expected_shapes, to_mindspore
+    from aisyn.train import checkpoint as ckpt
+
+    out = Path(out)
+    cfg, state, weights = _run_weights(run, out)
     missing = [n for n in expected_shapes(cfg) if n not in state]
     if missing:
         raise ckpt.CheckpointError(
@@ -193,22 +201,13 @@ def convert_to_mindspore(
 def convert_to_hf(run: str | Path, out: str | Path) -> dict:
     """Write the latest weights of run folder ``run`` as a Hugging Face folder
     ``out``, built beside it and renamed into place."""
-    from aisyn.model.families import build_model, config_from_dict
+    from aisyn.model.families import build_model
     from aisyn.model.hf import HFConfig, write_hf_folder
     from aisyn.model.port import write_port_folder
     from aisyn.train import checkpoint as ckpt
-    from aisyn.train.run import RunDir
 
     out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out}: already exists; choose another --out")
-    config = RunDir(run).read_config()
-    try:
-        cfg = config_from_dict(config["model"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{run}/config.json: not a model run ({e})") from None
-    weights = ckpt.model_file(run)
-    state = ckpt.read_tensors(weights)
+    cfg, state, weights = _run_weights(run, out)
     try:
         names = ckpt.check_weights(build_model(cfg, device="meta"), state, str(weights))
     except ckpt.CheckpointError as e:

@@ -408,6 +408,21 @@ def check_positions(T: int, position_ids: torch.Tensor | None, limit: int) -> No
         raise ValueError(f"sequence of {T} tokens exceeds the model's seq_len {limit}")
 
 
+def learned_position_embed(
+    wte: nn.Embedding,
+    wpe: nn.Embedding,
+    drop: nn.Module,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """Word + learned position embeddings (PanGu-α, GPT-2). (B, T) -> (B, T, C)."""
+    T = tokens.shape[1]
+    check_positions(T, position_ids, wpe.num_embeddings)
+    if position_ids is None:
+        position_ids = torch.arange(T, device=tokens.device).unsqueeze(0)
+    return drop(wte(tokens) + wpe(position_ids))
+
+
 def residual_scale(num_layers: int) -> float:
     """GPT-2's init scale of the projections that write into the residual."""
     return 1 / math.sqrt(2 * num_layers)

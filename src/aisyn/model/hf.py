@@ -41,6 +41,7 @@ from aisyn.model.causal_lm import (
     Layout,
     attend,
     check_positions,
+    learned_position_embed,
     residual_scale,
     seeded_init,
 )
@@ -317,12 +318,8 @@ class GPT2(CausalLM):
         )
 
     def embed(self, tokens, position_ids=None):
-        T = tokens.shape[1]
-        check_positions(T, position_ids, self.config.seq_len)
-        if position_ids is None:
-            position_ids = torch.arange(T, device=tokens.device).unsqueeze(0)
-        x = self.transformer.wte(tokens) + self.transformer.wpe(position_ids)
-        return self.transformer.drop(x)
+        t = self.transformer
+        return learned_position_embed(t.wte, t.wpe, t.drop, tokens, position_ids)
 
     def block(self, i, x, ctx: Context, kv: LayerKV | None = None):
         return self.transformer.h[i](x, ctx.attn_mask, kv)

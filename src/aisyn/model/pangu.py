@@ -37,7 +37,7 @@ from aisyn.model.causal_lm import (
     LayerKV,
     Layout,
     attend,
-    check_positions,
+    learned_position_embed,
     residual_scale,
     seeded_init,
 )
@@ -299,12 +299,8 @@ class PanguAlpha(CausalLM):
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Word + position embeddings. (B, T) -> (B, T, C)."""
-        T = tokens.shape[1]
-        check_positions(T, position_ids, self.config.seq_len)
-        if position_ids is None:
-            position_ids = torch.arange(T, device=tokens.device).unsqueeze(0)
-        x = self.transformer.wte(tokens) + self.transformer.wpe(position_ids)
-        return self.transformer.drop(x)
+        t = self.transformer
+        return learned_position_embed(t.wte, t.wpe, t.drop, tokens, position_ids)
 
     def block(
         self, i: int, x: torch.Tensor, ctx: Context, kv: LayerKV | None = None
