@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aisyn.validate import positive_int
+from aisyn.validate import nonneg_int, positive_int
 
 
 def cmd_audit(args) -> None:
@@ -52,5 +52,5 @@ def register(sub) -> None:
         ("--samples", positive_int, 8, "rows of A's data attacked"),
         ("--public-samples", positive_int, 256, "public rows B fits decoders on"),
         ("--steps", positive_int, 200, "optimisation steps per white-box attack"),
-        ("--seed", int, 0, None),
+        ("--seed", nonneg_int, 0, None),
     )
