@@ -597,13 +597,9 @@ def config_to_hf(cfg: HFConfig) -> dict:
 
 
 def read_hf_config(folder: str | Path) -> HFConfig:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise HFError(f"{folder}: no config.json; not a Hugging Face model folder")
-    try:
-        c = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFError(f"{path}: not valid JSON ({e})") from None
+    from aisyn.model.port import folder_config
+
+    path, c = folder_config(folder, HFError, "a Hugging Face model folder")
     if not isinstance(c, dict):
         raise HFError(f"{path}: a model config must be a JSON object")
     return config_from_hf(c, path)

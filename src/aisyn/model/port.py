@@ -53,15 +53,23 @@ def is_port_folder(path: str | Path) -> bool:
         return False
 
 
-def read_port_config(folder: str | Path) -> PanguConfig:
-    """Our ``PanguConfig`` of the port's ``config.json``."""
+def folder_config(
+    folder: str | Path, error: type[ValueError], kind: str = "a model folder"
+) -> tuple[Path, object]:
+    """(path, parsed JSON) of a model folder's ``config.json``; ``error`` with
+    one line if it is missing or not JSON."""
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise PortError(f"{folder}: no config.json; not a model folder")
+        raise error(f"{folder}: no config.json; not {kind}")
     try:
-        c = json.loads(path.read_text())
+        return path, json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PortError(f"{path}: not valid JSON ({e})") from None
+        raise error(f"{path}: not valid JSON ({e})") from None
+
+
+def read_port_config(folder: str | Path) -> PanguConfig:
+    """Our ``PanguConfig`` of the port's ``config.json``."""
+    path, c = folder_config(folder, PortError)
     if not isinstance(c, dict) or c.get("model_type") != MODEL_TYPE:
         found = c.get("model_type") if isinstance(c, dict) else None
         raise PortError(
