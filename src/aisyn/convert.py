@@ -73,24 +73,11 @@ def convert_from_port(
     """Read a folder of the public PyTorch port (``aisyn.model.port``) into a
     new run folder ``out``; its ``vocab.model`` is the tokenizer unless
     ``tokenizer`` is given."""
-    from aisyn.data.tokenizer import load_tokenizer
-    from aisyn.model.families import build_model
     from aisyn.model.port import read_port
-    from aisyn.train import checkpoint as ckpt
 
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out}: already exists; choose another --out")
     if tokenizer is None and (Path(folder) / "vocab.model").is_file():
         tokenizer = Path(folder) / "vocab.model"
-    tok = load_tokenizer(tokenizer) if tokenizer else None  # fail early
-    cfg, tensors = read_port(folder)
-    model = build_model(cfg, device="meta")
-    names = ckpt.check_weights(model, tensors, str(folder))
-    state = {k: tensors[k].contiguous() for k in names}
-    return write_base(
-        out, cfg, state, tok, {"format": "pangu-port", "folder": str(folder)}
-    )
+    return _convert_folder(folder, out, tokenizer, read_port, "pangu-port")
 
 
 def convert_from_hf(
@@ -98,20 +85,27 @@ def convert_from_hf(
 ) -> dict:
     """Read a Hugging Face model folder (``aisyn.model.hf``) into a new run
     folder ``out``."""
+    from aisyn.model.hf import read_hf_folder
+
+    return _convert_folder(folder, out, tokenizer, read_hf_folder, "hf")
+
+
+def _convert_folder(folder, out, tokenizer, read, fmt: str) -> dict:
+    """A new run folder ``out`` of the (config, tensors) that ``read`` makes
+    of ``folder``, checked against the model they configure."""
     from aisyn.data.tokenizer import load_tokenizer
     from aisyn.model.families import build_model
-    from aisyn.model.hf import read_hf_folder
     from aisyn.train import checkpoint as ckpt
 
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out}: already exists; choose another --out")
     tok = load_tokenizer(tokenizer) if tokenizer else None  # fail early
-    cfg, tensors = read_hf_folder(folder)
+    cfg, tensors = read(folder)
     model = build_model(cfg, device="meta")
     names = ckpt.check_weights(model, tensors, str(folder))
     state = {k: tensors[k].contiguous() for k in names}
-    return write_base(out, cfg, state, tok, {"format": "hf", "folder": str(folder)})
+    return write_base(out, cfg, state, tok, {"format": fmt, "folder": str(folder)})
 
 
 def write_base(out: Path, cfg, state: dict, tok, source: dict) -> dict:
@@ -242,18 +236,17 @@ def cmd_convert(args) -> None:
     if args.source:
         if args.run or args.crc:
             raise ValueError("--run and --crc go with --to, not --from")
-        if args.source == "pangu-port":
+        if args.source in ("pangu-port", "hf"):
+            port = args.source == "pangu-port"
             if len(args.files) != 1 or not Path(args.files[0]).is_dir():
-                raise ValueError("--from pangu-port: give the port's model folder")
+                what = "the port's model folder" if port else "the model's folder"
+                raise ValueError(f"--from {args.source}: give {what}")
             if args.num_heads:
-                raise ValueError("--from pangu-port reads the heads from config.json")
-            res = convert_from_port(args.files[0], args.out, tokenizer=args.tokenizer)
-        elif args.source == "hf":
-            if len(args.files) != 1 or not Path(args.files[0]).is_dir():
-                raise ValueError("--from hf: give the model's folder")
-            if args.num_heads:
-                raise ValueError("--from hf reads the heads from config.json")
-            res = convert_from_hf(args.files[0], args.out, tokenizer=args.tokenizer)
+                raise ValueError(
+                    f"--from {args.source} reads the heads from config.json"
+                )
+            convert = convert_from_port if port else convert_from_hf
+            res = convert(args.files[0], args.out, tokenizer=args.tokenizer)
         else:
             if not args.files or not all(Path(f).is_file() for f in args.files):
                 raise ValueError("--from mindspore: give one or more .ckpt files")

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -87,3 +88,21 @@ def read_manifest(
             f"{path}: format {m.get('format')!r}, not {fmt!r} (`aisyn {command}`)"
         )
     return m
+
+
+@dataclass
+class PreparedSplit:
+    """One split of a prepared folder, opened: what token shards and SFT data
+    share (their own fields follow these)."""
+
+    data_dir: Path
+    split: str
+    manifest: dict
+
+    @property
+    def seq_len(self) -> int:
+        return self.manifest["seq_len"]
+
+    @property
+    def tokenizer_info(self) -> dict:
+        return self.manifest["tokenizer"]

@@ -36,6 +36,7 @@ from aisyn.data.cloze import ClozeItem, build_items, prompt_text, read_items
 from aisyn.data.corpora import Corpus
 from aisyn.data.folder import (
     TOKENIZER_FILE,
+    PreparedSplit,
     file_sha256,
     finish_folder,
     read_manifest,
@@ -183,12 +184,9 @@ def read_sft_manifest(data_dir: str | Path) -> dict:
 
 
 @dataclass
-class SFTData:
+class SFTData(PreparedSplit):
     """One split of an SFT folder, in memory (a few MB per domain)."""
 
-    data_dir: Path
-    split: str
-    manifest: dict
     tokens: torch.Tensor  # (N, seq_len+1) int32
     answer_start: torch.Tensor  # (N,) int32
     length: torch.Tensor  # (N,) int32
@@ -243,14 +241,6 @@ class SFTData:
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-    @property
-    def seq_len(self) -> int:
-        return self.manifest["seq_len"]
-
-    @property
-    def tokenizer_info(self) -> dict:
-        return self.manifest["tokenizer"]
 
     def batch(self, indices: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, ...]:
         """(inputs, targets) of rows ``indices``, cut to their longest sequence."""

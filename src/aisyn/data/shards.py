@@ -24,6 +24,7 @@ from aisyn.data import folder
 from aisyn.data.corpora import SPLIT_RULE, SPLITS, Corpus
 from aisyn.data.folder import (
     TOKENIZER_FILE,
+    PreparedSplit,
     file_sha256,
     finish_folder,
     start_folder,
@@ -124,12 +125,9 @@ def read_manifest(data_dir: str | Path) -> dict:
 
 
 @dataclass
-class TokenShards:
+class TokenShards(PreparedSplit):
     """The samples of one split, memory-mapped; ``ds[i]`` is an int64 tensor."""
 
-    data_dir: Path
-    split: str
-    manifest: dict
     arrays: list[np.ndarray]
 
     @classmethod
@@ -180,14 +178,6 @@ class TokenShards:
                 )
             )
         return cls(data_dir, split, m, arrays)
-
-    @property
-    def seq_len(self) -> int:
-        return self.manifest["seq_len"]
-
-    @property
-    def tokenizer_info(self) -> dict:
-        return self.manifest["tokenizer"]
 
     def __len__(self) -> int:
         return sum(len(a) for a in self.arrays)

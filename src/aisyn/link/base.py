@@ -189,3 +189,14 @@ class Link(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class Service:
+    """A server (:class:`GrpcLinkServer`, :class:`ShapedProxy`) that ``with``
+    starts -- its ``start()`` returns it -- and stops."""
+
+    def __enter__(self) -> Self:
+        return self.start()  # type: ignore[attr-defined]
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()  # type: ignore[attr-defined]

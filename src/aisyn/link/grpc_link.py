@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 from typing import NamedTuple, Self
 
 import grpc
@@ -36,7 +35,7 @@ from ._grpc_transport import (
     identity,
     status_for,
 )
-from .base import LinkOptions, PeerHello
+from .base import LinkOptions, PeerHello, Service
 from .certs import TlsConfig
 from .errors import (
     AuthError,
@@ -315,7 +314,7 @@ class _ServerLink(GrpcLink):
         )
 
 
-class GrpcLinkServer:
+class GrpcLinkServer(Service):
     """Serves link sessions on ``listen`` ("host:port"; port 0 picks a free one).
 
     Usage::
@@ -400,17 +399,6 @@ class GrpcLinkServer:
         """Stop serving; an active session's link fails with LinkClosedError."""
         self._stopping = True
         self._server.stop(grace).wait(grace + 5.0)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -- the servicer: validate, delegate, map errors to status codes
 

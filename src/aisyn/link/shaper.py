@@ -23,8 +23,9 @@ import contextlib
 import logging
 import math
 import threading
-from types import TracebackType
 from typing import Self
+
+from .base import Service
 
 __all__ = ["ShapedProxy"]
 
@@ -34,7 +35,7 @@ _MAX_READ = 64 * 1024
 _UNSHAPED_BUFFER = 16 * 1024 * 1024
 
 
-class ShapedProxy:
+class ShapedProxy(Service):
     """Forward ``listen_port`` to ``target_host:target_port`` with added delay
     (``latency_ms_rtt / 2`` each way) and a per-direction rate cap
     (``bandwidth_bits_per_s``; None or 0 = unlimited). ``listen_port`` 0 picks
@@ -111,17 +112,6 @@ class ShapedProxy:
             thread.join(timeout=10)
             loop.close()
             self._loop = self._thread = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -- inside the event loop
 

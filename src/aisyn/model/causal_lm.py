@@ -9,7 +9,9 @@ norm, and for PanGu-α its top query layer), ``logits`` and a ``Layout`` (the
 module paths of those pieces). The generic paths below (``hidden``,
 ``forward``, the KV cache) and the segments a partition cuts
 (``segments.py``) are written against those pieces only, so the parties of a
-split run never ask which architecture they hold.
+split run never ask which architecture they hold. GPT-2 and PanGu-α, which
+differ in their attention and PanGu-α's top query layer only, also share
+their body (``GPTBody``) and the rest of the model (``GPTLM``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import hashlib
 import hmac
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Self
 
 import torch
 from torch import nn
@@ -51,6 +54,27 @@ class Layout:
     def num_layers(self) -> int:
         """Attention layers in all: the blocks and the head's own."""
         return self.num_blocks + self.head_layers
+
+
+class ConfigDict:
+    """``to_dict``/``from_dict`` of a model config dataclass. ``from_dict``
+    refuses unknown keys, then runs ``check_dict`` (a family's own checks of
+    the values, before its ``__post_init__``)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Self:
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        cls.check_dict(d)
+        return cls(**d)
+
+    @classmethod
+    def check_dict(cls, d: dict) -> None:
+        """Nothing to check beyond ``__post_init__``'s checks by default."""
 
 
 @dataclass
@@ -248,10 +272,11 @@ def seeded_init(
     seeds: dict[str, int] | None,
     *,
     is_gain: Callable[[str], bool],
-    scale_of: Callable[[str], float],
+    scale_of: Callable[[str], float] = lambda name: 1.0,
 ) -> None:
     """Zero biases, unit norm gains (``is_gain``), every other weight drawn
-    from N(0, (std * scale_of(name))²) with its own generator.
+    from N(0, (std * scale_of(name))²) (default: N(0, std²)) with its own
+    generator.
 
     Each parameter draws from ``parameter_seed(seed, name)``, so a party that
     holds only some segments initialises them exactly as the whole model
@@ -282,13 +307,25 @@ class CausalLM(nn.Module):
     """A decoder-only language model cut at its natural points.
 
     Subclasses set ``self.config`` (with ``seq_len``, ``vocab_size``,
-    ``num_kv_heads``, ``head_dim`` and ``layout``) and implement ``embed``,
-    ``block``, ``finish``, ``logits``, ``tie_weights`` and
-    ``reset_parameters``; ``context`` when layers need more than the mask and
-    the positions.
+    ``num_kv_heads``, ``head_dim`` and ``layout``), usually through ``build``,
+    and implement ``embed``, ``block``, ``finish``, ``tie_weights`` and
+    ``reset_parameters``; ``logits`` unless it is the ``lm_head``; ``context``
+    when layers need more than the mask and the positions.
     """
 
     config: object
+
+    def build(self, cfg, seed: int, name: str, body: nn.Module) -> None:
+        """Set ``config``, the family's ``body`` module under ``name`` (its
+        transformers name) and an ``lm_head``; tie it (``tie_weights``), then
+        initialise from ``seed`` unless the model is built on the meta
+        device."""
+        self.config = cfg
+        setattr(self, name, body)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters(seed)
 
     # -- the pieces a family supplies ------------------------------------
     def embed(
@@ -309,7 +346,7 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self.lm_head(x)
 
     def context(
         self,
@@ -408,24 +445,115 @@ def check_positions(T: int, position_ids: torch.Tensor | None, limit: int) -> No
         raise ValueError(f"sequence of {T} tokens exceeds the model's seq_len {limit}")
 
 
-def learned_position_embed(
-    wte: nn.Embedding,
-    wpe: nn.Embedding,
-    drop: nn.Module,
-    tokens: torch.Tensor,
-    position_ids: torch.Tensor | None,
-) -> torch.Tensor:
-    """Word + learned position embeddings (PanGu-α, GPT-2). (B, T) -> (B, T, C)."""
-    T = tokens.shape[1]
-    check_positions(T, position_ids, wpe.num_embeddings)
-    if position_ids is None:
-        position_ids = torch.arange(T, device=tokens.device).unsqueeze(0)
-    return drop(wte(tokens) + wpe(position_ids))
+class GeluMLP(nn.Module):
+    """The MLP of GPT-2 and PanGu-α: ``c_fc``, ``act``, ``c_proj``, dropout."""
+
+    def __init__(self, h: int, ffn: int, act: Callable, p: float) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(h, ffn)
+        self.c_proj = nn.Linear(ffn, h)
+        self.act = act
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
 
 
-def residual_scale(num_layers: int) -> float:
-    """GPT-2's init scale of the projections that write into the residual."""
-    return 1 / math.sqrt(2 * num_layers)
+class PreLNBlock(nn.Module):
+    """The pre-LN block of GPT-2 and PanGu-α: ``ln_1``, ``attn``, ``ln_2``,
+    ``mlp``. What follows the mask is passed on to ``attn`` (the ``kv`` of a
+    ``LayerKV``; PanGu-α's ``query`` too, given only to its top query layer)."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, h: int, eps: float) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(h, eps=eps)
+        self.attn = attn
+        self.ln_2 = nn.LayerNorm(h, eps=eps)
+        self.mlp = mlp
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *args, **kwargs
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask, *args, **kwargs)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPTBody(nn.Module):
+    """The ``transformer`` of GPT-2 and PanGu-α: word and learned position
+    embeddings ``wte``/``wpe`` (with ``wqe``, PanGu-α's query embedding),
+    ``num_layers`` pre-LN blocks ``h`` of ``attn(cfg)`` and a ``GeluMLP`` of
+    ``act``, and the final LayerNorm ``ln_f``."""
+
+    def __init__(
+        self, cfg, attn: Callable, act: Callable, eps: float, wqe: bool = False
+    ) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_size
+        self.wte = nn.Embedding(cfg.vocab_size, h)
+        self.wpe = nn.Embedding(cfg.seq_len, h)
+        if wqe:
+            self.wqe = nn.Embedding(cfg.seq_len, h)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(
+            PreLNBlock(attn(cfg), GeluMLP(h, f, act, cfg.dropout), h, eps)
+            for _ in range(cfg.num_layers)
+        )
+        self.ln_f = nn.LayerNorm(h, eps=eps)
+
+
+class GPTLM(CausalLM):
+    """GPT-2 and PanGu-α: a ``GPTBody`` named ``transformer``, the output
+    projection tied to its word embedding, GPT-2's initialisation."""
+
+    def __init__(self, cfg, seed: int, body: GPTBody) -> None:
+        super().__init__()
+        self.build(cfg, seed, "transformer", body)
+
+    def tie_weights(self) -> None:
+        """Share the output projection with the word embedding.
+
+        Call again after ``to_empty()`` (materialising a meta model), which
+        replaces parameters one module at a time and so unties them.
+        """
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def reset_parameters(
+        self,
+        seed: int = 0,
+        names: Iterable[str] | None = None,
+        *,
+        seeds: dict[str, int] | None = None,
+    ) -> None:
+        """GPT-2 style init, residual projections (``c_proj``) scaled by
+        1/sqrt(2 * layers), LayerNorm gains (``.ln_``) 1, one seeded generator
+        per parameter (see ``seeded_init``)."""
+        scale = 1 / math.sqrt(2 * self.config.num_layers)
+        seeded_init(
+            self,
+            self.config.init_std,
+            seed,
+            names,
+            seeds,
+            is_gain=lambda n: ".ln_" in n,
+            scale_of=lambda n: scale if n.endswith("c_proj.weight") else 1.0,
+        )
+
+    # The pieces below are the model's natural cut points; segments.py
+    # composes them, CausalLM.hidden() is the plain unsplit path.
+    def embed(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Word + learned position embeddings. (B, T) -> (B, T, C)."""
+        t, T = self.transformer, tokens.shape[1]
+        check_positions(T, position_ids, t.wpe.num_embeddings)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=tokens.device).unsqueeze(0)
+        return t.drop(t.wte(tokens) + t.wpe(position_ids))
+
+    def block(
+        self, i: int, x: torch.Tensor, ctx: Context, kv: LayerKV | None = None
+    ) -> torch.Tensor:
+        return self.transformer.h[i](x, ctx.attn_mask, kv=kv)
 
 
 def lm_loss(

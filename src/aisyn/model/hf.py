@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,14 +35,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from aisyn.model.causal_lm import (
+    GPTLM,
     CausalLM,
+    ConfigDict,
     Context,
+    GPTBody,
     LayerKV,
     Layout,
     attend,
     check_positions,
-    learned_position_embed,
-    residual_scale,
     seeded_init,
 )
 
@@ -61,7 +62,7 @@ class HFError(ValueError):
 
 
 @dataclass
-class HFConfig:
+class HFConfig(ConfigDict):
     """The dimensions of a GPT-2, Llama or Qwen2 model.
 
     ``num_layers`` counts the blocks (there is no extra head layer);
@@ -184,53 +185,21 @@ class HFConfig:
             "down_proj",
         )
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> HFConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
-        return cls(**d)
-
 
 # Small random-init presets of each family, for tests and trying things out.
+_TINY = dict(hidden_size=128, num_layers=4, num_heads=4, seq_len=128, vocab_size=8000)
+_TINY_GQA = dict(_TINY, num_kv_heads=2, ffn_size=344)
 HF_CONFIGS: dict[str, dict] = {
     "gpt2-tiny": dict(
+        _TINY,
         family="gpt2",
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
         ffn_size=512,
-        seq_len=128,
         norm_eps=1e-5,
         activation="gelu_new",
         tie_embeddings=True,
-        vocab_size=8000,
     ),
-    "llama-tiny": dict(
-        family="llama",
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_size=344,
-        seq_len=128,
-        vocab_size=8000,
-    ),
-    "qwen2-tiny": dict(
-        family="qwen2",
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_size=344,
-        seq_len=128,
-        vocab_size=8000,
-        tie_embeddings=True,
-    ),
+    "llama-tiny": dict(_TINY_GQA, family="llama"),
+    "qwen2-tiny": dict(_TINY_GQA, family="qwen2", tie_embeddings=True),
 }
 
 
@@ -246,7 +215,7 @@ class GPT2Attention(nn.Module):
         self.c_proj = nn.Linear(h, h)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, attn_mask, kv):
+    def forward(self, x, attn_mask, kv=None):
         B, T, C = x.shape
         nh = self.num_heads
         q, k, v = self.c_attn(x).split(C, dim=2)
@@ -255,80 +224,15 @@ class GPT2Attention(nn.Module):
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
 
 
-class GPT2MLP(nn.Module):
-    def __init__(self, cfg: HFConfig) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(cfg.hidden_size, cfg.ffn_size)
-        self.c_proj = nn.Linear(cfg.ffn_size, cfg.hidden_size)
-        self.act = ACTIVATIONS[cfg.activation]
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, x):
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
-
-
-class GPT2Block(nn.Module):
-    def __init__(self, cfg: HFConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.attn = GPT2Attention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp = GPT2MLP(cfg)
-
-    def forward(self, x, attn_mask=None, kv=None):
-        x = x + self.attn(self.ln_1(x), attn_mask, kv)
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT2Transformer(nn.Module):
-    def __init__(self, cfg: HFConfig) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden_size)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-
-
-class GPT2(CausalLM):
+class GPT2(GPTLM):
     """GPT-2 (``GPT2LMHeadModel`` names)."""
 
     def __init__(self, cfg: HFConfig, seed: int = 0) -> None:
-        super().__init__()
-        self.config = cfg
-        self.transformer = GPT2Transformer(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
-        if not any(p.is_meta for p in self.parameters()):
-            self.reset_parameters(seed)
-
-    def tie_weights(self) -> None:
-        self.lm_head.weight = self.transformer.wte.weight
-
-    def reset_parameters(self, seed=0, names=None, *, seeds=None) -> None:
-        scale = residual_scale(self.config.num_layers)
-        seeded_init(
-            self,
-            self.config.init_std,
-            seed,
-            names,
-            seeds,
-            is_gain=lambda n: ".ln_" in n,
-            scale_of=lambda n: scale if n.endswith("c_proj.weight") else 1.0,
-        )
-
-    def embed(self, tokens, position_ids=None):
-        t = self.transformer
-        return learned_position_embed(t.wte, t.wpe, t.drop, tokens, position_ids)
-
-    def block(self, i, x, ctx: Context, kv: LayerKV | None = None):
-        return self.transformer.h[i](x, ctx.attn_mask, kv)
+        act = ACTIVATIONS[cfg.activation]
+        super().__init__(cfg, seed, GPTBody(cfg, GPT2Attention, act, cfg.norm_eps))
 
     def finish(self, x, ctx: Context, kvs=None):
         return self.transformer.ln_f(x)
-
-    def logits(self, x):
-        return self.lm_head(x)
 
 
 # -- Llama / Qwen2 ---------------------------------------------------------
@@ -409,27 +313,15 @@ class Llama(CausalLM):
 
     def __init__(self, cfg: HFConfig, seed: int = 0) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
-        if not any(p.is_meta for p in self.parameters()):
-            self.reset_parameters(seed)
+        self.build(cfg, seed, "model", LlamaModel(cfg))
 
     def tie_weights(self) -> None:
         if self.config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def reset_parameters(self, seed=0, names=None, *, seeds=None) -> None:
-        seeded_init(
-            self,
-            self.config.init_std,
-            seed,
-            names,
-            seeds,
-            is_gain=lambda n: "norm" in n,
-            scale_of=lambda n: 1.0,
-        )
+        std = self.config.init_std
+        seeded_init(self, std, seed, names, seeds, is_gain=lambda n: "norm" in n)
 
     def context(self, T, attn_mask, position_ids, device):
         if position_ids is None:
@@ -454,9 +346,6 @@ class Llama(CausalLM):
 
     def finish(self, x, ctx: Context, kvs=None):
         return self.model.norm(x)
-
-    def logits(self, x):
-        return self.lm_head(x)
 
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {

@@ -24,27 +24,25 @@ cuts it at, and the generic ``hidden``/``forward`` (with an optional
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from aisyn.model.causal_lm import (
-    CausalLM,
+    GPTLM,
+    ConfigDict,
     Context,
+    GPTBody,
     LayerKV,
     Layout,
     attend,
-    learned_position_embed,
-    residual_scale,
-    seeded_init,
 )
 
 
 @dataclass
-class PanguConfig:
+class PanguConfig(ConfigDict):
     """Model dimensions. ``num_layers`` includes the top query layer."""
 
     vocab_size: int = 40000
@@ -120,15 +118,8 @@ class PanguConfig:
             head_label=f"ln_f + top query h[{top}] + head",
         )
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     @classmethod
-    def from_dict(cls, d: dict) -> PanguConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+    def check_dict(cls, d: dict) -> None:
         # Types first: a string where a number belongs would otherwise fail in
         # __post_init__'s arithmetic with a message that names nothing.
         for f in fields(cls):
@@ -141,7 +132,6 @@ class PanguConfig:
                 raise ValueError(f"{f.name} must be {kind}, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{f.name} must be a finite number, got {value!r}")
-        return cls(**d)
 
 
 # The reference's table (seed 000) plus CPU-sized presets for tests and demos.
@@ -208,104 +198,14 @@ class Attention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: PanguConfig) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(cfg.hidden_size, cfg.ffn_size)
-        self.c_proj = nn.Linear(cfg.ffn_size, cfg.hidden_size)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
-
-
-class Block(nn.Module):
-    """Pre-LN transformer block. With ``query`` given it is the top query layer."""
-
-    def __init__(self, cfg: PanguConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.attn = Attention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        query: torch.Tensor | None = None,
-        kv: LayerKV | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_mask, query, kv)
-        return x + self.mlp(self.ln_2(x))
-
-
-class PanguTransformer(nn.Module):
-    """Embeddings, blocks and final LN; ``h[-1]`` is the top query layer."""
-
-    def __init__(self, cfg: PanguConfig) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden_size)
-        self.wqe = nn.Embedding(cfg.seq_len, cfg.hidden_size)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-
-
-class PanguAlpha(CausalLM):
-    """PanGu-α language model (``GPTPanguForCausalLM`` layout)."""
+class PanguAlpha(GPTLM):
+    """PanGu-α language model (``GPTPanguForCausalLM`` layout): GPT-2's body
+    plus the query embedding ``wqe``; ``transformer.h[-1]`` is the top query
+    layer (the block whose attention is given ``query``)."""
 
     def __init__(self, cfg: PanguConfig, seed: int = 0) -> None:
-        super().__init__()
-        self.config = cfg
-        self.transformer = PanguTransformer(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
-        if not any(p.is_meta for p in self.parameters()):
-            self.reset_parameters(seed)
-
-    def tie_weights(self) -> None:
-        """Share the output projection with the word embedding.
-
-        Call again after ``to_empty()`` (materialising a meta model), which
-        replaces parameters one module at a time and so unties them.
-        """
-        self.lm_head.weight = self.transformer.wte.weight
-
-    def reset_parameters(
-        self,
-        seed: int = 0,
-        names: Iterable[str] | None = None,
-        *,
-        seeds: dict[str, int] | None = None,
-    ) -> None:
-        """GPT-2 style init, residual projections scaled by 1/sqrt(2 * layers),
-        one seeded generator per parameter (see ``causal_lm.seeded_init``)."""
-        scale = residual_scale(self.config.num_layers)
-        seeded_init(
-            self,
-            self.config.init_std,
-            seed,
-            names,
-            seeds,
-            is_gain=lambda n: ".ln_" in n or n.startswith("transformer.ln_f"),
-            scale_of=lambda n: scale if n.endswith("c_proj.weight") else 1.0,
-        )
-
-    # The pieces below are the model's natural cut points; segments.py
-    # composes them, CausalLM.hidden() is the plain unsplit path.
-    def embed(
-        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Word + position embeddings. (B, T) -> (B, T, C)."""
-        t = self.transformer
-        return learned_position_embed(t.wte, t.wpe, t.drop, tokens, position_ids)
-
-    def block(
-        self, i: int, x: torch.Tensor, ctx: Context, kv: LayerKV | None = None
-    ) -> torch.Tensor:
-        return self.transformer.h[i](x, ctx.attn_mask, kv=kv)
+        eps = cfg.layer_norm_eps
+        super().__init__(cfg, seed, GPTBody(cfg, Attention, F.gelu, eps, wqe=True))
 
     def finish(
         self, x: torch.Tensor, ctx: Context, kvs: list[LayerKV] | None = None
@@ -333,6 +233,3 @@ class PanguAlpha(CausalLM):
         query = self.transformer.wqe(position_ids).expand(x.shape[0], -1, -1)
         x = self.transformer.ln_f(x)
         return self.transformer.h[-1](x, attn_mask, query, kv)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(x)

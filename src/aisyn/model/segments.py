@@ -25,7 +25,6 @@ checkpoints merge by plain union.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -414,7 +413,3 @@ def segments_of(
     model: CausalLM, partition: Partition, party: str
 ) -> tuple[Segment, ...]:
     return tuple(Segment(model, s) for s in partition.stages_of(party))
-
-
-def parameter_count(named: Iterable[tuple[str, nn.Parameter]]) -> int:
-    return sum(p.numel() for _, p in named)
