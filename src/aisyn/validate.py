@@ -119,6 +119,10 @@ finite_float = number_type(float, "finite_float")
 positive_float = number_type(float, "positive_float", low=0, low_open=True)
 nonneg_float = number_type(float, "nonneg_float", low=0)
 probability = number_type(float, "probability", low=0, high=1)
+# Strictly between 0 and 1 (a DP delta: 0 is unreachable, 1 promises nothing).
+open_probability = number_type(
+    float, "open_probability", low=0, high=1, low_open=True, high_open=True
+)
 # A probability mass to keep (top-p): 0 would keep nothing.
 positive_probability = number_type(
     float, "positive_probability", low=0, low_open=True, high=1

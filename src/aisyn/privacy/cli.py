@@ -13,10 +13,29 @@ def cmd_audit(args) -> None:
     of --data, then recover A's input tokens from the activations and its
     labels from the gradients (white-box with the base's weights or without,
     and learned on --public text), beside the frequent-token baseline. Writes
-    audit.md, audit.csv, audit.json and recovery.png to --out."""
+    audit.md, audit.csv, audit.json and recovery.png to --out. --preset ci|full
+    instead measures everything on the comparison's base and data: every cut
+    undefended, and each defence of `aisyn split train` at several strengths
+    (recovery, loss cost, epsilon: frontier.md/.csv/.png, with the
+    recommended default)."""
 
     from aisyn.privacy.audit import AuditSettings, audit
 
+    if args.preset:
+        from aisyn.privacy.presets import run_preset
+
+        report = run_preset(args.preset, args.out, seed=args.seed)
+        print((Path(args.out) / "frontier.md").read_text())
+        print(
+            f"the undefended audit of every cut: {Path(args.out) / 'cuts' / 'audit.md'}"
+        )
+        print(f"done in {report['elapsed_s']:.0f} s")
+        return
+    missing = [f for f in ("base", "data", "public") if getattr(args, f) is None]
+    if missing:
+        raise ValueError(
+            "give --preset ci|full, or " + ", ".join(f"--{f}" for f in missing)
+        )
     report = audit(
         args.base,
         args.data,
@@ -43,9 +62,16 @@ def register(sub) -> None:
     a = add_command(psub, "audit", cmd_audit, "attack the cut as party B would")
     add_flags(
         a,
-        ("--base", None, REQUIRED, "the public base model (run folder) B knows"),
-        ("--data", None, REQUIRED, "A's private data (prepared shards; test split)"),
-        ("--public", None, REQUIRED, "public text of another domain (shards)"),
+        (
+            "--preset",
+            ["ci", "full"],
+            None,
+            "measure everything on the comparison's inputs (instead of --base, "
+            "--data, --public): ci in minutes, full about an hour",
+        ),
+        ("--base", None, None, "the public base model (run folder) B knows"),
+        ("--data", None, None, "A's private data (prepared shards; test split)"),
+        ("--public", None, None, "public text of another domain (shards)"),
         ("--out", None, REQUIRED, "report folder (new)"),
         ("--cut", "append", None, "u:FRONT,BACK (repeat; default u:0,0 and u:1,1)"),
         ("--trained", None, None, "A's run fine-tuned from --base (late in training)"),

@@ -16,7 +16,13 @@ from aisyn.split.transport import (
     parse_timeout,
 )
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
-from aisyn.validate import nonneg_int, positive_float, positive_int
+from aisyn.validate import (
+    nonneg_float,
+    nonneg_int,
+    open_probability,
+    positive_float,
+    positive_int,
+)
 
 log = logging.getLogger("aisyn.split")
 
@@ -141,6 +147,7 @@ def cmd_train(args) -> None:
 
     from aisyn.split.session import SplitOptions
     from aisyn.split.train import secret_seed, split_train
+    from aisyn.train.dp import defence_from_flags
     from aisyn.train.flags import train_config_from_args
     from aisyn.train.lora import Method
 
@@ -160,6 +167,14 @@ def cmd_train(args) -> None:
             "give --data SHARDS (pre-training) or --sft SFT_DIR (fine-tuning), "
             + ("not both" if args.data else "one of them")
         )
+    defence = defence_from_flags(
+        forward_clip=args.dp_forward_clip,
+        forward_noise=args.dp_forward_noise,
+        backward_clip=args.dp_backward_clip,
+        backward_noise=args.dp_backward_noise,
+        delta=args.dp_delta,
+        embedding_dp=args.embedding_dp,
+    )
     peer = _settings(args, args.peer) if args.peer else None
     opts = SplitOptions(
         cut=args.cut,
@@ -189,7 +204,20 @@ def cmd_train(args) -> None:
             rank=args.lora_rank,
             alpha=args.lora_alpha,
         ),
+        defence=defence,
     )
+    if "privacy" in summary:
+        eps = summary["privacy"]["dp_epsilon"]
+        print(
+            f"cut defence: {defence.describe()}; privacy budget ε = "
+            + (
+                f"{eps:.4g}"
+                if eps is not None
+                else "unbounded (a side sent without noise)"
+            )
+            + f" at δ = {defence.delta:g} per training row "
+            f"({summary['privacy']['releases_per_row']} passes; privacy.json)"
+        )
     print(
         f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
         f"({summary['tokens']} tokens, {summary['elapsed_s']:.1f} s); link "
@@ -433,6 +461,44 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
         ("--lora-rank", positive_int, 8, None),
         ("--lora-alpha", positive_float, 16.0, None),
+        (
+            "--dp-forward-clip",
+            positive_float,
+            None,
+            "defence: clip each row of the activations A sends to this L2 norm "
+            "(docs/privacy.md)",
+        ),
+        (
+            "--dp-forward-noise",
+            nonneg_float,
+            None,
+            "defence: add Gaussian noise of std NOISE x the forward clip",
+        ),
+        (
+            "--dp-backward-clip",
+            positive_float,
+            None,
+            "defence: clip each row of the gradient A returns to this L2 norm",
+        ),
+        (
+            "--dp-backward-noise",
+            nonneg_float,
+            None,
+            "defence: add Gaussian noise of std NOISE x the backward clip",
+        ),
+        (
+            "--dp-delta",
+            open_probability,
+            None,
+            "the delta the privacy budget epsilon is given at (default 1e-5)",
+        ),
+        (
+            "--embedding-dp",
+            positive_float,
+            None,
+            "the reference's EmbeddingDP on the activations: 1-bit quantisation "
+            "and randomized response with this epsilon per bit",
+        ),
     )
     _add_link_args(t, server=False)
     add_train_args(t)

@@ -25,6 +25,7 @@ from aisyn.model.segments import Segment
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import PartyState
+from aisyn.train.dp import CutGuard
 from aisyn.train.loop import TrainConfig, autocast_for, micro_batches
 
 #: (inputs, targets, attention mask, position ids) of one micro-batch
@@ -59,14 +60,24 @@ class DataSession:
         *,
         eod_id: int | None,
         window: int = 0,
+        guard: CutGuard | None = None,
     ) -> None:
         self.state = state
         self.link = link
         self.eod_id = eod_id
         self.window = window
+        self.guard = guard  # the defence on what A sends (train.dp), if any
         self.front, self.back = state.segments
         self.hidden_size = state.cfg.hidden_size
         self.round = 0
+        # Where the noise of an evaluation round comes from: the last training
+        # step and the evaluations since, so a resumed run draws the same
+        # noise and no two rounds share it.
+        self.last_step: int | None = None
+        self.evals_since_step = 0
+
+    def _protect(self, h: torch.Tensor, *where: object) -> torch.Tensor:
+        return h if self.guard is None else self.guard.activations(h, *where)
 
     def _open_round(self, control: proto.Control) -> int:
         r = self.round
@@ -115,7 +126,7 @@ class DataSession:
             inputs, targets, mask, pos = micro[i]
             if kind == "F":
                 with autocast_for(device):  # as aisyn train (bf16 on CUDA)
-                    h = self.front(inputs, mask, pos)
+                    h = self._protect(self.front(inputs, mask, pos), step, i)
                 self._send_act(r, i, h, inputs)
                 fronts[i] = h
             elif kind == "L":
@@ -127,7 +138,10 @@ class DataSession:
                 with autocast_for(device):
                     loss = loss_of(self.back, self.back(y, mask, pos), targets)
                 loss.backward()
-                self.link.send("gout", y.grad, step=r, micro=i)
+                g = y.grad
+                if self.guard is not None:
+                    g = self.guard.gradient(g, step, i)
+                self.link.send("gout", g, step=r, micro=i)
                 losses[i] = loss.item()
             else:
                 g = self.link.recv(
@@ -143,6 +157,7 @@ class DataSession:
         mine = self.state.local_sq_norm()  # NaN: this party skips the step
         self.link.send_scalar("sqnorm", mine, step=r)
         theirs = self.link.recv_scalar("sqnorm", step=r)
+        self.last_step, self.evals_since_step = step, 0
         norm = self.state.apply_step(step, mine, theirs)  # or raises SkippedStep
         return {"loss": total, "lr": cfg.lr_at(step), "grad_norm": norm}
 
@@ -164,8 +179,14 @@ class DataSession:
         flags = proto.FLAG_EOD if eod else 0
         r = self._open_round(proto.Control(proto.EVAL, 0, 1, B, T, 0, flags))
         device = self.state.device
+        self.evals_since_step += 1
         with autocast_for(device):
-            h = self.front(tokens, attn_mask, position_ids)
+            h = self._protect(
+                self.front(tokens, attn_mask, position_ids),
+                "eval",
+                self.last_step,
+                self.evals_since_step,
+            )
         self.link.send("act", h, step=r)
         if eod:
             doc = document_index(tokens, self.eod_id).to(torch.int32)
@@ -273,7 +294,7 @@ class SplitDecoder:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         r = s._open_round(proto.Control.gen_step(first, n))
         # fp32 on every device, as ``aisyn generate`` runs the whole model
-        h = s.front(x, cache=self.front_cache)
+        h = s._protect(s.front(x, cache=self.front_cache), "gen", r)
         s.link.send("act", h, step=r)
         y = s.link.recv("out", step=r, shape=(1, n, s.hidden_size), dtype=torch.float32)
         if not bool(torch.isfinite(y).all()):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from aisyn.split.party import (
 from aisyn.split.session import SplitOptions, open_session
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
+from aisyn.train import dp
 from aisyn.train.loop import TrainConfig
 from aisyn.train.run import RunDir
 
@@ -107,11 +109,16 @@ def open_data_session(
         lora=compute_lora_hello(mcfg, partition, compute_method, train.seed),
     )
     eod_id = config["tokenizer"]["eod_id"] if train.eod_reset else None
+    # What crosses after training passes the run's defence too, with noise
+    # fresh to this session: noise reused across sessions on other inputs
+    # would cancel in their difference.
+    defence = dp.CutDefence.from_dict(config.get("cut_defence"))
+    guard = dp.CutGuard(defence, secrets.randbits(63)) if defence.active else None
     # An in-process compute party with LoRA adapters needs the base too.
     with open_session(
         run_dir, mcfg, partition, hello, opts, str(device), init_from
     ) as opened:
-        yield DataSession(state, opened.link, eod_id=eod_id), config
+        yield DataSession(state, opened.link, eod_id=eod_id, guard=guard), config
 
 
 @contextlib.contextmanager

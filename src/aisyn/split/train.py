@@ -50,6 +50,7 @@ from aisyn.split.party import (
 )
 from aisyn.split.session import SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
+from aisyn.train import dp
 from aisyn.train.engine import Engine, Regime
 from aisyn.train.finetune import SFTBatches, sft_eval_loss, supervised_loss_sum
 from aisyn.train.loop import (
@@ -61,7 +62,7 @@ from aisyn.train.loop import (
 )
 from aisyn.train.lora import Method
 from aisyn.train.memory import check_fits, compute_dtype, party_bytes
-from aisyn.train.run import TOKENIZER, RunDir
+from aisyn.train.run import TOKENIZER, RunDir, write_json_atomic
 from aisyn.train.sampler import BatchSampler
 
 log = logging.getLogger("aisyn.split")
@@ -97,8 +98,13 @@ def split_train(
     tensorboard: bool = False,
     method: Method | None = None,
     compute_method: Method | None = None,
+    defence: dp.CutDefence | None = None,
 ) -> dict:
     """Train as the data party; returns a summary like ``train.loop.train``.
+
+    ``defence``: clipping and noise on what A sends (``train.dp``); its
+    privacy budget is in each metrics record (``dp_epsilon``), the summary
+    and the run's ``privacy.json``. B is not told.
 
     ``method`` / ``compute_method``: full training or LoRA of the data party's
     / the compute party's blocks (default: full for both). A LoRA party keeps
@@ -181,6 +187,7 @@ def split_train(
     base = open_base(init_from, mcfg, partition, DATA_PARTY) if init_from else None
     run = RunDir(out)
     run_id = None
+    defence = defence or dp.CutDefence()
     if resume and (run.path / "config.json").is_file():
         old = run.read_config()
         if old.get("kind") != "split":
@@ -192,6 +199,13 @@ def split_train(
                 f"{run.path}: a split run of objective {was!r}; resume it with {flag}"
             )
         run_id = old["run_id"]
+        was_defence = dp.CutDefence.from_dict(old.get("cut_defence"))
+        if was_defence != defence:
+            raise ValueError(
+                f"{run.path}: trained with cut defence {was_defence.describe()}; "
+                "resume it with the same defence flags (its privacy budget "
+                "is accounted over the whole run)"
+            )
         if run_methods(old) != (method, compute_method):
             raise ValueError(
                 f"{run.path}: trained with method {run_methods(old)[0].name} / "
@@ -213,6 +227,8 @@ def split_train(
         "init_from": str(base.file) if base else None,
         "method": method.to_dict(),
         "compute_method": compute_method.to_dict(),
+        # A's own file: the compute party is never told the defence.
+        "cut_defence": defence.to_dict(),
     }
     run.create(config, resume=resume)
     run.copy_tokenizer(Path(data_dirs[0]) / tok["file"])
@@ -251,6 +267,9 @@ def split_train(
             base,
             progress,
             tensorboard,
+            # The noise follows from the run's seed, secret like it (whoever
+            # knows it could subtract the noise, or rebuild A's init).
+            dp.CutGuard(defence, cfg.seed) if defence.active else None,
         )
 
 
@@ -265,8 +284,11 @@ def _train_loop(
     base: Base | None,
     progress: bool,
     tensorboard: bool = False,
+    guard: dp.CutGuard | None = None,
 ) -> dict:
-    session = DataSession(state, opened.link, eod_id=source.eod_id, window=opts.window)
+    session = DataSession(
+        state, opened.link, eod_id=source.eod_id, window=opts.window, guard=guard
+    )
     regime = DataPartyTraining(run, session, source, cfg)
     engine = Engine.for_config(
         run,
@@ -299,6 +321,9 @@ def _train_loop(
     summary["bytes_received_per_step"] = (
         regime.received_total / steps_run if steps_run else 0
     )
+    if guard is not None:
+        summary["privacy"] = regime.privacy()
+        write_json_atomic(run.path / "privacy.json", summary["privacy"])
     return summary
 
 
@@ -321,6 +346,8 @@ class DataPartyTraining(Regime):
         self.run_id = run.read_config()["run_id"]
         self.tokens_per_step = 0  # the source's, set each step
         self.sent_total = self.received_total = 0
+        self.validations = 0  # this session's: each sends every row it scores once
+        self._eps: dict[int, float | None] = {}
 
     def train_step(self, step: int) -> dict:
         sent0, recv0 = self.link.bytes_sent, self.link.bytes_received
@@ -333,12 +360,54 @@ class DataPartyTraining(Regime):
         received = self.link.bytes_received - recv0
         self.sent_total += sent
         self.received_total += received
-        return {
+        record = {
             **result,
             **batch.record,
             "step_time_s": round(time.perf_counter() - ts, 4),
             "bytes_sent": sent,
             "bytes_received": received,
+        }
+        if self.session.guard is not None:
+            record["dp_epsilon"] = self._epsilon(self.releases())
+        return record
+
+    def releases(self) -> int:
+        """How many times a training row may have crossed so far (each epoch
+        is a permutation: once per epoch it was drawn in)."""
+        s = self.source.sampler
+        return s.epoch + (1 if s.position else 0)
+
+    def _epsilon(self, k: int) -> float | None:
+        """ε of ``k`` releases (None: no finite bound); changes once an epoch."""
+        if k not in self._eps:
+            self._eps[k] = dp.finite_or_none(
+                dp.epsilon(self.session.guard.defence, k, coordinates=self._coords())
+            )
+        return self._eps[k]
+
+    def _coords(self) -> int:
+        return self.source.seq_len * self.state.cfg.hidden_size
+
+    def privacy(self) -> dict:
+        """The run's privacy budget so far (``privacy.json``)."""
+        defence = self.session.guard.defence
+        k = self.releases()
+        return {
+            "defence": defence.to_dict(),
+            "delta": defence.delta,
+            "unit": "one training row (sequence), replaced",
+            "releases_per_row": k,
+            "dp_epsilon": self._epsilon(k),
+            # validation rows cross forward only, once per validation
+            "validations_this_session": self.validations,
+            "dp_epsilon_validation_rows": dp.finite_or_none(
+                dp.epsilon(
+                    defence,
+                    self.validations,
+                    backward=False,
+                    coordinates=self._coords(),
+                )
+            ),
         }
 
     def record_fields(self) -> dict:
@@ -351,6 +420,7 @@ class DataPartyTraining(Regime):
         )
 
     def validate(self) -> float | None:
+        self.validations += 1
         return self.source.validate(SplitModel(self.session), self.cfg)
 
     def save(self, step: int, state: dict) -> None:

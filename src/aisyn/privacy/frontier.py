@@ -1,0 +1,297 @@
+"""The privacy frontier: each defence on the cut, at several strengths, by
+what it lets the compute party recover and what it costs.
+
+For every point (a defence and its strength) this trains a real split run
+(in-process, the defence on A's side) from the public base on A's text for
+the same number of steps, merges its halves and measures the test loss; then
+it attacks what that defence lets cross, with the base's weights (B's best
+knowledge at the start) and with the run's own (late in training, what a
+B that knew A's weights exactly would have). The attacks are ``attacks.py``'s,
+made *adaptive*: B is assumed to know the mechanism and its strength (not
+the noise it draws), so its learned decoders are fitted on public text sent
+through the same mechanism. Per point: loss, loss cost against no defence,
+ε (``train.dp``, from the run's own accounting), bytes on the link per step,
+and the best recovery of each direction beside the frequent-token rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from aisyn.data.shards import TokenShards
+from aisyn.model.causal_lm import CausalLM
+from aisyn.model.families import ModelConfig
+from aisyn.model.segments import parse_partition
+from aisyn.privacy.attacks import (
+    LearnedDecoder,
+    frequent_token_rate,
+    infer_labels,
+    invert_activations,
+    recovery,
+)
+from aisyn.privacy.audit import Crossing, blocks_of, crossing
+from aisyn.split.merge import merge
+from aisyn.split.session import COMPUTE_DIR, SplitOptions
+from aisyn.split.train import split_train
+from aisyn.train import dp
+from aisyn.train.loop import TrainConfig, evaluate_loss, load_run_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One defence at one strength. ``sigma``: the Gaussian noise multiplier
+    on both directions (clipping bounds calibrated on public text);
+    ``embedding_eps``: EmbeddingDP's ε per bit; ``cut``: where A cuts (more
+    blocks on A is a defence too)."""
+
+    family: str  # none | gaussian | embedding-dp | blocks
+    cut: str = "u:1,1"
+    sigma: float = 0.0
+    embedding_eps: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.family == "gaussian":
+            return f"Gaussian σ={self.sigma:g}"
+        if self.family == "embedding-dp":
+            return f"EmbeddingDP ε={self.embedding_eps:g}/bit"
+        if self.family == "blocks":
+            return f"cut {self.cut}"
+        return "none"
+
+    @property
+    def strength(self) -> float:
+        if self.family == "gaussian":
+            return self.sigma
+        if self.family == "embedding-dp":
+            return self.embedding_eps or 0.0
+        return float(self.cut[2:].split(",")[0])
+
+
+@dataclass(frozen=True)
+class Clips:
+    """Clipping bounds: the median row norm of each direction on public text,
+    at the run's batch size (the gradient scales with 1 / tokens per batch)."""
+
+    forward: float
+    backward: float
+
+
+def calibrate(model: CausalLM, public: torch.Tensor, cut: str, batch: int) -> Clips:
+    partition = parse_partition(cut, model.config)
+    acts, grads = [], []
+    for i in range(0, len(public) - batch + 1, batch):
+        c = crossing(model, public[i : i + batch], partition)
+        acts.append(c.acts.flatten(1).norm(dim=1))
+        grads.append(c.grad.flatten(1).norm(dim=1))
+    if not acts:
+        raise ValueError(f"calibration needs at least {batch} public rows")
+    return Clips(float(torch.cat(acts).median()), float(torch.cat(grads).median()))
+
+
+def defence_for(point: Point, clips: Clips) -> dp.CutDefence:
+    if point.family == "gaussian":
+        return dp.CutDefence(
+            forward=dp.Gaussian(clips.forward, point.sigma),
+            backward=dp.Gaussian(clips.backward, point.sigma),
+        )
+    if point.family == "embedding-dp":
+        return dp.CutDefence(embedding_dp=point.embedding_eps)
+    return dp.CutDefence()
+
+
+def train_point(
+    point: Point,
+    defence: dp.CutDefence,
+    mcfg: ModelConfig,
+    base: Path,
+    data: Path,
+    out: Path,
+    cfg: TrainConfig,
+    eval_batches: int,
+) -> dict:
+    """Train the point's split run, merge it and score the merged model on
+    the test split: what the defence costs."""
+    run = out / "run"
+    summary = split_train(
+        mcfg,
+        [data],
+        run,
+        cfg,
+        SplitOptions(cut=point.cut, mode="local"),
+        init_from=base,
+        progress=False,
+        defence=defence,
+    )
+    merge(run, run / COMPUTE_DIR, out / "merged")
+    model, config = load_run_model(out / "merged")
+    test = TokenShards.open(
+        data, "test", tokenizer_sha256=config["tokenizer"]["sha256"]
+    )
+    loss = evaluate_loss(
+        model, test, batch_size=cfg.batch_size, max_batches=eval_batches
+    )
+    privacy = summary.get("privacy", {})
+    return {
+        "test_loss": loss,
+        "dp_epsilon": privacy.get("dp_epsilon"),
+        "bytes_per_step": summary["bytes_sent_per_step"]
+        + summary["bytes_received_per_step"],
+        "model": model,
+    }
+
+
+def protected(c: Crossing, defence: dp.CutDefence) -> Crossing:
+    """What B receives of ``c`` under ``defence`` (noise B does not know)."""
+    if not defence.active:
+        return c
+    guard = dp.CutGuard(defence, secrets.randbits(63))
+    return Crossing(
+        c.inputs,
+        c.labels,
+        guard.activations(c.acts, "audit"),
+        c.out,
+        guard.gradient(c.grad, "audit"),
+    )
+
+
+def attack_point(
+    point: Point,
+    defence: dp.CutDefence,
+    victims: dict[str, CausalLM],
+    base_model: CausalLM,
+    rows: torch.Tensor,
+    public: torch.Tensor,
+    steps: int,
+) -> list[dict]:
+    """Best recovery per direction, for each of A's weights in ``victims``,
+    by a B that knows the base's weights and the mechanism."""
+    partition = parse_partition(point.cut, base_model.config)
+    first, _, back = blocks_of(partition)
+    # B's decoders, fitted on public text sent through the same mechanism.
+    pub = protected(crossing(base_model, public, partition), defence)
+    vocab = base_model.config.vocab_size
+    fwd = LearnedDecoder(pub.acts.shape[-1], vocab).fit(pub.acts, pub.inputs)
+    bwd = LearnedDecoder(pub.grad.shape[-1], vocab, normalise=True).fit(
+        pub.grad, pub.labels
+    )
+    out = []
+    for weights, victim in victims.items():
+        seen = protected(crossing(victim, rows, partition), defence)
+        got = {
+            ("forward", "white-box"): invert_activations(
+                base_model, seen.acts, first, steps=steps
+            ),
+            ("forward", "learned"): fwd.predict(seen.acts),
+            ("backward", "white-box"): infer_labels(
+                base_model, seen.out, seen.grad, back, steps=steps
+            ),
+            ("backward", "learned"): bwd.predict(seen.grad),
+        }
+        for direction, truth in (("forward", seen.inputs), ("backward", seen.labels)):
+            rates = {
+                a: recovery(g, truth) for (d, a), g in got.items() if d == direction
+            }
+            best = max(rates, key=rates.get)
+            out.append(
+                {
+                    "A_weights": weights,
+                    "direction": direction,
+                    "recovery": rates[best],
+                    "best_attack": best,
+                    **{f"recovery_{a}": r for a, r in rates.items()},
+                    "frequent_token": frequent_token_rate(truth),
+                }
+            )
+    return out
+
+
+def frontier(
+    points: list[Point],
+    *,
+    base: Path,
+    data: Path,
+    public_rows: torch.Tensor,
+    rows: torch.Tensor,
+    out: Path,
+    cfg: TrainConfig,
+    eval_batches: int,
+    attack_steps: int,
+) -> list[dict]:
+    """Every point: its cost (a real split run) and what B recovers."""
+    base_model, _ = load_run_model(base)
+    base_model.eval().requires_grad_(False)
+    clips: dict[str, Clips] = {}
+    results: list[dict] = []
+    reference_loss = None
+    for n, point in enumerate(points):
+        if point.cut not in clips:
+            clips[point.cut] = calibrate(
+                base_model, public_rows, point.cut, cfg.batch_size
+            )
+        defence = defence_for(point, clips[point.cut])
+        log.info("frontier point %d/%d: %s", n + 1, len(points), point.label)
+        cost = train_point(
+            point,
+            defence,
+            base_model.config,
+            base,
+            data,
+            out / f"point-{n:02d}",
+            cfg,
+            eval_batches,
+        )
+        trained = cost.pop("model").eval().requires_grad_(False)
+        if point.family == "none":
+            reference_loss = cost["test_loss"]
+        attacked = attack_point(
+            point,
+            defence,
+            {"base (early)": base_model, "trained (late)": trained},
+            base_model,
+            rows,
+            public_rows,
+            attack_steps,
+        )
+        for a in attacked:
+            results.append(
+                {
+                    "defence": point.label,
+                    **asdict(point),
+                    "strength": point.strength,
+                    "clip_forward": clips[point.cut].forward,
+                    "clip_backward": clips[point.cut].backward,
+                    **cost,
+                    "loss_cost": None
+                    if reference_loss is None
+                    else cost["test_loss"] - reference_loss,
+                    **a,
+                }
+            )
+            log.info("%s", results[-1])
+    return results
+
+
+def recommended(results: list[dict], *, max_recovery: float, max_cost: float):
+    """The weakest defence (least loss cost) whose best attack, early and
+    late, forward and backward, recovers at most ``max_recovery`` (or the
+    frequent-token rate, where that is higher: no defence can take away what
+    guessing gets) at a loss cost of at most ``max_cost``; None if none does."""
+    by_point: dict[str, list[dict]] = {}
+    for r in results:
+        by_point.setdefault(r["defence"], []).append(r)
+    ok = []
+    for label, rs in by_point.items():
+        cost = rs[0]["loss_cost"]
+        if cost is None or cost > max_cost:
+            continue
+        if all(r["recovery"] <= max(max_recovery, r["frequent_token"]) for r in rs):
+            ok.append((cost, label))
+    return min(ok)[1] if ok else None

@@ -1,0 +1,301 @@
+"""``aisyn privacy audit --preset ci|full``: the whole measurement in one
+command, on the comparison's own inputs (its cached base model, pretrained on
+both domains, and its token shards): news is A's private text, reviews the
+public text B fits its decoders on.
+
+It writes, to ``--out``:
+
+* ``cuts/``: the undefended audit of every cut (``audit.audit``), early (the
+  base's weights) and late (A's weights after the undefended run);
+* ``frontier.md``, ``frontier.csv``, ``frontier.json``, ``frontier.png``:
+  every defence and strength by recovery, loss cost and ε (``frontier``),
+  and the recommended default: the cheapest point that keeps every attack at
+  or under ``MAX_RECOVERY`` (or the frequent-token rate) within
+  ``MAX_LOSS_COST`` nats.
+
+``ci`` runs every piece in a few minutes (its numbers mean nothing);
+``full`` is the measurement quoted in docs/privacy.md (about an hour on a
+2-core CPU).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from aisyn.data.shards import TokenShards
+from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.experiments.compare import cached_base, cached_shards
+from aisyn.experiments.presets import get_preset
+from aisyn.privacy.audit import AuditSettings, audit
+from aisyn.privacy.frontier import Point, frontier, recommended
+from aisyn.train.loop import TrainConfig
+
+log = logging.getLogger(__name__)
+
+MAX_RECOVERY = 0.10  # issue 11's target, forward and backward
+MAX_LOSS_COST = 0.05  # nats, after the same number of steps
+
+
+@dataclass(frozen=True)
+class AuditPreset:
+    experiments: str  # the comparison preset whose base and data are used
+    samples: int  # rows of A's test text attacked
+    public_samples: int  # public rows B fits decoders on (and clips calibrate on)
+    attack_steps: int  # optimisation steps of each white-box attack
+    train_steps: int  # steps of each frontier run
+    batch_size: int
+    lr: float
+    warmup: int
+    eval_batches: int  # test batches scored per frontier run
+    cuts: tuple[str, ...]  # the undefended audit's cuts
+    points: tuple[Point, ...] = field(default_factory=tuple)
+
+
+def _gaussians(*sigmas: float, cut: str = "u:1,1") -> tuple[Point, ...]:
+    return tuple(Point("gaussian", cut=cut, sigma=s) for s in sigmas)
+
+
+AUDIT_PRESETS = {
+    "ci": AuditPreset(
+        experiments="ci",
+        samples=2,
+        public_samples=16,
+        attack_steps=5,
+        train_steps=4,
+        batch_size=4,
+        lr=1e-3,
+        warmup=1,
+        eval_batches=2,
+        # the ci model has two ordinary blocks: cuts keep B one of them
+        cuts=("u:0,0", "u:1,0"),
+        points=(
+            Point("none", cut="u:0,1"),
+            *_gaussians(0.1, cut="u:0,1"),
+            Point("embedding-dp", cut="u:0,1", embedding_eps=5.0),
+            Point("blocks", cut="u:1,0"),
+        ),
+    ),
+    "full": AuditPreset(
+        experiments="full",
+        samples=8,
+        public_samples=256,
+        attack_steps=100,
+        train_steps=300,
+        batch_size=16,
+        lr=3e-4,
+        warmup=30,
+        eval_batches=20,
+        cuts=("u:0,0", "u:1,0", "u:0,1", "u:1,1"),
+        points=(
+            Point("none"),
+            *_gaussians(0.01, 0.03, 0.1, 0.2, 0.3),
+            Point("embedding-dp", embedding_eps=1.0),
+            Point("embedding-dp", embedding_eps=5.0),
+            Point("blocks", cut="u:2,0"),
+        ),
+    ),
+}
+
+
+def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
+    if name not in AUDIT_PRESETS:
+        raise ValueError(
+            f"unknown preset {name!r}; expected one of {list(AUDIT_PRESETS)}"
+        )
+    p = AUDIT_PRESETS[name]
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: exists and is not empty; choose another --out")
+    t0 = time.perf_counter()
+    experiments = get_preset(p.experiments)
+    tok = PanguTokenizer.load()
+    news = cached_shards("news", tok, experiments)
+    reviews = cached_shards("reviews", tok, experiments)
+    base = cached_base(experiments, [news, reviews], tok, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    private = TokenShards.open(news, "test", tokenizer_sha256=tok.sha256)
+    public = TokenShards.open(reviews, "train", tokenizer_sha256=tok.sha256)
+    rows = private.batch(torch.randperm(len(private), generator=g)[: p.samples])
+    public_rows = public.batch(
+        torch.randperm(len(public), generator=g)[: p.public_samples]
+    )
+    cfg = TrainConfig(
+        steps=p.train_steps,
+        batch_size=p.batch_size,
+        lr=p.lr,
+        warmup_steps=p.warmup,
+        log_every=max(1, p.train_steps // 20),
+        seed=seed + 1,
+        device="cpu",
+    )
+    results = frontier(
+        list(p.points),
+        base=base,
+        data=news,
+        public_rows=public_rows,
+        rows=rows,
+        out=out / "runs",
+        cfg=cfg,
+        eval_batches=p.eval_batches,
+        attack_steps=p.attack_steps,
+    )
+    choice = recommended(results, max_recovery=MAX_RECOVERY, max_cost=MAX_LOSS_COST)
+    # The undefended audit of every cut, late = A's weights after the
+    # undefended frontier run.
+    cuts = audit(
+        base,
+        news,
+        reviews,
+        out / "cuts",
+        list(p.cuts),
+        trained=out / "runs" / "point-00" / "merged",
+        settings=AuditSettings(
+            samples=p.samples,
+            public_samples=p.public_samples,
+            steps=p.attack_steps,
+            seed=seed,
+        ),
+    )
+    report = {
+        "preset": name,
+        "settings": {
+            **{k: v for k, v in p.__dict__.items() if k != "points"},
+            "points": [pt.label for pt in p.points],
+        },
+        "train": cfg.to_dict(),
+        "base": str(base),
+        "recommended": choice,
+        "targets": {"max_recovery": MAX_RECOVERY, "max_loss_cost": MAX_LOSS_COST},
+        "frontier": results,
+        "elapsed_s": time.perf_counter() - t0,
+        "cuts_elapsed_s": cuts["elapsed_s"],
+    }
+    write_frontier(out, report)
+    return report
+
+
+COLUMNS = [
+    ("defence", "defence"),
+    ("A_weights", "A's weights"),
+    ("direction", "direction"),
+    ("recovery", "best recovery"),
+    ("best_attack", "by"),
+    ("frequent_token", "frequent token"),
+    ("test_loss", "test loss"),
+    ("loss_cost", "loss cost"),
+    ("dp_epsilon", "ε"),
+    ("bytes_per_step", "link MB/step"),
+]
+
+
+def _cell(key: str, v) -> str:
+    if v is None:
+        return "—" if key != "dp_epsilon" else "∞"
+    if key in ("recovery", "frequent_token"):
+        return f"{100 * v:.1f} %"
+    if key in ("test_loss",):
+        return f"{v:.4f}"
+    if key == "loss_cost":
+        return f"{v:+.4f}"
+    if key == "dp_epsilon":
+        return f"{v:.3g}"
+    if key == "bytes_per_step":
+        return f"{v / 1e6:.2f}"
+    return str(v)
+
+
+def write_frontier(out: Path, report: dict) -> None:
+    rows = report["frontier"]
+    lines = [
+        "| " + " | ".join(h for _, h in COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    lines += [
+        "| " + " | ".join(_cell(k, r.get(k)) for k, _ in COLUMNS) + " |" for r in rows
+    ]
+    choice = report["recommended"]
+    t = report["targets"]
+    verdict = (
+        f"Recommended default: **{choice}** (the cheapest point whose every attack "
+        f"recovers ≤ {100 * t['max_recovery']:.0f} % or the frequent-token rate, "
+        f"at ≤ {t['max_loss_cost']} nats loss cost)."
+        if choice
+        else "No point meets the targets "
+        f"(≤ {100 * t['max_recovery']:.0f} % recovery, ≤ {t['max_loss_cost']} nats)."
+    )
+    s = report["settings"]
+    (out / "frontier.md").write_text(
+        f"# The privacy frontier (preset {report['preset']})\n\n"
+        f"Each point: a split run of {report['train']['steps']} steps from the "
+        f"base, merged and scored on {s['eval_batches']} test batches; attacks on "
+        f"{s['samples']} rows of A's test text with {s['attack_steps']} steps, "
+        f"decoders fitted on {s['public_samples']} public rows through the same "
+        f"mechanism. ε at δ = 1e-5 per training row (∞: a direction crosses "
+        f"without noise).\n\n" + "\n".join(lines) + f"\n\n{verdict}\n",
+        encoding="utf-8",
+    )
+    with (out / "frontier.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    (out / "frontier.json").write_text(json.dumps(report, indent=2, default=str))
+    plot_frontier(out / "frontier.png", rows)
+
+
+def plot_frontier(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    gauss = [r for r in rows if r["family"] in ("none", "gaussian")]
+    for ax, direction in zip(axes[:2], ("forward", "backward"), strict=True):
+        for weights, marker in (("base (early)", "o"), ("trained (late)", "s")):
+            pts = sorted(
+                (max(r["sigma"], 1e-3), 100 * r["recovery"])
+                for r in gauss
+                if r["direction"] == direction and r["A_weights"] == weights
+            )
+            ax.plot(*zip(*pts, strict=True), marker=marker, label=f"A {weights}")
+        for r in rows:
+            if r["family"] not in ("none", "gaussian") and r["direction"] == direction:
+                ax.axhline(100 * r["recovery"], linestyle="--", linewidth=0.8)
+                ax.annotate(
+                    f"{r['defence']} ({r['A_weights']})",
+                    (1e-3, 100 * r["recovery"]),
+                    fontsize=6,
+                )
+        freq = max(
+            100 * r["frequent_token"] for r in rows if r["direction"] == direction
+        )
+        ax.axhline(freq, color="grey", linestyle=":", label="frequent token")
+        ax.axhline(100 * MAX_RECOVERY, color="red", linestyle=":", label="target")
+        ax.set_xscale("log")
+        ax.set_xlabel("Gaussian noise multiplier σ (σ=0 drawn at 1e-3)")
+        ax.set_ylabel("tokens recovered, best attack (%)")
+        ax.set_title(
+            f"{direction} ({'inputs' if direction == 'forward' else 'labels'})"
+        )
+        ax.set_ylim(0, 100)
+        ax.legend(fontsize=6)
+    ax = axes[2]
+    costs: dict[str, float] = {}
+    for r in rows:
+        if r["loss_cost"] is not None:
+            costs.setdefault(r["defence"], r["loss_cost"])
+    ax.barh(list(costs), list(costs.values()))
+    ax.tick_params(axis="y", labelsize=6)
+    ax.axvline(MAX_LOSS_COST, color="red", linestyle=":")
+    ax.set_xlabel("loss cost (nats, vs no defence)")
+    ax.set_title("cost")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,269 @@
+"""Defences on the cut: what the data party adds to the tensors it sends, and
+the privacy budget that buys.
+
+Two directions leave A in split training: the activations of the front cut
+(a function of A's input tokens) and the gradient of the loss for B's output
+(a function of A's labels, i.e. the next tokens). Each can pass a
+*Gaussian mechanism* here: every row (one sequence of the batch) is clipped to
+an L2 norm ``clip`` and noise N(0, (noise · clip)²) is added to every element.
+The reference's *EmbeddingDP* is here too as a comparison point: 1-bit
+quantisation of the activations (> 0) and randomized response on every bit.
+
+The budget is accounted by Google's ``dp-accounting`` (RDP), never by hand:
+
+* the unit of privacy is one row of A's data (a token window, or one SFT
+  example); neighbouring datasets differ by *replacing* one row, so a clipped
+  row moves by at most ``2 · clip`` and each release is a Gaussian mechanism
+  of noise multiplier ``noise / 2``;
+* a row is sent once per epoch it is drawn in, forward and backward: ``k``
+  epochs compose ``2k`` Gaussian mechanisms. No amplification by sampling is
+  claimed (the batch order is a shuffle, not Poisson sampling), so ε is an
+  upper bound;
+* what ε covers: the tensors that cross the cut, each given A's parameters of
+  that step. A's own parameters are trained on the same rows and shape later
+  activations; for an end-to-end guarantee they would have to be trained
+  privately too (not done here; docs/privacy.md says so).
+
+The noise is drawn from generators seeded by a secret of A's (never sent) and
+the round's coordinates, so a resumed run draws exactly the noise it would
+have, with no generator state in checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from aisyn.validate import check_number
+
+DEFAULT_DELTA = 1e-5
+
+
+@dataclass(frozen=True)
+class Gaussian:
+    """Per-row clipping to L2 norm ``clip``, then noise of std ``noise · clip``."""
+
+    clip: float
+    noise: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_number("clip", self.clip, low=0, low_open=True)
+        check_number("noise", self.noise, low=0)
+
+
+@dataclass(frozen=True)
+class CutDefence:
+    """What A does to the tensors it sends B (A's own setting; B is not told)."""
+
+    forward: Gaussian | None = None  # on the activations of the front cut
+    backward: Gaussian | None = None  # on the gradient A returns for B's output
+    embedding_dp: float | None = None  # EmbeddingDP's ε per coordinate (forward)
+    delta: float = DEFAULT_DELTA
+
+    def __post_init__(self) -> None:
+        check_number("delta", self.delta, low=0, high=1, low_open=True, high_open=True)
+        if self.embedding_dp is not None:
+            check_number(
+                "embedding-dp epsilon", self.embedding_dp, low=0, low_open=True
+            )
+            if self.forward is not None:
+                raise ValueError(
+                    "EmbeddingDP and a Gaussian forward defence both replace the "
+                    "activations A sends: choose one"
+                )
+
+    @property
+    def active(self) -> bool:
+        return bool(self.forward or self.backward or self.embedding_dp is not None)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> CutDefence:
+        d = dict(d or {})
+        for side in ("forward", "backward"):
+            if d.get(side) is not None:
+                d[side] = Gaussian(**d[side])
+        return cls(**d)
+
+    def describe(self) -> str:
+        parts = []
+        for side in ("forward", "backward"):
+            g = getattr(self, side)
+            if g is not None:
+                parts.append(f"{side}: clip {g.clip:g}, noise {g.noise:g}")
+        if self.embedding_dp is not None:
+            parts.append(f"forward: EmbeddingDP ε {self.embedding_dp:g} per bit")
+        return "; ".join(parts) or "none"
+
+
+def defence_from_flags(
+    *,
+    forward_clip: float | None = None,
+    forward_noise: float | None = None,
+    backward_clip: float | None = None,
+    backward_noise: float | None = None,
+    delta: float | None = None,
+    embedding_dp: float | None = None,
+) -> CutDefence:
+    """The defence ``aisyn split train``'s ``--dp-*`` / ``--embedding-dp``
+    flags ask for, or a one-line ``ValueError`` naming the flag that makes no
+    sense (noise without a clipping bound, a delta with no Gaussian noise)."""
+
+    def side(name: str, clip: float | None, noise: float | None) -> Gaussian | None:
+        if noise is not None and clip is None:
+            raise ValueError(
+                f"--dp-{name}-noise needs --dp-{name}-clip: the noise is a multiple "
+                "of the clipping bound"
+            )
+        return None if clip is None else Gaussian(clip, noise or 0.0)
+
+    forward = side("forward", forward_clip, forward_noise)
+    backward = side("backward", backward_clip, backward_noise)
+    if delta is not None and not any(g and g.noise for g in (forward, backward)):
+        raise ValueError(
+            "--dp-delta: no Gaussian noise to account (give --dp-forward-noise or "
+            "--dp-backward-noise with their clipping bounds)"
+        )
+    return CutDefence(
+        forward=forward,
+        backward=backward,
+        embedding_dp=embedding_dp,
+        delta=DEFAULT_DELTA if delta is None else delta,
+    )
+
+
+# --- the mechanisms -------------------------------------------------------------------
+
+
+def clip_rows(x: torch.Tensor, bound: float) -> torch.Tensor:
+    """``x`` with every row (dim 0) scaled down to L2 norm ≤ ``bound``;
+    differentiable, so A's own gradient flows through the clipping."""
+    norms = x.detach().float().flatten(1).norm(dim=1)
+    scale = (bound / norms.clamp(min=1e-12)).clamp(max=1.0)
+    return x * scale.to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
+
+
+def gaussian_noise_like(
+    x: torch.Tensor, std: float, generator: torch.Generator
+) -> torch.Tensor:
+    noise = torch.randn(x.shape, generator=generator, dtype=torch.float32)
+    return (noise * std).to(device=x.device, dtype=x.dtype)
+
+
+def flip_probability(epsilon: float) -> float:
+    """EmbeddingDP's randomized response: a bit is flipped with probability
+    1 / (1 + e^(ε/2)) (MindSpore Federated's ``EmbeddingDP``)."""
+    return 1.0 / (1.0 + math.exp(epsilon / 2))
+
+
+def embedding_dp(
+    x: torch.Tensor, epsilon: float, generator: torch.Generator
+) -> torch.Tensor:
+    """1-bit quantisation (x > 0) and randomized response on every bit. The
+    backward is the identity (straight-through), so A's front still trains."""
+    bits = (x.detach() > 0).float()
+    flips = torch.rand(x.shape, generator=generator) < flip_probability(epsilon)
+    sent = torch.where(flips.to(x.device), 1.0 - bits, bits).to(x.dtype)
+    return _StraightThrough.apply(x, sent)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``sent`` exactly on the way forward, the identity on the way back
+    (``x + (sent - x).detach()`` would round the bits)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+        return sent
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class CutGuard:
+    """A's defence at run time: ``activations`` and ``gradient`` return what
+    is sent in place of the true tensors. ``secret`` seeds the noise; it stays
+    in A's run folder."""
+
+    def __init__(self, defence: CutDefence, secret: int) -> None:
+        self.defence = defence
+        self.secret = secret
+
+    def _generator(self, *where: object) -> torch.Generator:
+        key = ":".join(map(str, (self.secret, *where))).encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        return torch.Generator().manual_seed(seed >> 1)
+
+    def activations(self, h: torch.Tensor, *where: object) -> torch.Tensor:
+        d = self.defence
+        if d.embedding_dp is not None:
+            return embedding_dp(h, d.embedding_dp, self._generator("act", *where))
+        if d.forward is None:
+            return h
+        h = clip_rows(h, d.forward.clip)
+        if d.forward.noise == 0:
+            return h
+        std = d.forward.noise * d.forward.clip
+        return h + gaussian_noise_like(h, std, self._generator("act", *where))
+
+    def gradient(self, g: torch.Tensor, *where: object) -> torch.Tensor:
+        b = self.defence.backward
+        if b is None:
+            return g
+        g = clip_rows(g, b.clip)
+        if b.noise == 0:
+            return g
+        return g + gaussian_noise_like(
+            g, b.noise * b.clip, self._generator("grad", *where)
+        )
+
+
+# --- the budget -----------------------------------------------------------------------
+
+
+def releases(rows_sent: int, dataset_rows: int) -> int:
+    """How many times a row may have been sent after ``rows_sent`` rows were
+    drawn in epochs of ``dataset_rows`` (each epoch a permutation)."""
+    return math.ceil(rows_sent / dataset_rows) if rows_sent > 0 else 0
+
+
+def finite_or_none(eps: float) -> float | None:
+    """ε as JSON holds it: ``None`` where there is no finite bound."""
+    return eps if math.isfinite(eps) else None
+
+
+def epsilon(
+    defence: CutDefence, k: int, *, backward: bool = True, coordinates: int = 0
+) -> float:
+    """ε (at ``defence.delta``) of ``k`` releases of one row through
+    ``defence`` (``backward``: the gradient too, as in training; evaluation
+    sends activations only). ``inf`` when a direction crosses without noise.
+
+    EmbeddingDP is ε-LDP per coordinate: a row of ``coordinates`` bits
+    (positions × hidden size) composes to ``ε · coordinates`` per release.
+    """
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    if k == 0:
+        return 0.0
+    pure = 0.0  # EmbeddingDP's part: pure ε composes by adding
+    gaussians = [defence.backward] if backward else []
+    if defence.embedding_dp is not None:
+        pure = defence.embedding_dp * coordinates * k if coordinates else math.inf
+    else:
+        gaussians.append(defence.forward)
+    if any(g is None or g.noise == 0 for g in gaussians) or math.isinf(pure):
+        return math.inf
+    if not gaussians:
+        return pure
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    for g in gaussians:
+        # Replacing one row moves its clipped tensor by up to 2·clip.
+        accountant.compose(dp_event.GaussianDpEvent(g.noise / 2), k)
+    return pure + float(accountant.get_epsilon(defence.delta))

@@ -1,0 +1,50 @@
+"""The privacy tests' public base: a small model trained on both domains."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def reviews_data(tmp_path_factory, tokenizer):
+    from aisyn.data.corpora import load_corpus
+    from aisyn.data.shards import prepare
+
+    out = tmp_path_factory.mktemp("data") / "reviews"
+    prepare(
+        load_corpus("reviews"),
+        tokenizer,
+        32,
+        out,
+        max_documents=400,
+        corpus_specs=["reviews"],
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def base(tmp_path_factory, news_data, reviews_data):
+    """A small model trained a few steps on both domains (the public base)."""
+    from aisyn.model.pangu import PanguConfig
+    from aisyn.train.loop import TrainConfig, train
+
+    cfg = PanguConfig(
+        vocab_size=8000,
+        hidden_size=32,
+        num_layers=4,
+        num_heads=4,
+        ffn_size=64,
+        seq_len=32,
+    )
+    out = tmp_path_factory.mktemp("base") / "run"
+    tc = TrainConfig(
+        steps=10,
+        batch_size=8,
+        micro_batch_size=8,
+        lr=3e-3,
+        warmup_steps=2,
+        device="cpu",
+        seed=3,
+    )
+    train(cfg, [news_data, reviews_data], out, tc, progress=False)
+    return out

@@ -1,0 +1,98 @@
+"""The frontier: a defence measured by a real split run's loss and by the
+attacks on what it lets cross; the recommended default; the audit's bad
+input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aisyn.cli import main
+from aisyn.data.shards import TokenShards
+from aisyn.privacy.frontier import Point, frontier, recommended
+from aisyn.train.loop import TrainConfig
+
+
+def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
+    tmp_path, base, news_data, reviews_data
+):
+    # Prepare: B's public rows and A's private rows
+    public = TokenShards.open(reviews_data, "train").batch(torch.arange(32))
+    rows = TokenShards.open(news_data, "test").batch(torch.arange(2))
+    cfg = TrainConfig(
+        steps=4, batch_size=8, lr=1e-3, warmup_steps=1, seed=5, device="cpu"
+    )
+    # Execute
+    results = frontier(
+        [Point("none"), Point("gaussian", sigma=1.0)],
+        base=base,
+        data=news_data,
+        public_rows=public,
+        rows=rows,
+        out=tmp_path,
+        cfg=cfg,
+        eval_batches=2,
+        attack_steps=20,
+    )
+    # Assert: one row per point x A's weights x direction
+    got = {(r["family"], r["A_weights"], r["direction"]): r for r in results}
+    assert len(results) == 8
+    for weights in ("base (early)", "trained (late)"):
+        open_labels = got[("none", weights, "backward")]
+        assert open_labels["recovery"] > open_labels["frequent_token"] + 0.2
+        hidden = got[("gaussian", weights, "backward")]
+        assert hidden["recovery"] <= hidden["frequent_token"] + 0.05
+    none, noisy = (
+        got[("none", "base (early)", "forward")],
+        got[("gaussian", "base (early)", "forward")],
+    )
+    # The cost side comes from real runs: the undefended one is the reference.
+    assert none["loss_cost"] == 0.0 and none["dp_epsilon"] is None
+    assert math.isfinite(noisy["test_loss"]) and noisy["loss_cost"] is not None
+    assert noisy["dp_epsilon"] is not None and noisy["dp_epsilon"] > 0
+    assert noisy["bytes_per_step"] == none["bytes_per_step"]
+    assert noisy["clip_forward"] > 0 and noisy["clip_backward"] > 0
+    assert (tmp_path / "point-01" / "run" / "privacy.json").is_file()
+
+
+def _rows(label, cost, recoveries, frequent=0.1):
+    return [
+        {
+            "defence": label,
+            "loss_cost": cost,
+            "recovery": r,
+            "frequent_token": frequent,
+        }
+        for r in recoveries
+    ]
+
+
+def test_recommended_is_the_cheapest_point_that_meets_both_targets():
+    results = [
+        *_rows("none", 0.0, [0.9, 1.0]),
+        *_rows("weak", 0.01, [0.05, 0.3]),  # the labels still leak
+        *_rows("strong", 0.2, [0.0, 0.0]),  # too expensive
+        *_rows("ok", 0.04, [0.12, 0.02], frequent=0.15),  # at the guessing rate
+        *_rows("ok but dearer", 0.045, [0.01, 0.01]),
+    ]
+    assert recommended(results, max_recovery=0.1, max_cost=0.05) == "ok"
+    assert recommended(results[:6], max_recovery=0.1, max_cost=0.05) is None
+
+
+def test_audit_without_a_preset_or_inputs_says_what_is_missing(tmp_path, capsys):
+    rc = main(["privacy", "audit", "--out", str(tmp_path / "o"), "--base", "x"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("aisyn: error: give --preset ci|full, or --data, --public"), err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_ci_preset_measures_every_piece(tmp_path):
+    out = tmp_path / "audit"
+    assert main(["privacy", "audit", "--preset", "ci", "--out", str(out)]) in (0, None)
+    for name in ("frontier.md", "frontier.csv", "frontier.json", "frontier.png"):
+        assert (out / name).is_file(), name
+    assert (out / "cuts" / "audit.md").is_file()

@@ -1,0 +1,196 @@
+"""Defences on the cut (``train.dp``): the mechanisms do what they say, the
+budget is the accountant's, a defended split run is reproducible and resumes
+exactly, the compute party is never told, and nonsense settings are refused."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import CUT, losses, train_cfg
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from aisyn.split.session import COMPUTE_DIR, SplitOptions
+from aisyn.split.train import split_train
+from aisyn.train import dp
+from aisyn.train.run import read_metrics
+
+
+def test_clip_rows_bounds_each_row_and_keeps_small_ones():
+    x = torch.randn(4, 8, 16)
+    x[0] *= 100
+    x[1] *= 1e-3
+    y = dp.clip_rows(x, 1.0)
+    norms = y.flatten(1).norm(dim=1)
+    assert norms[0] == pytest.approx(1.0, rel=1e-5)
+    assert torch.equal(y[1], x[1])  # already inside the bound: untouched
+    assert bool((norms <= 1.0 + 1e-5).all())
+
+
+def test_clip_rows_passes_the_gradient_of_the_scaled_rows():
+    x = (torch.randn(2, 3, 4) * 10).requires_grad_()
+    dp.clip_rows(x, 1.0).sum().backward()
+    scale = 1.0 / x.detach().flatten(1).norm(dim=1)
+    # d/dx of x * c, c treated as a constant of the row (as DP-SGD clips)
+    assert torch.allclose(x.grad, scale.view(2, 1, 1).expand(2, 3, 4))
+
+
+def test_gaussian_noise_has_the_asked_std_and_follows_the_secret():
+    guard = dp.CutGuard(dp.CutDefence(forward=dp.Gaussian(1.0, 2.0)), secret=7)
+    h = torch.zeros(8, 64, 32)
+    a = guard.activations(h, 3, 0)
+    assert a.std().item() == pytest.approx(2.0, rel=0.02)
+    assert torch.equal(a, guard.activations(h, 3, 0))  # same round: same draw
+    assert not torch.equal(a, guard.activations(h, 3, 1))  # another micro-batch
+    other = dp.CutGuard(guard.defence, secret=8).activations(h, 3, 0)
+    assert not torch.equal(a, other)
+
+
+def test_embedding_dp_flips_bits_at_its_rate_and_is_straight_through():
+    eps = 2.0
+    guard = dp.CutGuard(dp.CutDefence(embedding_dp=eps), secret=1)
+    x = torch.randn(16, 32, 64, requires_grad=True)
+    sent = guard.activations(x, 0, 0)
+    bits = (x.detach() > 0).float()
+    assert set(sent.detach().unique().tolist()) <= {0.0, 1.0}
+    flipped = (sent.detach() != bits).float().mean().item()
+    assert flipped == pytest.approx(1 / (1 + math.exp(eps / 2)), abs=0.01)
+    g = torch.randn_like(x)
+    sent.backward(g)
+    assert torch.equal(x.grad, g)
+
+
+def test_epsilon_is_the_accountants():
+    d = dp.CutDefence(forward=dp.Gaussian(1.0, 4.0), backward=dp.Gaussian(2.0, 2.0))
+    want = rdp_privacy_accountant.RdpAccountant()
+    want.compose(dp_event.GaussianDpEvent(2.0), 3)  # replace-one: noise / 2
+    want.compose(dp_event.GaussianDpEvent(1.0), 3)
+    assert dp.epsilon(d, 3) == pytest.approx(want.get_epsilon(1e-5))
+    assert dp.epsilon(d, 0) == 0.0
+    assert dp.epsilon(d, 2) < dp.epsilon(d, 3)  # more passes, more spent
+    forward_only = rdp_privacy_accountant.RdpAccountant()
+    forward_only.compose(dp_event.GaussianDpEvent(2.0), 3)
+    assert dp.epsilon(d, 3, backward=False) == pytest.approx(
+        forward_only.get_epsilon(1e-5)
+    )
+    # A side that crosses without noise has no bound.
+    assert dp.epsilon(dp.CutDefence(forward=dp.Gaussian(1.0, 1.0)), 1) == math.inf
+    assert dp.epsilon(dp.CutDefence(forward=dp.Gaussian(1.0, 0.0)), 1) == math.inf
+    # EmbeddingDP: pure ε per bit, composed over a row's bits and its passes,
+    # plus the backward Gaussian's.
+    e = dp.CutDefence(embedding_dp=0.5, backward=dp.Gaussian(1.0, 4.0))
+    backward_only = rdp_privacy_accountant.RdpAccountant()
+    backward_only.compose(dp_event.GaussianDpEvent(2.0), 2)
+    assert dp.epsilon(e, 2, coordinates=10) == pytest.approx(
+        0.5 * 10 * 2 + backward_only.get_epsilon(1e-5)
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"forward_noise": 1.0}, "--dp-forward-noise needs --dp-forward-clip"),
+        ({"backward_noise": 1.0}, "--dp-backward-noise needs --dp-backward-clip"),
+        ({"forward_clip": 1.0, "delta": 1e-6}, "--dp-delta: no Gaussian noise"),
+        ({"forward_clip": 0.0, "forward_noise": 1.0}, "clip must be positive"),
+        ({"forward_clip": 1.0, "forward_noise": -1.0}, "noise must be >= 0"),
+        ({"forward_clip": 1.0, "forward_noise": 1.0, "delta": 1.0}, "delta must be"),
+        ({"embedding_dp": 0.0}, "embedding-dp epsilon must be positive"),
+        ({"embedding_dp": 1.0, "forward_clip": 1.0}, "choose one"),
+    ],
+)
+def test_nonsense_settings_are_refused_in_one_line(flags, message):
+    with pytest.raises(ValueError, match=message) as e:
+        dp.defence_from_flags(**flags)
+    assert "\n" not in str(e.value)
+
+
+def _run(out, news_data, split_config, defence, **cfg):
+    return split_train(
+        split_config,
+        [news_data],
+        out,
+        train_cfg(**cfg),
+        SplitOptions(cut=CUT, mode="local"),
+        progress=False,
+        defence=defence,
+    )
+
+
+def test_a_bound_that_never_binds_leaves_the_run_exact(
+    tmp_path, news_data, split_config, baseline
+):
+    loose = dp.CutDefence(forward=dp.Gaussian(1e9), backward=dp.Gaussian(1e9))
+    summary = _run(tmp_path / "run", news_data, split_config, loose)
+    assert losses(tmp_path / "run") == pytest.approx(baseline, rel=1e-5)
+    assert summary["privacy"]["dp_epsilon"] is None  # clipped, but no noise
+
+
+def test_defended_run_reports_its_budget_and_b_is_not_told(
+    tmp_path, news_data, split_config, baseline
+):
+    # Prepare
+    defence = dp.CutDefence(
+        forward=dp.Gaussian(50.0, 0.01), backward=dp.Gaussian(0.05, 0.5), delta=1e-6
+    )
+    out = tmp_path / "run"
+    # Execute
+    summary = _run(out, news_data, split_config, defence, steps=12)
+    # Assert: the noise reaches B from the first forward on, and it trains
+    got = losses(out)
+    assert all(math.isfinite(v) for v in got)
+    assert got[0] != pytest.approx(baseline[0], rel=1e-6)
+    assert abs(got[0] - baseline[0]) < 0.5  # noise of 1 % of the clip
+    records = read_metrics(out / "metrics.jsonl")
+    k = summary["privacy"]["releases_per_row"]
+    assert k >= 1
+    assert records[-1]["dp_epsilon"] == pytest.approx(dp.epsilon(defence, k))
+    saved = json.loads((out / "privacy.json").read_text())
+    assert saved["dp_epsilon"] == pytest.approx(dp.epsilon(defence, k))
+    assert saved["delta"] == 1e-6
+    config = json.loads((out / "config.json").read_text())
+    assert dp.CutDefence.from_dict(config["cut_defence"]) == defence
+    # B's side of the run (in-process: under A's folder) holds no trace of it.
+    b_files = list((out / COMPUTE_DIR).rglob("*.json"))
+    assert b_files, "the compute party wrote no run folder"
+    for f in b_files:
+        text = f.read_text()
+        assert "cut_defence" not in text and "noise" not in text, f
+
+
+def test_defended_run_is_reproducible_and_resumes_exactly(
+    tmp_path, news_data, split_config
+):
+    defence = dp.CutDefence(
+        forward=dp.Gaussian(50.0, 0.01), backward=dp.Gaussian(0.05, 0.5)
+    )
+    whole, again, part = tmp_path / "whole", tmp_path / "again", tmp_path / "part"
+    _run(whole, news_data, split_config, defence, steps=10, ckpt_every=5)
+    _run(again, news_data, split_config, defence, steps=10, ckpt_every=5)
+    assert losses(again) == losses(whole)
+    _run(part, news_data, split_config, defence, steps=5, ckpt_every=5)
+    split_train(
+        split_config,
+        [news_data],
+        part,
+        train_cfg(steps=10, ckpt_every=5),
+        SplitOptions(cut=CUT, mode="local"),
+        progress=False,
+        defence=defence,
+        resume=True,
+    )
+    assert losses(part) == losses(whole)
+    # Resuming under another defence would break the budget's accounting.
+    with pytest.raises(ValueError, match="resume it with the same defence"):
+        split_train(
+            split_config,
+            [news_data],
+            part,
+            train_cfg(steps=12, ckpt_every=5),
+            SplitOptions(cut=CUT, mode="local"),
+            progress=False,
+            resume=True,
+        )
