@@ -243,6 +243,30 @@ BAD_INPUTS = [
         "or --sft SFT_DIR (fine-tuning), one of them",
     ),
     (
+        "split train noise without a clipping bound",
+        lambda f: (
+            ["split", "train", "--data", str(f / "data"), "--out", str(f / "dp_run")]
+            + ["--dp-backward-noise", "0.5", "--quiet"]
+        ),
+        "--dp-backward-noise needs --dp-backward-clip",
+    ),
+    (
+        "split train negative noise",
+        lambda f: (
+            ["split", "train", "--data", str(f / "data"), "--out", str(f / "dp_run")]
+            + ["--dp-forward-clip", "1", "--dp-forward-noise", "-1"]
+        ),
+        "--dp-forward-noise: must be >= 0, got -1",
+    ),
+    (
+        "split train delta without noise",
+        lambda f: (
+            ["split", "train", "--data", str(f / "data"), "--out", str(f / "dp_run")]
+            + ["--dp-forward-clip", "1", "--dp-delta", "1e-6"]
+        ),
+        "--dp-delta: no Gaussian noise to account",
+    ),
+    (
         "split train --sft without a base",
         lambda f: split_sft_argv(f),
         "split fine-tuning starts from a pre-trained base; give --init-from BASE",
