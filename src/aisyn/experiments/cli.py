@@ -32,9 +32,31 @@ def cmd_compare(args) -> None:
         device=args.device,
         echo=args.echo,
         tensorboard=args.tensorboard,
+        federated=parse_fl_settings(args.fl_set or []),
     )
     print((Path(args.out) / REPORT_MD).read_text(encoding="utf-8"))
     print(f"took {report['elapsed_s'] / 60:.1f} min; wrote {args.out}")
+
+
+def parse_fl_settings(specs: list[str]) -> dict:
+    """``--fl-set KEY=VALUE`` pairs as federated settings (VALUE in TOML, a bare
+    word a string: ``secure-aggregation=true``, ``dp=client``), checked now."""
+    import tomllib
+
+    from aisyn.fl.settings import FLSettings
+
+    out: dict = {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--fl-set {spec!r}: expected KEY=VALUE")
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value
+        out[key.strip()] = parsed
+    FLSettings.from_dict({"min_clients": 2, **out}, "--fl-set")
+    return out
 
 
 def cmd_prepare_sft(args) -> None:
@@ -124,6 +146,13 @@ def register(sub) -> None:
         ("--steps", positive_int, None, "override the step budget"),
         ("--lr", positive_float, None, "override the fine-tuning lr"),
         ("--echo", "store_true", None, "stream the Flower server log"),
+        (
+            "--fl-set",
+            "append",
+            None,
+            "a federated setting KEY=VALUE for the federated regime (repeat; "
+            "e.g. secure-aggregation=true, dp=client, dp-noise-multiplier=0.5)",
+        ),
         (
             "--tensorboard",
             "store_true",

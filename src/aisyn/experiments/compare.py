@@ -283,10 +283,12 @@ def run_compare(
     device: str = "auto",
     echo: bool = False,
     tensorboard: bool = False,
+    federated: dict | None = None,
 ) -> dict:
     """Every regime of the comparison in ``out``; ``tensorboard``: each
     fine-tuning run, the federated server and its clients also write
-    TensorBoard event files."""
+    TensorBoard event files; ``federated``: federated settings by name (e.g.
+    secure-aggregation, dp), over the preset's."""
     t_start = time.perf_counter()
     out = Path(out)
     if (out / REPORT_JSON).exists() or (out / "runs").exists():
@@ -363,7 +365,9 @@ def run_compare(
 
     from aisyn.fl.launch import simulate
 
-    settings = federated_settings(preset, len(names), device, tensorboard=tensorboard)
+    settings = federated_settings(
+        preset, len(names), device, tensorboard=tensorboard, **(federated or {})
+    )
     fed = simulate(
         base, {n: sft[n] for n in names}, runs / "federated", settings, echo=echo
     )
@@ -371,8 +375,13 @@ def run_compare(
     train_s = sum(h.get("client_train_s") or 0.0 for h in hist)
     overhead_s = fed["wall_s"] - train_s
     fed_model, _ = load_run_model(runs / "federated" / "server", dev)
+    privacy = "".join(
+        [", SecAgg+" * settings.secure_aggregation]
+        + [f", DP {settings.dp} s={settings.dp_noise_multiplier:g}"]
+        * (settings.dp != "off")
+    )
     add_row(
-        f"AIsyn federated ({settings.strategy}, {settings.method})",
+        f"AIsyn federated ({settings.strategy}, {settings.method}{privacy})",
         fed_model,
         "prompt",
         epochs_or_rounds=f"{settings.rounds} rounds",
@@ -413,6 +422,7 @@ def run_compare(
                 "final_global_valid_loss",
                 "payload_bytes_per_client",
                 "wall_s",
+                "privacy",
             )
         },
         "rows": rows,

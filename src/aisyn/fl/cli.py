@@ -9,6 +9,7 @@ from pathlib import Path
 from aisyn import validate
 from aisyn.fl.settings import (
     AGGREGATIONS,
+    DP_MODES,
     NUMBER_RANGES,
     SCHEDULES,
     STRATEGIES,
@@ -55,6 +56,18 @@ _HELP = {
     "grad_clip": "clip the global gradient L2 norm (0: off)",
     "device": "auto, cpu, cuda, cuda:1, ...",
     "tensorboard": "also write TensorBoard event files (server and clients)",
+    "secure_aggregation": "Flower's SecAgg+: the server sees only the sum of the "
+    "updates (no robust aggregation or max-norm-ratio with it)",
+    "secagg_threshold": "SecAgg+: clients that must complete a round (0: a "
+    "majority of those sampled, at least 2); more dropouts halt the round",
+    "secagg_clipping_range": "SecAgg+: each update coordinate is clipped to "
+    "+-this before quantisation (2**22 levels)",
+    "dp": "client-level DP: off, or updates clipped on the clients (client) or "
+    "on the server (server), Gaussian noise added to their mean",
+    "dp_noise_multiplier": "DP: noise std / (clipping norm / sampled clients)",
+    "dp_clipping_norm": "DP: L2 bound of each client's update",
+    "dp_sampled_clients": "DP: clients sampled per round out of min-clients (0: all)",
+    "dp_delta": "DP: delta at which epsilon is reported",
 }
 
 
@@ -63,6 +76,7 @@ _CHOICES = {
     "schedule": SCHEDULES,
     "method": ("full", "lora"),
     "aggregation": AGGREGATIONS,
+    "dp": DP_MODES,
 }
 
 
@@ -118,6 +132,21 @@ def _print_result(result: dict) -> None:
         )
     if result.get("final_global_valid_loss") is not None:
         print(f"final global valid loss {result['final_global_valid_loss']:.4f}")
+    privacy = result.get("privacy") or {}
+    if privacy.get("secure_aggregation"):
+        print(
+            "secure aggregation (SecAgg+): the server saw only the sum of the "
+            f"updates (threshold {privacy['secagg_threshold']})"
+        )
+    if privacy.get("dp", "off") != "off":
+        eps = privacy["epsilon"]
+        shown = "inf (no noise: no privacy)" if eps is None else f"{eps:.4g}"
+        print(
+            f"client DP ({privacy['dp']} clipping to {privacy['clipping_norm']:g}, "
+            f"noise multiplier {privacy['noise_multiplier']:g}, "
+            f"{privacy['sampled_clients']} clients per round): "
+            f"epsilon {shown} at delta {privacy['delta']:g}"
+        )
     print(f"global model: {result['run']}")
 
 

@@ -3,6 +3,11 @@
 Each SuperNode runs this once per message, in a fresh process. The node's own
 settings (its data, base model copy and run folder) come from the SuperNode's
 ``--node-config``; everything else from the server's ``ConfigRecord``.
+
+Flower's mods wrap the handlers, each acting only on the messages it is for:
+SecAgg+'s (``--secure-aggregation``: its key stages never reach the handlers,
+so ``aisyn.fl.task`` and torch are imported only where they are needed) and
+client-side DP clipping (``--dp client``); see ``aisyn.fl.secure``.
 """
 
 from __future__ import annotations
@@ -12,20 +17,30 @@ import logging
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from aisyn.fl import task
+from aisyn.fl.secure import (
+    legacy_fit_mod,
+    optional_fixedclipping_mod,
+    optional_secaggplus_mod,
+)
 
-app = ClientApp()
+# Outermost first: SecAgg+ masks what the legacy adapter returns, which is the
+# update after client-side DP clipping (each mod acts only on its messages).
+app = ClientApp(
+    mods=[optional_secaggplus_mod, legacy_fit_mod, optional_fixedclipping_mod]
+)
 
 
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
-    for noisy in ("matplotlib", "PIL"):
+    for noisy in ("matplotlib", "PIL", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     _setup_logging()
+    from aisyn.fl import task
+
     node = task.ClientNode.from_node_config(dict(context.node_config))
     arrays, metrics = task.client_train(
         node, msg.content["config"], msg.content["arrays"]
@@ -36,6 +51,8 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     _setup_logging()
+    from aisyn.fl import task
+
     node = task.ClientNode.from_node_config(dict(context.node_config))
     metrics = task.client_evaluate(node, msg.content["config"], msg.content["arrays"])
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)

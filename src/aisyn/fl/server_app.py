@@ -17,7 +17,7 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
-    for noisy in ("matplotlib", "PIL"):
+    for noisy in ("matplotlib", "PIL", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     run_config = dict(context.run_config)
     settings = FLSettings.from_run_config(run_config)

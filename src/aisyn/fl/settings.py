@@ -24,6 +24,11 @@ STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm")
 # is FedAvg's weighted mean; the others are robust to a few bad clients.
 AGGREGATIONS = ("mean", "trimmed-mean", "median", "krum", "multikrum", "bulyan")
 SCHEDULES = ("continue", "restart")
+# Client-level differential privacy (Flower's fixed-clipping wrappers): off, or
+# each update clipped on its client (``fixedclipping_mod``) or on the server.
+DP_MODES = ("off", "client", "server")
+#: the aggregations that need to see each client's update (not only the sum)
+ROBUST_AGGREGATIONS = ("trimmed-mean", "median", "krum", "multikrum", "bulyan")
 
 #: the settings that are each client's ``TrainConfig`` (its local optimizer
 #: and schedule), by their flag / TOML name; FLSettings holds them as ``train``
@@ -81,6 +86,12 @@ NUMBER_RANGES: dict[str, dict] = {
     "assumed_attackers": {"low": 0},
     "max_examples": {"low": 0},
     "max_norm_ratio": {"low": 0},  # and 0 (off) or >= 1: __post_init__
+    "secagg_threshold": {"low": 0},  # and 0 (auto) or >= 2: __post_init__
+    "secagg_clipping_range": {"low": 0, "low_open": True},
+    "dp_noise_multiplier": {"low": 0},
+    "dp_clipping_norm": {"low": 0, "low_open": True},
+    "dp_sampled_clients": {"low": 0},
+    "dp_delta": {"low": 0, "high": 1, "low_open": True, "high_open": True},
 }
 
 
@@ -129,6 +140,22 @@ class FLSettings:
     max_norm_ratio: float = 3.0
     eval_items: int = 256  # client validation items per evaluation (0: all)
     tensorboard: bool = False  # server and clients also write TensorBoard files
+    # Flower's SecAgg+: the server sees only the sum of the clients' updates
+    # (aisyn.fl.secure). A round needs secagg-threshold live clients (0: a
+    # majority of the sampled ones, at least 2); each update coordinate is
+    # clipped to +-secagg-clipping-range before it is quantised.
+    secure_aggregation: bool = False
+    secagg_threshold: int = 0
+    secagg_clipping_range: float = 1.0
+    # client-level DP (aisyn.fl.dp): every update clipped to L2 norm
+    # dp-clipping-norm, Gaussian noise of std noise x clip / sampled clients
+    # added to their mean; dp-sampled-clients of min-clients train each round
+    # (0: all); epsilon is reported at dp-delta
+    dp: str = "off"
+    dp_noise_multiplier: float = 1.0
+    dp_clipping_norm: float = 1.0
+    dp_sampled_clients: int = 0
+    dp_delta: float = 1e-5
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.local_steps < 1:
@@ -154,6 +181,7 @@ class FLSettings:
             )
         self._check_aggregation()
         _check_numbers(self.to_dict())
+        self._check_privacy()
         self.method_spec()  # validates method / rank
 
     def _check_aggregation(self) -> None:
@@ -183,6 +211,79 @@ class FLSettings:
                 f"aggregation {a!r} with assumed-attackers {f} needs min-clients "
                 f">= {min_updates(a, f)}, got {n}"
             )
+
+    def _check_privacy(self) -> None:
+        """Secure aggregation and client DP: what they cannot be combined with."""
+        if self.dp not in DP_MODES:
+            raise ValueError(f"unknown dp {self.dp!r}; expected one of {DP_MODES}")
+        if self.secagg_threshold == 1:
+            raise ValueError("secagg-threshold must be 0 (a majority) or >= 2, got 1")
+        k = self.sampled_clients
+        if self.dp != "off":
+            if self.dp_sampled_clients > self.min_clients:
+                raise ValueError(
+                    f"dp-sampled-clients {self.dp_sampled_clients} exceeds "
+                    f"min-clients {self.min_clients}"
+                )
+            if self.strategy not in ("fedavg", "fedprox") or self.aggregation != "mean":
+                name = self.strategy if self.aggregation == "mean" else self.aggregation
+                raise ValueError(
+                    f"client DP noises the plain mean of the clipped updates: use "
+                    f"strategy fedavg or fedprox with aggregation mean, not {name}"
+                )
+            if self.max_norm_ratio:
+                raise ValueError(
+                    "client DP clips every update to dp-clipping-norm instead of "
+                    "max-norm-ratio (a rejected update would break the noise's "
+                    "calibration): set max-norm-ratio 0"
+                )
+        if not self.secure_aggregation:
+            return
+        if self.aggregation in ROBUST_AGGREGATIONS:
+            raise ValueError(
+                f"aggregation {self.aggregation!r} needs every client's update, but "
+                "under secure aggregation the server sees only their sum"
+            )
+        if self.max_norm_ratio:
+            raise ValueError(
+                "max-norm-ratio needs every client's update norm, but under secure "
+                "aggregation the server sees only their sum: set max-norm-ratio 0 "
+                "(SecAgg+ clips each update coordinate to secagg-clipping-range on "
+                "the client; add --dp client to bound each update's L2 norm there)"
+            )
+        if self.dp == "server":
+            raise ValueError(
+                "dp server clips each client's update on the server, but under "
+                "secure aggregation it sees only their sum: use dp client"
+            )
+        if k < 2:
+            raise ValueError(
+                f"secure aggregation needs at least 2 clients per round, got {k}"
+            )
+        if self.secagg_quorum > k:
+            raise ValueError(
+                f"secure aggregation with secagg-threshold {self.secagg_quorum} "
+                f"needs at least that many clients per round, got {k}"
+            )
+
+    @property
+    def sampled_clients(self) -> int:
+        """Clients asked to train each round (at least; all connected unless DP
+        samples)."""
+        if self.dp != "off" and self.dp_sampled_clients:
+            return self.dp_sampled_clients
+        return self.min_clients
+
+    @property
+    def secagg_quorum(self) -> int:
+        """SecAgg+'s reconstruction threshold: live clients a round needs."""
+        return self.secagg_threshold or max(2, self.sampled_clients // 2 + 1)
+
+    @property
+    def examples_bound(self) -> int:
+        """The most a reply's num-examples counts (max-examples; 0: rounds x
+        local-steps x batch-size, the most items a client can train on)."""
+        return self.max_examples or self.total_local_steps * self.train.batch_size
 
     @property
     def total_local_steps(self) -> int:
@@ -230,6 +331,10 @@ class FLSettings:
         kw = {k: _coerce(k, v, types[k], source) for k, v in norm.items()}
         if kw.get("micro_batch_size") == 0:  # as the flag says: no accumulation
             kw["micro_batch_size"] = None
+        private = kw.get("secure_aggregation") or kw.get("dp", "off") != "off"
+        if private and "max_norm_ratio" not in kw:
+            # its default bound needs each client's update (refused when given)
+            kw["max_norm_ratio"] = 0.0
         local = {k: kw.pop(k) for k in LOCAL_TRAIN_KEYS if k in kw}
         try:
             _check_numbers(local)  # by their names here, before TrainConfig's

@@ -62,6 +62,7 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
+from aisyn.fl.dp import with_dp
 from aisyn.fl.records import (
     WEIGHT_KEY,
     WIRE_DTYPE,
@@ -109,9 +110,10 @@ class UpdateGuard:
 
     def _guard_init(self, settings: FLSettings) -> None:
         self.num_rounds = settings.rounds
-        self.max_examples = settings.max_examples or (
-            settings.rounds * settings.local_steps * settings.train.batch_size
-        )
+        self.max_examples = settings.examples_bound
+        # Under client DP every client counts once: the noise is calibrated to
+        # the plain mean of the sampled clients' clipped updates.
+        self.uniform_weights = settings.dp != "off"
         self.max_norm_ratio = settings.max_norm_ratio
         self.aggregation = settings.aggregation
         self.assumed_attackers = settings.assumed_attackers
@@ -237,7 +239,9 @@ class UpdateGuard:
             except UpdateRejected as e:
                 reject(node, str(e))
                 continue
-            if counted != metrics[WEIGHT_KEY]:
+            if self.uniform_weights:
+                counted = 1
+            elif counted != metrics[WEIGHT_KEY]:
                 log.warning(
                     "round %d: node %s reported %s %s; counted as %d (max-examples)",
                     server_round,
@@ -415,14 +419,24 @@ class GuardedBulyan(UpdateGuard, Bulyan):
     pass
 
 
+#: a fraction of the connected clients so small that Flower's FedAvg samples
+#: exactly ``min_train_nodes`` of them (it samples max(int(N x fraction), min))
+SAMPLE_EXACTLY = 1e-9
+
+
 def make_strategy(settings: FLSettings) -> Strategy:
-    """The configured Flower strategy behind an ``UpdateGuard``."""
+    """The configured Flower strategy behind an ``UpdateGuard``, wrapped in
+    Flower's client-level DP when asked (``aisyn.fl.dp``; ``guard_of`` finds
+    the guard inside)."""
     n = settings.min_clients
     f = settings.assumed_attackers
+    dp = settings.dp != "off"
     common = dict(
-        fraction_train=1.0,
+        # under DP exactly the sampled clients train (the noise is calibrated to
+        # their number); otherwise every connected client, min-clients at least
+        fraction_train=SAMPLE_EXACTLY if dp else 1.0,
+        min_train_nodes=settings.sampled_clients,
         fraction_evaluate=1.0,
-        min_train_nodes=n,
         min_evaluate_nodes=n,
         min_available_nodes=n,
         weighted_by_key=WEIGHT_KEY,
@@ -463,4 +477,11 @@ def make_strategy(settings: FLSettings) -> Strategy:
     else:  # FLSettings validates the names; this is a programming error
         raise AssertionError((settings.strategy, settings.aggregation))
     strategy._guard_init(settings)
-    return strategy  # type: ignore[return-value]
+    return with_dp(strategy, settings)  # type: ignore[arg-type]
+
+
+def guard_of(strategy: Strategy) -> UpdateGuard:
+    """The ``UpdateGuard`` of ``make_strategy``'s strategy (inside a DP wrapper)."""
+    inner = getattr(strategy, "strategy", strategy)
+    assert isinstance(inner, UpdateGuard)
+    return inner

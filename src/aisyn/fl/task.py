@@ -30,13 +30,16 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
 from aisyn.data.sft import SFTData
+from aisyn.fl.dp import sample_rate, settings_epsilon
 from aisyn.fl.records import (
     payload_bytes,
     record_to_tensors,
     tensors_to_record,
 )
+from aisyn.fl.secure import SecAggPlusGrid
 from aisyn.fl.settings import FLSettings
-from aisyn.fl.strategy import make_strategy
+from aisyn.fl.strategy import guard_of, make_strategy
+from aisyn.train.dp import finite_or_none
 from aisyn.train.engine import Engine
 from aisyn.train.finetune import (
     BaseModel,
@@ -345,6 +348,8 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
     if settings.tensorboard:
         run.enable_tensorboard()
     strategy = make_strategy(settings)
+    guard = guard_of(strategy)
+    secure = SecAggPlusGrid(grid, settings) if settings.secure_aggregation else None
     spec = {n: tuple(p.shape) for n, p in trainable}
     history: list[dict] = []
 
@@ -361,7 +366,18 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
             {"round": server_round, "elapsed_s": time.perf_counter() - t_start},
             keep=2,
         )
-        entry = dict(strategy.round_log.get(server_round, {"round": server_round}))
+        entry = dict(guard.round_log.get(server_round, {"round": server_round}))
+        if secure is not None:
+            entry["secure_aggregation"] = secure.last_round
+        if settings.dp != "off":
+            eps = settings_epsilon(settings, server_round)
+            entry["epsilon"] = finite_or_none(eps)
+            log.info(
+                "round %d: client DP epsilon %.4g at delta %g",
+                server_round,
+                eps,
+                settings.dp_delta,
+            )
         t_sent = entry.pop("t_sent", None)
         entry["round_s"] = time.perf_counter() - t_sent if t_sent else None
         entry["step"] = server_round * settings.local_steps
@@ -372,7 +388,7 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         return None
 
     result = strategy.start(
-        grid=grid,
+        grid=secure or grid,  # type: ignore[arg-type]
         initial_arrays=tensors_to_record(initial),
         num_rounds=settings.rounds,
         timeout=settings.round_timeout,
@@ -393,6 +409,7 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         "trainable_parameters": sum(p.numel() for _, p in trainable),
         "payload_bytes_per_client": payload_bytes(tensors_to_record(initial)),
         "run": str(run.path),
+        "privacy": privacy_summary(settings),
     }
     if last is not None:
         run.log_metrics(
@@ -407,7 +424,32 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
     log.info(
         "federated run finished: %s",
         json.dumps(
-            {k: summary[k] for k in ("rounds", "final_global_valid_loss", "elapsed_s")}
+            {
+                k: summary[k]
+                for k in ("rounds", "final_global_valid_loss", "elapsed_s", "privacy")
+            }
         ),
     )
     return summary
+
+
+def privacy_summary(settings: FLSettings) -> dict:
+    """What protected the clients' updates in this run, and client DP's ε."""
+    out: dict = {"secure_aggregation": settings.secure_aggregation, "dp": settings.dp}
+    if settings.secure_aggregation:
+        out["secagg_threshold"] = settings.secagg_quorum
+        out["secagg_clipping_range"] = settings.secagg_clipping_range
+    if settings.dp != "off":
+        eps = settings_epsilon(settings, settings.rounds)
+        out.update(
+            {
+                "epsilon": finite_or_none(eps),
+                "delta": settings.dp_delta,
+                "noise_multiplier": settings.dp_noise_multiplier,
+                "clipping_norm": settings.dp_clipping_norm,
+                "sampled_clients": settings.sampled_clients,
+                "sample_rate": sample_rate(settings),
+                "accountant": "RDP (dp_accounting), all rounds counted",
+            }
+        )
+    return out

@@ -1,0 +1,331 @@
+"""Secure aggregation with Flower's own SecAgg+ (the server sees only the sum).
+
+Flower 1.42 implements SecAgg+ only for its legacy API: the server side is
+``flwr.server.workflow.SecAggPlusWorkflow`` (it drives the four protocol
+stages over the Grid and then hands ``FitRes`` results to a legacy
+``Strategy.aggregate_fit``), the client side is the mod
+``flwr.client.mod.secaggplus_mod`` (it masks the ``FitRes`` parameters the
+inner handler returns). There is no Message-API variant. We use both as they
+are and adapt at the two boundaries, with no cryptography of our own:
+
+* Server: ``SecAggPlusGrid`` wraps the Grid that our (Message-API) strategy
+  uses. Its ``send_and_receive`` of a round's train messages runs the
+  workflow instead of one plain exchange, with a legacy strategy shim
+  (``_LegacyBridge``) whose ``configure_fit`` turns our messages into
+  ``FitIns`` and whose ``aggregate_fit`` receives the unmasked aggregate. It
+  returns one reply per surviving client, each carrying that same aggregate
+  (what the workflow itself does with legacy results), so our strategy, its
+  guard and Flower's DP wrapper run unchanged: the mean of identical arrays is
+  the aggregate. Only the aggregate is ever decoded on the server.
+* Client: ``optional_secaggplus_mod`` runs Flower's mod on SecAgg+ messages
+  only (it would fail on plain ones); ``legacy_fit_mod`` turns the legacy
+  ``FitIns`` into our train message for the handler, and the handler's reply
+  into the ``FitRes`` the mod masks.
+
+What travels masked is the *update* (trained minus received weights), not the
+weights: SecAgg+ clips every value to ``+-clipping_range`` and quantises it to
+``quantization_range`` integer levels (stochastic rounding, unbiased), and an
+update is small where weights are not. With the defaults (range 1.0, 2**22
+levels) one level is 4.8e-7, and the mean's error per coordinate is about that
+divided by sqrt(clients): far below what a learning-rate step changes.
+Updates larger than the range are clipped (the client logs a warning).
+Weights: each update is multiplied by ``num-examples / max_weight`` before
+quantising (max_weight is the largest count a reply may carry: max-examples,
+or 1 under DP, where every client counts once), so the server learns only
+the sum of the counts.
+
+A client that fails or vanishes after the setup stage is a dropout: the
+protocol recovers its masks from the others' secret shares, and the round
+aggregates the survivors, as long as ``threshold`` of them remain (else the
+round keeps the last global model). Each stage waits at most round-timeout.
+
+What it does not protect: the clients' metrics (losses, example counts,
+timings) travel in the clear; the sum of the updates (so, with two clients,
+each one's update to whoever knows the other's) and the global model are
+visible to the server. SecAgg+ assumes an honest-but-curious server and
+clients that follow the protocol: a client can still send any values, and the
+server cannot check them (hence no robust aggregation or norm bound with it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.app.message_type import MessageType
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.serverapp import Grid
+
+if TYPE_CHECKING:  # imported where used: the key stages' client processes
+    # need neither it nor torch, and start faster without them
+    from aisyn.fl.settings import FLSettings
+
+log = logging.getLogger("aisyn.fl.secagg")
+
+#: the legacy records the SecAgg+ workflow and mod exchange
+FITINS_ARRAYS = "fitins.parameters"
+FITINS_CONFIG = "fitins.config"
+#: the tensor names, in the order of the legacy (unnamed) parameter list
+NAMES_KEY = "aisyn-array-names"
+QUANTIZATION_RANGE = 2**22  # Flower's default; the sum of 1023 clients fits
+MODULUS_RANGE = 2**32  # Flower's default (the largest it allows)
+
+
+def client_weight(settings: FLSettings, num_examples: int) -> int:
+    """The weight a client gives its update: its example count, at most the
+    bound the server counts (max-examples); 1 under DP (every client counts
+    once)."""
+    if settings.dp != "off":
+        return 1
+    return max(1, min(int(num_examples), settings.examples_bound))
+
+
+def max_weight(settings: FLSettings) -> float:
+    """The largest ``client_weight`` (an update is scaled by weight / this
+    before quantising, so that the weighted sum cannot overflow)."""
+    return 1.0 if settings.dp != "off" else float(settings.examples_bound)
+
+
+# --- server ---------------------------------------------------------------------------
+
+
+class _LegacyBridge:
+    """The two ``flwr.server.strategy.Strategy`` methods the workflow calls."""
+
+    def __init__(self, messages: list[Message]) -> None:
+        self.messages = {m.metadata.dst_node_id: m for m in messages}
+        self.aggregate: list[np.ndarray] | None = None
+        self.results: list[tuple[int, Any]] = []
+
+    def configure_fit(self, server_round, parameters, client_manager) -> list:
+        from flwr.common import FitIns, ndarrays_to_parameters
+        from flwr.server.compat.grid_client_proxy import GridClientProxy
+
+        fit = []
+        for node_id, msg in self.messages.items():
+            arrays: ArrayRecord = msg.content["arrays"]  # type: ignore[assignment]
+            config = dict(msg.content["config"])  # type: ignore[arg-type]
+            config[NAMES_KEY] = list(arrays.keys())
+            params = ndarrays_to_parameters([a.numpy() for a in arrays.values()])
+            proxy = GridClientProxy(node_id, None, msg.metadata.run_id)  # type: ignore[arg-type]
+            fit.append((proxy, FitIns(params, config)))
+        return fit
+
+    def aggregate_fit(self, server_round, results, failures):
+        from flwr.common import parameters_to_ndarrays
+
+        self.results = [(proxy.node_id, res) for proxy, res in results]
+        if results:
+            self.aggregate = parameters_to_ndarrays(results[0][1].parameters)
+        return None, {}
+
+
+class SecAggPlusGrid:
+    """A Grid whose train rounds run Flower's SecAgg+ workflow (see the module's
+    docstring); everything else passes through to ``grid``."""
+
+    def __init__(self, grid: Grid, settings: FLSettings) -> None:
+        self._grid = grid
+        self.settings = settings
+        self.last_round: dict = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._grid, name)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        messages = list(messages)
+        if not messages or messages[0].metadata.message_type != MessageType.TRAIN:
+            return self._grid.send_and_receive(messages, timeout=timeout)
+        return self._secure_round(messages, timeout)
+
+    def _secure_round(
+        self, messages: list[Message], timeout: float | None
+    ) -> list[Message]:
+        from flwr.server.compat.legacy_context import LegacyContext
+        from flwr.server.workflow import SecAggPlusWorkflow
+        from flwr.server.workflow.constant import (
+            MAIN_CONFIGS_RECORD,
+            MAIN_PARAMS_RECORD,
+            Key,
+        )
+
+        server_round = int(messages[0].content["config"]["server-round"])  # type: ignore[index]
+        global_arrays: ArrayRecord = messages[0].content["arrays"]  # type: ignore[assignment]
+        bridge = _LegacyBridge(messages)
+        state = RecordDict(
+            {
+                MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}),
+                MAIN_PARAMS_RECORD: global_arrays,
+            }
+        )
+        context = LegacyContext(
+            Context(
+                run_id=messages[0].metadata.run_id,
+                node_id=0,
+                node_config={},
+                state=state,
+                run_config={},
+            ),
+            strategy=bridge,  # type: ignore[arg-type]
+        )
+        workflow = SecAggPlusWorkflow(
+            num_shares=1.0,  # every sampled client holds a share of every other's
+            reconstruction_threshold=self.settings.secagg_quorum,
+            max_weight=max_weight(self.settings),
+            clipping_range=self.settings.secagg_clipping_range,
+            quantization_range=QUANTIZATION_RANGE,
+            modulus_range=MODULUS_RANGE,
+            timeout=timeout,
+        )
+        workflow(self._grid, context)
+        survivors = [node for node, _ in bridge.results]
+        dropped = sorted(set(bridge.messages) - set(survivors))
+        self.last_round = {"sampled": len(messages), "dropped": dropped}
+        if bridge.aggregate is None:
+            log.warning(
+                "round %d: secure aggregation halted (fewer than %d of %d clients "
+                "completed it); keeping the last global model",
+                server_round,
+                self.settings.secagg_quorum,
+                len(messages),
+            )
+            self.last_round["halted"] = True
+            return []
+        if dropped:
+            log.warning(
+                "round %d: %d client(s) dropped out of secure aggregation (nodes "
+                "%s); aggregated the other %d",
+                server_round,
+                len(dropped),
+                dropped,
+                len(survivors),
+            )
+        # The workflow's aggregate is the weighted mean of the masked updates:
+        # add it to the global model, float64, then the wire's float32.
+        aggregate = ArrayRecord(
+            {
+                name: Array((a.numpy().astype(np.float64) + delta).astype(np.float32))
+                for (name, a), delta in zip(
+                    global_arrays.items(), bridge.aggregate, strict=True
+                )
+            }
+        )
+        replies = []
+        for node, fitres in bridge.results:
+            metrics = MetricRecord(dict(fitres.metrics))
+            content = RecordDict({"arrays": aggregate, "metrics": metrics})
+            replies.append(Message(content, reply_to=bridge.messages[node]))
+        return replies
+
+
+# --- client ---------------------------------------------------------------------------
+
+
+def optional_secaggplus_mod(
+    msg: Message, ctxt: Context, call_next: ClientAppCallable
+) -> Message:
+    """Flower's ``secaggplus_mod`` on SecAgg+ messages; others pass by."""
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common.secure_aggregation.secaggplus_constants import (
+        RECORD_KEY_CONFIGS,
+    )
+
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, ctxt, call_next)
+    return call_next(msg, ctxt)
+
+
+def legacy_fit_mod(
+    msg: Message, ctxt: Context, call_next: ClientAppCallable
+) -> Message:
+    """The SecAgg+ workflow's ``FitIns`` in, our train message to the handler;
+    its reply out as the ``FitRes`` (the update, its weight, the metrics) that
+    ``secaggplus_mod`` masks."""
+    content = msg.content
+    if FITINS_ARRAYS not in content.array_records:
+        return call_next(msg, ctxt)
+    from flwr.common import (
+        Code,
+        FitRes,
+        Status,
+        ndarrays_to_parameters,
+        parameters_to_ndarrays,
+    )
+    from flwr.compat.common.recorddict_compat import (
+        arrayrecord_to_parameters,
+        fitres_to_recorddict,
+    )
+
+    config = dict(content.config_records[FITINS_CONFIG])
+    names = [str(n) for n in config.pop(NAMES_KEY)]  # type: ignore[union-attr]
+    received = parameters_to_ndarrays(
+        arrayrecord_to_parameters(content.array_records[FITINS_ARRAYS], True)
+    )
+    if len(names) != len(received):
+        raise ValueError(f"{len(received)} arrays for {len(names)} names")
+    msg.content = RecordDict(
+        {
+            "arrays": ArrayRecord(
+                {n: Array(a) for n, a in zip(names, received, strict=True)}
+            ),
+            "config": ConfigRecord(config),  # type: ignore[arg-type]
+        }
+    )
+    reply = call_next(msg, ctxt)
+    if reply.has_error():
+        return reply
+    from aisyn.fl.settings import FLSettings
+
+    settings = FLSettings.from_run_config(config)  # type: ignore[arg-type]
+    sent: ArrayRecord = reply.content["arrays"]  # type: ignore[assignment]
+    metrics = dict(reply.content["metrics"])  # type: ignore[arg-type]
+    update = [
+        sent[n].numpy().astype(np.float64) - r.astype(np.float64)
+        for n, r in zip(names, received, strict=True)
+    ]
+    largest = max((float(np.abs(u).max()) for u in update if u.size), default=0.0)
+    if largest > settings.secagg_clipping_range:
+        log.warning(
+            "an update coordinate of %.4g exceeds secagg-clipping-range %g: "
+            "clipped to it before masking (raise the range)",
+            largest,
+            settings.secagg_clipping_range,
+        )
+    fitres = FitRes(
+        Status(Code.OK, ""),
+        ndarrays_to_parameters(update),
+        client_weight(settings, int(metrics["num-examples"])),
+        metrics,  # type: ignore[arg-type]
+    )
+    return Message(fitres_to_recorddict(fitres, False), reply_to=msg)
+
+
+def optional_fixedclipping_mod(
+    msg: Message, ctxt: Context, call_next: ClientAppCallable
+) -> Message:
+    """Flower's ``fixedclipping_mod`` on train messages whose config carries a
+    clipping norm (``--dp client``); others pass by."""
+    from flwr.clientapp.mod import fixedclipping_mod
+    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+
+    config = msg.content.config_records.get("config")
+    if (
+        msg.metadata.message_type == MessageType.TRAIN
+        and config is not None
+        and KEY_CLIPPING_NORM in config
+    ):
+        return fixedclipping_mod(msg, ctxt, call_next)
+    return call_next(msg, ctxt)
