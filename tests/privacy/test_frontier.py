@@ -96,3 +96,32 @@ def test_ci_preset_measures_every_piece(tmp_path):
     for name in ("frontier.md", "frontier.csv", "frontier.json", "frontier.png"):
         assert (out / name).is_file(), name
     assert (out / "cuts" / "audit.md").is_file()
+
+
+def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):
+    from aisyn.privacy.frontier import calibrate
+    from aisyn.train.dp import defence_from_flags
+    from aisyn.train.loop import load_run_model
+
+    argv = ["privacy", "calibrate", "--base", str(base), "--public"]
+    argv += [str(reviews_data), "--batch-size", "4", "--samples", "8"]
+    assert main(argv) in (0, None)
+    flags = capsys.readouterr().out.split()
+    values = dict(zip(flags[::2], flags[1::2], strict=True))
+    # the medians of the same rows, measured directly
+    model, _ = load_run_model(base)
+    g = torch.Generator().manual_seed(0)
+    public = TokenShards.open(reviews_data, "train")
+    rows = public.batch(torch.randperm(len(public), generator=g)[:8])
+    clips = calibrate(model.eval().requires_grad_(False), rows, "u:1,1", 4)
+    assert float(values["--dp-forward-clip"]) == pytest.approx(clips.forward, rel=1e-5)
+    assert float(values["--dp-backward-clip"]) == pytest.approx(
+        clips.backward, rel=1e-5
+    )
+    defence = defence_from_flags(
+        forward_clip=float(values["--dp-forward-clip"]),
+        forward_noise=float(values["--dp-forward-noise"]),
+        backward_clip=float(values["--dp-backward-clip"]),
+        backward_noise=float(values["--dp-backward-noise"]),
+    )
+    assert defence.forward.noise == defence.backward.noise == 0.1

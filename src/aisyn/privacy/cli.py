@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aisyn.validate import nonneg_int, positive_int
+from aisyn.validate import nonneg_float, nonneg_int, positive_int
 
 
 def cmd_audit(args) -> None:
@@ -54,6 +54,35 @@ def cmd_audit(args) -> None:
     print(f"{len(report['rows'])} measurements in {report['elapsed_s']:.0f} s")
 
 
+def cmd_calibrate(args) -> None:
+    """Clipping bounds for `aisyn split train --dp-*`, from public text: the
+    median row norm of the activations and of the returned gradients when
+    --base runs --public rows at --cut in batches of --batch-size (the
+    gradient scales with 1 / the tokens of a batch, so give the run's). Prints
+    the flags for noise multiplier --noise (default: the recommended 0.1).
+    Public text keeps the bounds free of A's data, as the accounting assumes."""
+    import torch
+
+    from aisyn.data.shards import TokenShards
+    from aisyn.privacy.frontier import calibrate
+    from aisyn.train.loop import load_run_model
+
+    model, config = load_run_model(args.base)
+    model.eval().requires_grad_(False)
+    public = TokenShards.open(
+        args.public, "train", tokenizer_sha256=config["tokenizer"]["sha256"]
+    )
+    g = torch.Generator().manual_seed(args.seed)
+    n = min(len(public), args.samples)
+    rows = public.batch(torch.randperm(len(public), generator=g)[:n])
+    clips = calibrate(model, rows, args.cut, args.batch_size)
+    print(
+        f"--cut {args.cut} --dp-forward-clip {clips.forward:.6g} "
+        f"--dp-forward-noise {args.noise:g} --dp-backward-clip {clips.backward:.6g} "
+        f"--dp-backward-noise {args.noise:g}"
+    )
+
+
 def register(sub) -> None:
     from aisyn.train.flagtable import REQUIRED, add_command, add_flags
 
@@ -78,5 +107,23 @@ def register(sub) -> None:
         ("--samples", positive_int, 8, "rows of A's data attacked"),
         ("--public-samples", positive_int, 256, "public rows B fits decoders on"),
         ("--steps", positive_int, 200, "optimisation steps per white-box attack"),
+        ("--seed", nonneg_int, 0, None),
+    )
+    c = add_command(
+        psub, "calibrate", cmd_calibrate, "clipping bounds for the cut's DP defence"
+    )
+    add_flags(
+        c,
+        (
+            "--base",
+            None,
+            REQUIRED,
+            "the base model (run folder) both parties start from",
+        ),
+        ("--public", None, REQUIRED, "public text (prepared shards; train split)"),
+        ("--cut", None, "u:1,1", "the cut the run will use"),
+        ("--batch-size", positive_int, 16, "the run's batch size"),
+        ("--samples", positive_int, 256, "public rows to measure"),
+        ("--noise", nonneg_float, 0.1, "noise multiplier to print the flags with"),
         ("--seed", nonneg_int, 0, None),
     )
