@@ -33,6 +33,9 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     overrides: dict = {}
     for kv in filter(None, rest.split(",")):
         k, _, v = kv.partition("=")
+        if v in ("true", "false"):
+            overrides[k] = v == "true"
+            continue
         for cast in (int, float):
             try:
                 overrides[k] = cast(v)

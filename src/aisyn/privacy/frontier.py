@@ -72,7 +72,9 @@ class Point:
             return self.sigma
         if self.family == "embedding-dp":
             return self.embedding_eps or 0.0
-        return float(self.cut[2:].split(",")[0])
+        if self.family == "blocks":  # blocks A keeps before B
+            return float(self.cut[2:].split(",")[0])
+        return 0.0
 
 
 @dataclass(frozen=True)

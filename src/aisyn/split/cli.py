@@ -216,7 +216,8 @@ def cmd_train(args) -> None:
                 else "unbounded (a side sent without noise)"
             )
             + f" at δ = {defence.delta:g} per training row "
-            f"({summary['privacy']['releases_per_row']} passes; privacy.json)"
+            f"({summary['privacy']['releases_per_row']} pass(es) over the data; "
+            "privacy.json)"
         )
     print(
         f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
