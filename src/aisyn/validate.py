@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 # --- numbers --------------------------------------------------------------------------
@@ -262,6 +262,26 @@ def check_pem_private_key(path: str) -> str:
 
 pem_certificates = _flag_type("pem_certificates", check_pem_certificates)
 pem_private_key = _flag_type("pem_private_key", check_pem_private_key)
+
+
+# --- names ----------------------------------------------------------------------------
+
+
+def name_differences(
+    expected: Iterable[str], given: Iterable[str], *, more: bool = False
+) -> str | None:
+    """ "missing [...], unexpected [...]": the first three (sorted) of the names
+    ``expected`` but not ``given`` and of those ``given`` but not expected,
+    with ``more`` a "..." after a longer list; None when the names agree."""
+    expected, given = set(expected), set(given)
+    if expected == given:
+        return None
+
+    def first(names: set[str]) -> str:
+        shown = sorted(names)
+        return f"{shown[:3]}{'...' * (more and len(shown) > 3)}"
+
+    return f"missing {first(expected - given)}, unexpected {first(given - expected)}"
 
 
 # --- run folders ----------------------------------------------------------------------

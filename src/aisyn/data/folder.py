@@ -54,11 +54,12 @@ def finish_folder(tmp: Path, out: Path, manifest: dict, tokenizer: Path) -> None
     publish_dir(tmp, out)
 
 
-def publish_dir(tmp: Path, out: Path) -> None:
+def publish_dir(tmp: Path, out: Path, old: Path | None = None) -> None:
     """Move the finished folder ``tmp`` to ``out``, replacing an old one only
-    once the new one is complete (a crash leaves the old one or ``out.old``)."""
+    once the new one is complete (a crash leaves the old one or ``old``,
+    by default ``out.old``)."""
     if out.exists():
-        old = out.with_name(out.name + ".old")
+        old = old or out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out, old)
         os.replace(tmp, out)

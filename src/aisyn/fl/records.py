@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 
+from aisyn.validate import name_differences
+
 WIRE_DTYPE = "float32"
 WEIGHT_KEY = "num-examples"  # Flower strategies weight by this metric
 # Metrics every client reply carries (Flower requires the same keys everywhere).
@@ -63,14 +65,8 @@ def decode_checked(
     record: ArrayRecord, expected: dict[str, tuple[int, ...]]
 ) -> dict[str, np.ndarray]:
     """Decode every array, checking names, shapes, dtype and finiteness."""
-    names = set(record.keys())
-    if names != set(expected):
-        missing = sorted(set(expected) - names)
-        extra = sorted(names - set(expected))
-        raise UpdateRejected(
-            f"tensor names differ (missing {missing[:3]}{'...' * (len(missing) > 3)}, "
-            f"unexpected {extra[:3]}{'...' * (len(extra) > 3)})"
-        )
+    if diff := name_differences(expected, record.keys(), more=True):
+        raise UpdateRejected(f"tensor names differ ({diff})")
     out = {}
     for name, arr in record.items():
         if arr.dtype != WIRE_DTYPE or tuple(arr.shape) != expected[name]:

@@ -276,9 +276,11 @@ def write_app(app_dir: Path, run_config: dict) -> Path:
 
 def write_connection(
     home: Path, superlink: str, root_certificates: Path | None
-) -> None:
+) -> dict[str, str]:
     """The Flower CLI's config in ``home``: one connection, the default (Flower
-    refuses a relative certificate path there)."""
+    refuses a relative certificate path there); returns the environment of a
+    Flower CLI that reads it (``flower_env``, which makes ``home``)."""
+    env = flower_env(home)
     conn: dict = {"address": superlink}
     if root_certificates is None:
         conn["insecure"] = True
@@ -290,6 +292,7 @@ def write_connection(
         + toml_table(f"superlink.{CONNECTION}", conn),
         encoding="utf-8",
     )
+    return env
 
 
 def register_supernodes(
@@ -300,9 +303,7 @@ def register_supernodes(
 ) -> list[int]:
     """Register each client's public key with the SuperLink (its Control API);
     returns their node IDs. Only these SuperNodes can then connect."""
-    home = workdir / "flwr_home"
-    env = flower_env(home)
-    write_connection(home, superlink, root_certificates)
+    env = write_connection(workdir / "flwr_home", superlink, root_certificates)
     node_ids = []
     for key in public_keys:
         public = check_public_key(key).resolve()
@@ -342,9 +343,7 @@ def submit_run(
     stderr with ``echo``). Past ``timeout`` seconds it is stopped (its whole
     process group) and TimeoutError raised.
     """
-    home = workdir / "flwr_home"
-    env = flower_env(home)
-    write_connection(home, superlink, root_certificates)
+    env = write_connection(workdir / "flwr_home", superlink, root_certificates)
     cmd = [executable("flwr"), "run", str(app_dir), CONNECTION, "--stream"]
     log_path = workdir / "flwr-run.log"
     start = log_path.stat().st_size if log_path.exists() else 0

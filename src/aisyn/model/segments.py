@@ -38,6 +38,7 @@ from aisyn.model.causal_lm import (
     parameter_seed,
 )
 from aisyn.model.families import ModelConfig, build_model
+from aisyn.validate import name_differences
 
 DATA_PARTY = "A"
 COMPUTE_PARTY = "B"
@@ -234,12 +235,9 @@ def build_party_model(
     model.tie_weights()
     own = partition.parameter_names(model, party)
     if seeds is not None:
-        if set(seeds) != set(own):
-            missing = sorted(set(own) - set(seeds))
-            extra = sorted(set(seeds) - set(own))
+        if diff := name_differences(own, seeds):
             raise PartitionError(
-                f"init seeds are not party {party}'s parameters (missing "
-                f"{missing[:3]}, unexpected {extra[:3]})"
+                f"init seeds are not party {party}'s parameters ({diff})"
             )
         model.reset_parameters(seeds=seeds)
     else:

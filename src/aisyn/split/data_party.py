@@ -191,16 +191,21 @@ class DataSession:
         if eod:
             doc = document_index(tokens, self.eod_id).to(torch.int32)
             self.link.send("doc", doc, step=r)
+        y = self._recv_hidden(r, B, T, f"in evaluation round {r}")
+        with autocast_for(device):
+            return self.back(y.to(device), attn_mask, position_ids)
+
+    def _recv_hidden(self, r: int, B: int, T: int, where: str) -> torch.Tensor:
+        """B's ``(B, T, hidden)`` answer of round ``r``; non-finite values are
+        reported ``where`` they came."""
         y = self.link.recv(
             "out", step=r, shape=(B, T, self.hidden_size), dtype=torch.float32
         )
         if not bool(torch.isfinite(y).all()):
             raise FloatingPointError(
-                f"the compute party returned non-finite hidden states in evaluation "
-                f"round {r}"
+                f"the compute party returned non-finite hidden states {where}"
             )
-        with autocast_for(device):
-            return self.back(y.to(device), attn_mask, position_ids)
+        return y
 
     # --- generation ---------------------------------------------------------
 
@@ -296,12 +301,7 @@ class SplitDecoder:
         # fp32 on every device, as ``aisyn generate`` runs the whole model
         h = s._protect(s.front(x, cache=self.front_cache), "gen", r)
         s.link.send("act", h, step=r)
-        y = s.link.recv("out", step=r, shape=(1, n, s.hidden_size), dtype=torch.float32)
-        if not bool(torch.isfinite(y).all()):
-            raise FloatingPointError(
-                f"the compute party returned non-finite hidden states for "
-                f"positions [{first}, {first + n})"
-            )
+        y = s._recv_hidden(r, 1, n, f"for positions [{first}, {first + n})")
         # Every new position goes through the back blocks (their keys and
         # values are cached); only the last one's logits are needed.
         out = s.back(y.to(self.device), cache=self.back_cache)[0, -1]

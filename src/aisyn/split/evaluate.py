@@ -60,6 +60,20 @@ def split_options(
     return opts
 
 
+def split_run_config(
+    run_dir: RunDir, hint: str = "give the folder `aisyn split train --out` wrote"
+) -> dict:
+    """The config.json of a split run's data party; ValueError, ending in
+    ``hint``, for any other folder."""
+    config = run_dir.read_config()
+    if config.get("kind") != "split":
+        raise ValueError(
+            f"{run_dir.path}: not a split run's data party (kind "
+            f"{config.get('kind')}); {hint}"
+        )
+    return config
+
+
 @contextlib.contextmanager
 def open_data_session(
     run: str | Path,
@@ -74,12 +88,7 @@ def open_data_session(
     compute party loads the same step. ``peer`` overrides the recorded compute
     party, ``mode`` local uses the in-process one of a ``--mode local`` run."""
     run_dir = RunDir(run)
-    config = run_dir.read_config()
-    if config.get("kind") != "split":
-        raise ValueError(
-            f"{run_dir.path}: not a split run's data party (kind "
-            f"{config.get('kind')}); give the folder `aisyn split train --out` wrote"
-        )
+    config = split_run_config(run_dir)
     mcfg = config_from_dict(config["model"])
     partition = Partition.from_dict(config["partition"], mcfg.layout)
     train = TrainConfig.from_dict(config["train"])

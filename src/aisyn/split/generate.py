@@ -19,7 +19,7 @@ import torch
 from aisyn.eval.generate import Generator, prompt_ids, run_tokenizer
 from aisyn.model.families import config_from_dict
 from aisyn.model.generate import Sampling, check_request
-from aisyn.split.evaluate import open_data_session
+from aisyn.split.evaluate import open_data_session, split_run_config
 from aisyn.split.transport import LinkSettings
 from aisyn.train.run import RunDir
 
@@ -39,14 +39,12 @@ def split_generate(
     ``Generator.complete``); ``peer``/``mode`` choose the compute party as for
     ``open_data_session``."""
     run_dir = RunDir(run)
-    config = run_dir.read_config()
-    if config.get("kind") != "split":
-        # Checked before anything loads or connects.
-        raise ValueError(
-            f"{run_dir.path}: not a split run's data party (kind "
-            f"{config.get('kind')}); `aisyn split generate` takes the folder "
-            "`aisyn split train --out` wrote (`aisyn generate` an ordinary run)"
-        )
+    # Checked before anything loads or connects.
+    config = split_run_config(
+        run_dir,
+        "`aisyn split generate` takes the folder `aisyn split train --out` wrote "
+        "(`aisyn generate` an ordinary run)",
+    )
     tokenizer = run_tokenizer(run_dir, config)
     # Refused here, before the compute party is reached, as aisyn generate would
     eod_reset = bool(config["train"].get("eod_reset"))

@@ -27,6 +27,7 @@ from aisyn.split.party import run_methods
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.lora import ADAPTER_NAME, Method
 from aisyn.train.run import METRICS, TOKENIZER, RunDir
+from aisyn.validate import name_differences
 
 log = logging.getLogger(__name__)
 
@@ -185,13 +186,8 @@ def _check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
     model = build_model(cfg, device="meta")
     # named_parameters lists the tied head once, as transformer.wte.weight.
     expected = dict(model.named_parameters()) | dict(model.named_buffers())
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    if missing or extra:
-        raise MergeError(
-            f"the two halves do not make up the model (missing {missing[:3]}, "
-            f"unexpected {extra[:3]})"
-        )
+    if diff := name_differences(expected, tensors):
+        raise MergeError(f"the two halves do not make up the model ({diff})")
     for name, t in expected.items():
         if tuple(tensors[name].shape) != tuple(t.shape):
             raise MergeError(f"{name}: shape {tuple(tensors[name].shape)}")

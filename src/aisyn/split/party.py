@@ -33,6 +33,7 @@ from aisyn.train import checkpoint as ckpt
 from aisyn.train.loop import TrainConfig, make_optimizer
 from aisyn.train.lora import Method, apply_method, lora_parameter_names
 from aisyn.train.update import SkippedStep, apply_update, grad_sq_norm
+from aisyn.validate import name_differences
 
 log = logging.getLogger(__name__)
 
@@ -271,22 +272,7 @@ def load_adapters(
     party: PartyState, tensors: dict[str, torch.Tensor], source: str
 ) -> None:
     """Strict load of exactly this LoRA party's adapter tensors."""
-    expected = dict(party.named)
-    if set(tensors) != set(expected):
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
-        raise ckpt.CheckpointError(
-            f"{source}: not party {party.party}'s LoRA adapters (missing "
-            f"{missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    with torch.no_grad():
-        for name, p in expected.items():
-            if tensors[name].shape != p.shape:
-                raise ckpt.CheckpointError(
-                    f"{source}: {name} has shape {tuple(tensors[name].shape)}, "
-                    f"expected {tuple(p.shape)}"
-                )
-            p.copy_(tensors[name])
+    _load_exactly(party, dict(party.named), tensors, source, "LoRA adapters")
 
 
 def load_own_weights(
@@ -294,12 +280,21 @@ def load_own_weights(
 ) -> None:
     """Strict load of exactly this party's tensors (no more, no fewer)."""
     expected = own_state_dict(party.model, party.partition, party.party)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
+    _load_exactly(party, expected, tensors, source, "half of this cut")
+
+
+def _load_exactly(
+    party: PartyState,
+    expected: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+    source: str,
+    what: str,
+) -> None:
+    """Copy ``tensors`` into ``expected`` once every name and shape matches:
+    CheckpointError (``source`` is not the party's ``what``) otherwise."""
+    if diff := name_differences(expected, tensors):
         raise ckpt.CheckpointError(
-            f"{source}: not party {party.party}'s half of this cut (missing "
-            f"{missing[:3]}, unexpected {unexpected[:3]})"
+            f"{source}: not party {party.party}'s {what} ({diff})"
         )
     for name, t in expected.items():
         if tensors[name].shape != t.shape:

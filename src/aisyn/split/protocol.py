@@ -53,6 +53,7 @@ import torch
 
 from aisyn.train.loop import TrainConfig
 from aisyn.train.lora import Method
+from aisyn.validate import name_differences
 
 # /2: the hello carries only the settings B needs and B's own init seeds
 # /3: generate sessions (purpose "generate", GEN_* rounds)
@@ -250,21 +251,11 @@ def parse_init_seeds(seeds: object, names: list[str]) -> dict[str, int] | None:
         for v in seeds.values()
     ):
         raise ProtocolError("hello: init_seeds must map names to integers < 2**63")
-    if set(seeds) != set(names):
-        missing = sorted(set(names) - set(seeds))
-        extra = sorted(set(seeds) - set(names))
+    if diff := name_differences(names, seeds):
         raise ProtocolError(
-            f"hello: init_seeds are not this party's parameters (missing "
-            f"{missing[:3]}, unexpected {extra[:3]})"
+            f"hello: init_seeds are not this party's parameters ({diff})"
         )
     return dict(seeds)
-
-
-def lora_settings(rank: int, alpha: float, seeds: dict[str, int]) -> dict:
-    """The hello's ``lora`` object: LoRA on the compute party's blocks, with
-    the init seeds of its adapters' ``A`` matrices (keyed by the run's seed,
-    which stays with the data party)."""
-    return {"rank": rank, "alpha": alpha, "seeds": seeds}
 
 
 def parse_lora(d: object, names_for) -> tuple[Method, dict[str, int]] | None:

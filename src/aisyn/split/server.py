@@ -50,10 +50,7 @@ class SplitServer:
         options = dataclasses.replace(options, drop_unread=False)
         self.server = GrpcLinkServer(
             settings.address,
-            token=settings.token(),
-            tls=settings.tls(),
-            insecure=settings.insecure,
-            allow_insecure_remote=settings.allow_insecure_remote,
+            **settings.security(),
             role="B",
             session=self._on_hello,
             options=options,

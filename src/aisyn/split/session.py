@@ -154,10 +154,7 @@ def open_grpc(
 
     link = connect(
         settings.address,
-        token=settings.token(),
-        tls=settings.tls(),
-        insecure=settings.insecure,
-        allow_insecure_remote=settings.allow_insecure_remote,
+        **settings.security(),
         role="A",
         session=proto.encode_json(hello),
         options=link_options(codec, recv_timeout_s),

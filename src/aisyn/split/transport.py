@@ -99,6 +99,16 @@ class LinkSettings:
             )
         return token
 
+    def security(self) -> dict:
+        """The token, TLS and plaintext arguments of either end of the link
+        (``GrpcLinkServer``, ``grpc_link.connect``)."""
+        return dict(
+            token=self.token(),
+            tls=self.tls(),
+            insecure=self.insecure,
+            allow_insecure_remote=self.allow_insecure_remote,
+        )
+
     def to_dict(self) -> dict:
         """For run folders: paths and flags only, never the token itself."""
         return {

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from aisyn.data.cache import cache_dir
+from aisyn.data.folder import publish_dir
 from aisyn.model.families import hf_folder
 from aisyn.model.hf import read_hf_tensors
 
@@ -173,14 +174,8 @@ def save(
         save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp / name))
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
     _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. after resume): swap safely
-        old = root / f".{final.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
+    # re-saving the same step (e.g. after resume) swaps safely
+    publish_dir(tmp, final, old=root / f".{final.name}.old")
     _write_atomic(root / LATEST, final.name)
     if keep > 0:
         for old in sorted(root.glob("step_*"))[:-keep]:
