@@ -125,3 +125,23 @@ def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):
         backward_noise=float(values["--dp-backward-noise"]),
     )
     assert defence.forward.noise == defence.backward.noise == 0.1
+
+
+def test_a_point_names_and_builds_its_defence():
+    from aisyn.privacy.frontier import Clips, defence_for
+
+    clips = Clips(forward=600.0, backward=0.001)
+    both = Point("gaussian", sigma=0.1)
+    assert both.label == "Gaussian σ=0.1"
+    d = defence_for(both, clips)
+    assert (d.forward.clip, d.forward.noise) == (600.0, 0.1)
+    assert (d.backward.clip, d.backward.noise) == (0.001, 0.1)
+    grad_only = Point("gaussian", cut="u:2,0", sigma=0.3, sides="backward")
+    assert grad_only.label == "Gaussian σ=0.3 on the gradient, cut u:2,0"
+    d = defence_for(grad_only, clips)
+    assert d.forward is None and d.backward.noise == 0.3
+    assert not defence_for(Point("blocks", cut="u:2,0"), clips).active
+    assert (
+        defence_for(Point("embedding-dp", embedding_eps=5.0), clips).embedding_dp == 5
+    )
+    assert Point("none").strength == 0.0 and Point("blocks", cut="u:2,0").strength == 2

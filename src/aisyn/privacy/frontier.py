@@ -47,21 +47,25 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Point:
     """One defence at one strength. ``sigma``: the Gaussian noise multiplier
-    on both directions (clipping bounds calibrated on public text);
-    ``embedding_eps``: EmbeddingDP's ε per bit; ``cut``: where A cuts (more
-    blocks on A is a defence too)."""
+    (clipping bounds calibrated on public text) on ``sides``: both directions
+    or the returned gradient only; ``embedding_eps``: EmbeddingDP's ε per bit;
+    ``cut``: where A cuts (more blocks on A is a defence too, alone or with
+    noise)."""
 
     family: str  # none | gaussian | embedding-dp | blocks
     cut: str = "u:1,1"
     sigma: float = 0.0
     embedding_eps: float | None = None
+    sides: str = "both"  # both | backward
 
     @property
     def label(self) -> str:
+        where = "" if self.cut == "u:1,1" else f", cut {self.cut}"
         if self.family == "gaussian":
-            return f"Gaussian σ={self.sigma:g}"
+            side = "" if self.sides == "both" else " on the gradient"
+            return f"Gaussian σ={self.sigma:g}{side}{where}"
         if self.family == "embedding-dp":
-            return f"EmbeddingDP ε={self.embedding_eps:g}/bit"
+            return f"EmbeddingDP ε={self.embedding_eps:g}/bit{where}"
         if self.family == "blocks":
             return f"cut {self.cut}"
         return "none"
@@ -100,9 +104,11 @@ def calibrate(model: CausalLM, public: torch.Tensor, cut: str, batch: int) -> Cl
 
 def defence_for(point: Point, clips: Clips) -> dp.CutDefence:
     if point.family == "gaussian":
+        forward = None
+        if point.sides == "both":
+            forward = dp.Gaussian(clips.forward, point.sigma)
         return dp.CutDefence(
-            forward=dp.Gaussian(clips.forward, point.sigma),
-            backward=dp.Gaussian(clips.backward, point.sigma),
+            forward=forward, backward=dp.Gaussian(clips.backward, point.sigma)
         )
     if point.family == "embedding-dp":
         return dp.CutDefence(embedding_dp=point.embedding_eps)
