@@ -56,10 +56,11 @@ def cmd_audit(args) -> None:
 
 def cmd_calibrate(args) -> None:
     """Clipping bounds for `aisyn split train --dp-*`, from public text: the
-    median row norm of the activations and of the returned gradients when
+    median row norm of the returned gradients (and of the activations) when
     --base runs --public rows at --cut in batches of --batch-size (the
     gradient scales with 1 / the tokens of a batch, so give the run's). Prints
-    the flags for noise multiplier --noise (default: the recommended 0.1).
+    the flags of the recommended default (docs/privacy.md): noise multiplier
+    --noise on the gradient; --forward-noise adds noise on the activations too.
     Public text keeps the bounds free of A's data, as the accounting assumes."""
     import torch
 
@@ -76,9 +77,14 @@ def cmd_calibrate(args) -> None:
     n = min(len(public), args.samples)
     rows = public.batch(torch.randperm(len(public), generator=g)[:n])
     clips = calibrate(model, rows, args.cut, args.batch_size)
+    flags = f"--cut {args.cut} "
+    if args.forward_noise is not None:
+        flags += (
+            f"--dp-forward-clip {clips.forward:.6g} "
+            f"--dp-forward-noise {args.forward_noise:g} "
+        )
     print(
-        f"--cut {args.cut} --dp-forward-clip {clips.forward:.6g} "
-        f"--dp-forward-noise {args.noise:g} --dp-backward-clip {clips.backward:.6g} "
+        flags + f"--dp-backward-clip {clips.backward:.6g} "
         f"--dp-backward-noise {args.noise:g}"
     )
 
@@ -124,6 +130,12 @@ def register(sub) -> None:
         ("--cut", None, "u:1,1", "the cut the run will use"),
         ("--batch-size", positive_int, 16, "the run's batch size"),
         ("--samples", positive_int, 256, "public rows to measure"),
-        ("--noise", nonneg_float, 0.1, "noise multiplier to print the flags with"),
+        ("--noise", nonneg_float, 0.1, "noise multiplier on the gradient"),
+        (
+            "--forward-noise",
+            nonneg_float,
+            None,
+            "noise multiplier on the activations too (costly: docs/privacy.md)",
+        ),
         ("--seed", nonneg_int, 0, None),
     )
