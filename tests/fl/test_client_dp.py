@@ -10,32 +10,11 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
+from one_round import one_round, weights
 
 from aisyn.fl.dp import epsilon
 from aisyn.fl.launch import simulate
-from aisyn.fl.settings import FLSettings
-from aisyn.train.checkpoint import model_file, read_tensors
 from aisyn.train.run import read_metrics
-
-
-def one_round(**overrides) -> FLSettings:
-    return FLSettings.from_dict(
-        dict(
-            rounds=1,
-            local_steps=2,
-            batch_size=8,
-            lr=3e-3,
-            warmup=1,
-            eval_items=8,
-            min_clients=2,
-            round_timeout=120,
-        )
-        | overrides
-    )
-
-
-def weights(run: Path) -> dict[str, np.ndarray]:
-    return {k: v.double().numpy() for k, v in read_tensors(model_file(run)).items()}
 
 
 def client_updates(run: Path, base: dict, names) -> list[dict[str, np.ndarray]]:

@@ -15,33 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from one_round import one_round, weights
 
 from aisyn.data.sft import SFTData
 from aisyn.fl.launch import simulate
 from aisyn.fl.secure import QUANTIZATION_RANGE
-from aisyn.fl.settings import FLSettings
-from aisyn.train.checkpoint import model_file, read_tensors
-
-
-def one_round(**overrides) -> FLSettings:
-    """One short round (same seed everywhere: the clients train identically)."""
-    return FLSettings.from_dict(
-        dict(
-            rounds=1,
-            local_steps=2,
-            batch_size=8,
-            lr=3e-3,
-            warmup=1,
-            eval_items=8,
-            min_clients=2,
-            round_timeout=120,
-        )
-        | overrides
-    )
-
-
-def weights(run: Path) -> dict[str, np.ndarray]:
-    return {k: v.double().numpy() for k, v in read_tensors(model_file(run)).items()}
 
 
 def counted(result: dict, sft_dirs: dict[str, Path]) -> dict[str, int]:
