@@ -24,17 +24,23 @@ def test_an_embedding_only_cut_gives_the_text_away(
         settings=AuditSettings(samples=2, public_samples=32, steps=60),
     )
     rows = {(r["B_knows"], r["attack"], r["direction"]): r for r in report["rows"]}
-    assert len(report["rows"]) == 6
+    assert len(report["rows"]) == 7
     known = rows[("base", "white-box", "forward")]
     assert known["recovery"] >= 0.9
     stranger = rows[("nothing", "white-box", "forward")]
     assert stranger["recovery"] <= stranger["frequent_token"] + 0.1
     labels = rows[("base", "white-box", "backward")]
     assert labels["recovery"] > labels["frequent_token"] + 0.2
+    # the learned decoders, fitted on public text, read the activations too
+    # (the MLP in context needs more than these 32 public rows to shine)
+    linear = rows[("base", "learned", "forward")]
+    assert linear["recovery"] > linear["frequent_token"] + 0.2
+    in_context = rows[("base", "learned in context", "forward")]
+    assert in_context["recovery"] > in_context["frequent_token"]
     for f in ("audit.md", "audit.csv", "audit.json", "recovery.png"):
         assert (tmp_path / "out" / f).is_file()
     table = list(csv.DictReader((tmp_path / "out" / "audit.csv").open()))
-    assert len(table) == 6 and table[0]["cut"] == "u:0,0"
+    assert len(table) == 7 and table[0]["cut"] == "u:0,0"
     assert json.loads((tmp_path / "out" / "audit.json").read_text())["rows"]
 
 

@@ -26,7 +26,7 @@ def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
     )
     # Execute
     results = frontier(
-        [Point("none"), Point("gaussian", sigma=1.0)],
+        [Point("none"), Point("gaussian", forward=1.0, backward=1.0)],
         base=base,
         data=news_data,
         public_rows=public,
@@ -50,7 +50,10 @@ def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
     )
     # The cost side comes from real runs: the undefended one is the reference.
     assert none["loss_cost"] == 0.0 and none["dp_epsilon"] is None
+    assert none["served_split_cost"] == 0.0
     assert math.isfinite(noisy["test_loss"]) and noisy["loss_cost"] is not None
+    # served split, the noise is still on and costs more than it did merged
+    assert noisy["served_split_cost"] > noisy["loss_cost"]
     assert noisy["dp_epsilon"] is not None and noisy["dp_epsilon"] > 0
     assert noisy["bytes_per_step"] == none["bytes_per_step"]
     assert noisy["clip_forward"] > 0 and noisy["clip_backward"] > 0
@@ -132,12 +135,14 @@ def test_a_point_names_and_builds_its_defence():
     from aisyn.privacy.frontier import Clips, defence_for
 
     clips = Clips(forward=600.0, backward=0.001)
-    both = Point("gaussian", sigma=0.1)
-    assert both.label == "Gaussian σ=0.1"
+    both = Point("gaussian", forward=0.1, backward=0.1)
+    assert both.label == "Gaussian σ=0.1 both ways"
     d = defence_for(both, clips)
     assert (d.forward.clip, d.forward.noise) == (600.0, 0.1)
     assert (d.backward.clip, d.backward.noise) == (0.001, 0.1)
-    grad_only = Point("gaussian", cut="u:2,0", sigma=0.3, sides="backward")
+    mixed = Point("gaussian", forward=0.1, backward=0.3)
+    assert mixed.label == "Gaussian σ=0.1 on the activations, σ=0.3 on the gradient"
+    grad_only = Point("gaussian", cut="u:2,0", backward=0.3)
     assert grad_only.label == "Gaussian σ=0.3 on the gradient, cut u:2,0"
     d = defence_for(grad_only, clips)
     assert d.forward is None and d.backward.noise == 0.3
@@ -145,4 +150,3 @@ def test_a_point_names_and_builds_its_defence():
     assert (
         defence_for(Point("embedding-dp", embedding_eps=5.0), clips).embedding_dp == 5
     )
-    assert Point("none").strength == 0.0 and Point("blocks", cut="u:2,0").strength == 2

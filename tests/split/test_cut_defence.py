@@ -194,3 +194,58 @@ def test_defended_run_is_reproducible_and_resumes_exactly(
             progress=False,
             resume=True,
         )
+
+
+class _GuardedGradient(torch.autograd.Function):
+    """The identity forward; backward: what A's guard sends B instead."""
+
+    @staticmethod
+    def forward(ctx, x, guard, where):
+        ctx.guard, ctx.where = guard, where
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.guard.gradient(g, *ctx.where), None, None
+
+
+def test_noise_touches_only_what_b_adds_not_the_residual_stream(
+    tmp_path, news_data, split_config, monkeypatch
+):
+    """Under a defence, A puts its own residual stream back into B's answer:
+    B's blocks compute on the noised activations and get the noised gradient,
+    A's layers read ``clean + Δ(sent)`` and A's front gets its own gradient
+    through the residual. The same arithmetic, written in the unsplit model
+    (B's blocks 1-2 wrapped, the same noise drawn), trains identically."""
+    from aisyn.model.pangu import PanguAlpha
+    from aisyn.train.loop import train
+
+    defence = dp.CutDefence(
+        forward=dp.Gaussian(50.0, 0.02), backward=dp.Gaussian(0.05, 0.5)
+    )
+    cfg = train_cfg(steps=6)
+    _run(tmp_path / "split", news_data, split_config, defence, steps=6)
+    guard = dp.CutGuard(defence, cfg.seed)  # the secret split_train keys it with
+    micro_per_step = cfg.batch_size // cfg.micro_batch_size
+    calls = {"n": 0}
+    original = PanguAlpha.block
+
+    def block(self, i, x, ctx, kv=None):
+        if i == 1:  # B's first block: it sees what A sends
+            n = calls["n"]
+            calls["n"] += 1
+            calls["where"] = (n // micro_per_step, n % micro_per_step)
+            calls["clean"] = x
+            calls["sent"] = guard.activations(x, *calls["where"])
+            return original(self, 1, calls["sent"], ctx, kv)
+        if i == 2:  # B's last block: A restores its residual stream
+            delta = original(self, 2, x, ctx, kv) - calls["sent"]
+            return _GuardedGradient.apply(delta, guard, calls["where"]) + calls["clean"]
+        return original(self, i, x, ctx, kv)
+
+    monkeypatch.setattr(PanguAlpha, "block", block)
+    train(split_config, [news_data], tmp_path / "whole", cfg, progress=False)
+    assert calls["n"] == 6 * micro_per_step
+    assert losses(tmp_path / "split") == pytest.approx(
+        losses(tmp_path / "whole"), rel=1e-5
+    )

@@ -128,17 +128,48 @@ def _match_step(model, h, target, z, opt, blocks) -> None:
 
 
 class LearnedDecoder:
-    """A linear map from a per-position feature (an activation, or a received
-    gradient normalised to unit length) to the token at that position, fitted
-    by cross-entropy on public (feature, token) pairs."""
+    """A map from a position's feature (an activation, or a received gradient
+    normalised to unit length) to the token at that position, fitted by
+    cross-entropy on public (feature, token) pairs.
 
-    def __init__(self, dim: int, vocab: int, *, normalise: bool = False) -> None:
-        self.linear = torch.nn.Linear(dim, vocab)
+    The plain decoder is linear and reads one position. ``context`` > 0 lets
+    it read the ``context`` positions either side too, and ``hidden`` > 0 puts
+    an MLP layer of that width in front: against noise drawn afresh for every
+    position this is the stronger attack, since the front blocks copy each
+    token into later positions (B can average its noisy copies) and
+    neighbours carry the language's own redundancy.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        vocab: int,
+        *,
+        normalise: bool = False,
+        context: int = 0,
+        hidden: int = 0,
+    ) -> None:
         self.normalise = normalise
+        self.context = context
+        width = dim * (2 * context + 1)
+        if hidden:
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(width, hidden),
+                torch.nn.GELU(),
+                torch.nn.Linear(hidden, vocab),
+            )
+        else:
+            self.net = torch.nn.Linear(width, vocab)
 
     def _x(self, feats: torch.Tensor) -> torch.Tensor:
-        x = feats.reshape(-1, feats.shape[-1]).float()
-        return F.normalize(x, dim=-1) if self.normalise else x
+        x = feats.float()
+        if self.normalise:
+            x = F.normalize(x, dim=-1)
+        if self.context:  # (B, T, C) -> (B, T, (2k+1)·C): each position's window
+            k = self.context
+            padded = F.pad(x, (0, 0, k, k))
+            x = padded.unfold(1, 2 * k + 1, 1).transpose(-1, -2).flatten(-2)
+        return x.reshape(-1, x.shape[-1])
 
     def fit(
         self,
@@ -153,14 +184,15 @@ class LearnedDecoder:
         x, y = self._x(feats), tokens.reshape(-1)
         keep = y >= 0
         x, y = x[keep], y[keep]
+        self.mean, self.std = torch.zeros(()), torch.ones(())
         if not self.normalise:  # whiten by the public features' own statistics
             self.mean, self.std = x.mean(0), x.std(0).clamp_min(1e-6)
-            x = (x - self.mean) / self.std
+        x = (x - self.mean) / self.std
         g = torch.Generator().manual_seed(seed)
-        opt = torch.optim.Adam(self.linear.parameters(), lr=lr)
+        opt = torch.optim.Adam(self.net.parameters(), lr=lr)
         for _ in range(epochs):
             for idx in torch.randperm(len(y), generator=g).split(batch):
-                loss = F.cross_entropy(self.linear(x[idx]), y[idx])
+                loss = F.cross_entropy(self.net(x[idx]), y[idx])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -168,10 +200,18 @@ class LearnedDecoder:
 
     @torch.no_grad()
     def predict(self, feats: torch.Tensor) -> torch.Tensor:
-        x = self._x(feats)
-        if not self.normalise:
-            x = (x - self.mean) / self.std
-        return self.linear(x).argmax(-1).reshape(feats.shape[:-1])
+        x = (self._x(feats) - self.mean) / self.std
+        return self.net(x).argmax(-1).reshape(feats.shape[:-1])
+
+
+def context_decoder(
+    feats: torch.Tensor, tokens: torch.Tensor, vocab: int
+) -> LearnedDecoder:
+    """B's strongest forward decoder, fitted: an MLP over a window of five
+    positions (a linear one-position decoder underrates what B learns from
+    noised activations)."""
+    decoder = LearnedDecoder(feats.shape[-1], vocab, context=2, hidden=512)
+    return decoder.fit(feats, tokens, epochs=10, lr=3e-3)
 
 
 def recovery(guess: torch.Tensor, truth: torch.Tensor) -> float:

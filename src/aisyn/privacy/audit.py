@@ -34,6 +34,7 @@ from aisyn.model.segments import Partition, parse_partition
 from aisyn.privacy.attacks import (
     LearnedDecoder,
     back_logits,
+    context_decoder,
     frequent_token_rate,
     front,
     infer_labels,
@@ -166,31 +167,23 @@ def audit(
                 add(cut, weights, knows, "white-box", "backward", guess, seen.labels)
             if learned is None:  # B's decoders, fitted once per cut on public text
                 acts, toks, grads, labels = public_pairs(base_model, pub_rows, cut)
-                learned = (
-                    LearnedDecoder(acts.shape[-1], cfg.vocab_size).fit(acts, toks),
-                    LearnedDecoder(grads.shape[-1], cfg.vocab_size, normalise=True).fit(
-                        grads, labels
+                vocab = cfg.vocab_size
+                learned = {
+                    ("learned", "forward"): LearnedDecoder(acts.shape[-1], vocab).fit(
+                        acts, toks
                     ),
-                )
-            fwd, bwd = learned
-            add(
-                cut,
-                weights,
-                "base",
-                "learned",
-                "forward",
-                fwd.predict(seen.acts),
-                seen.inputs,
-            )
-            add(
-                cut,
-                weights,
-                "base",
-                "learned",
-                "backward",
-                bwd.predict(seen.grad),
-                seen.labels,
-            )
+                    ("learned in context", "forward"): context_decoder(
+                        acts, toks, vocab
+                    ),
+                    ("learned", "backward"): LearnedDecoder(
+                        grads.shape[-1], vocab, normalise=True
+                    ).fit(grads, labels),
+                }
+            for (attack, direction), decoder in learned.items():
+                forward = direction == "forward"
+                guess = decoder.predict(seen.acts if forward else seen.grad)
+                truth = seen.inputs if forward else seen.labels
+                add(cut, weights, "base", attack, direction, guess, truth)
     report = {
         "base": str(base),
         "data": str(data),

@@ -3,15 +3,18 @@ what it lets the compute party recover and what it costs.
 
 For every point (a defence and its strength) this trains a real split run
 (in-process, the defence on A's side) from the public base on A's text for
-the same number of steps, merges its halves and measures the test loss; then
-it attacks what that defence lets cross, with the base's weights (B's best
-knowledge at the start) and with the run's own (late in training, what a
-B that knew A's weights exactly would have). The attacks are ``attacks.py``'s,
-made *adaptive*: B is assumed to know the mechanism and its strength (not
-the noise it draws), so its learned decoders are fitted on public text sent
-through the same mechanism. Per point: loss, loss cost against no defence,
-ε (``train.dp``, from the run's own accounting), bytes on the link per step,
-and the best recovery of each direction beside the frequent-token rate.
+the same number of steps, merges its halves and measures the test loss of
+the merged model (run whole, in the clear) and of the split run served with
+its defence still on. Then it attacks what that defence lets cross, with the
+base's weights (B's best knowledge at the start) and with the run's own
+(late in training, what a B that knew A's weights exactly would have). The
+attacks are ``attacks.py``'s, made *adaptive*: B is assumed to know the
+mechanism and its strength (not the noise it draws), so its learned decoders
+(a linear one and an MLP over five positions) are fitted on public text sent
+through the same mechanism. Per point: both losses and their cost against no
+defence, ε (``train.dp``, from the run's own accounting), bytes on the link
+per step, and the best recovery of each direction beside the frequent-token
+rate.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,12 +33,14 @@ from aisyn.model.families import ModelConfig
 from aisyn.model.segments import parse_partition
 from aisyn.privacy.attacks import (
     LearnedDecoder,
+    context_decoder,
     frequent_token_rate,
     infer_labels,
     invert_activations,
     recovery,
 )
 from aisyn.privacy.audit import Crossing, blocks_of, crossing
+from aisyn.split.evaluate import open_split_model
 from aisyn.split.merge import merge
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
@@ -46,39 +52,39 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Point:
-    """One defence at one strength. ``sigma``: the Gaussian noise multiplier
-    (clipping bounds calibrated on public text) on ``sides``: both directions
-    or the returned gradient only; ``embedding_eps``: EmbeddingDP's ε per bit;
+    """One defence at one strength. ``forward`` / ``backward``: the Gaussian
+    noise multipliers on the activations A sends and on the gradient it
+    returns (0: that direction crosses in the clear; clipping bounds are
+    calibrated on public text); ``embedding_eps``: EmbeddingDP's ε per bit;
     ``cut``: where A cuts (more blocks on A is a defence too, alone or with
     noise)."""
 
     family: str  # none | gaussian | embedding-dp | blocks
     cut: str = "u:1,1"
-    sigma: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
     embedding_eps: float | None = None
-    sides: str = "both"  # both | backward
 
     @property
     def label(self) -> str:
         where = "" if self.cut == "u:1,1" else f", cut {self.cut}"
         if self.family == "gaussian":
-            side = "" if self.sides == "both" else " on the gradient"
-            return f"Gaussian σ={self.sigma:g}{side}{where}"
+            if self.forward == self.backward:
+                return f"Gaussian σ={self.forward:g} both ways{where}"
+            sides = [
+                f"σ={sigma:g} on the {name}"
+                for name, sigma in (
+                    ("activations", self.forward),
+                    ("gradient", self.backward),
+                )
+                if sigma
+            ]
+            return "Gaussian " + ", ".join(sides) + where
         if self.family == "embedding-dp":
             return f"EmbeddingDP ε={self.embedding_eps:g}/bit{where}"
         if self.family == "blocks":
             return f"cut {self.cut}"
         return "none"
-
-    @property
-    def strength(self) -> float:
-        if self.family == "gaussian":
-            return self.sigma
-        if self.family == "embedding-dp":
-            return self.embedding_eps or 0.0
-        if self.family == "blocks":  # blocks A keeps before B
-            return float(self.cut[2:].split(",")[0])
-        return 0.0
 
 
 @dataclass(frozen=True)
@@ -104,11 +110,13 @@ def calibrate(model: CausalLM, public: torch.Tensor, cut: str, batch: int) -> Cl
 
 def defence_for(point: Point, clips: Clips) -> dp.CutDefence:
     if point.family == "gaussian":
-        forward = None
-        if point.sides == "both":
-            forward = dp.Gaussian(clips.forward, point.sigma)
         return dp.CutDefence(
-            forward=forward, backward=dp.Gaussian(clips.backward, point.sigma)
+            forward=dp.Gaussian(clips.forward, point.forward)
+            if point.forward
+            else None,
+            backward=dp.Gaussian(clips.backward, point.backward)
+            if point.backward
+            else None,
         )
     if point.family == "embedding-dp":
         return dp.CutDefence(embedding_dp=point.embedding_eps)
@@ -143,12 +151,21 @@ def train_point(
     test = TokenShards.open(
         data, "test", tokenizer_sha256=config["tokenizer"]["sha256"]
     )
-    loss = evaluate_loss(
-        model, test, batch_size=cfg.batch_size, max_batches=eval_batches
+    score = partial(
+        evaluate_loss,
+        shards=test,
+        batch_size=cfg.batch_size,
+        max_batches=eval_batches,
+        device=torch.device("cpu"),
     )
+    # Served split, the activations still pass the defence (fresh noise);
+    # merged, the model runs whole and in the clear.
+    with open_split_model(run) as served:
+        served_loss = score(served)
     privacy = summary.get("privacy", {})
     return {
-        "test_loss": loss,
+        "test_loss": score(model),
+        "served_split_loss": served_loss,
         "dp_epsilon": privacy.get("dp_epsilon"),
         "bytes_per_step": summary["bytes_sent_per_step"]
         + summary["bytes_received_per_step"],
@@ -186,10 +203,10 @@ def attack_point(
     # B's decoders, fitted on public text sent through the same mechanism.
     pub = protected(crossing(base_model, public, partition), defence)
     vocab = base_model.config.vocab_size
-    fwd = LearnedDecoder(pub.acts.shape[-1], vocab).fit(pub.acts, pub.inputs)
-    bwd = LearnedDecoder(pub.grad.shape[-1], vocab, normalise=True).fit(
-        pub.grad, pub.labels
-    )
+    dim = pub.acts.shape[-1]
+    fwd = LearnedDecoder(dim, vocab).fit(pub.acts, pub.inputs)
+    fwd_context = context_decoder(pub.acts, pub.inputs, vocab)
+    bwd = LearnedDecoder(dim, vocab, normalise=True).fit(pub.grad, pub.labels)
     out = []
     for weights, victim in victims.items():
         seen = protected(crossing(victim, rows, partition), defence)
@@ -198,6 +215,7 @@ def attack_point(
                 base_model, seen.acts, first, steps=steps
             ),
             ("forward", "learned"): fwd.predict(seen.acts),
+            ("forward", "learned in context"): fwd_context.predict(seen.acts),
             ("backward", "white-box"): infer_labels(
                 base_model, seen.out, seen.grad, back, steps=steps
             ),
@@ -238,7 +256,7 @@ def frontier(
     base_model.eval().requires_grad_(False)
     clips: dict[str, Clips] = {}
     results: list[dict] = []
-    reference_loss = None
+    reference: tuple[float, float] | None = None
     for n, point in enumerate(points):
         if point.cut not in clips:
             clips[point.cut] = calibrate(
@@ -258,7 +276,7 @@ def frontier(
         )
         trained = cost.pop("model").eval().requires_grad_(False)
         if point.family == "none":
-            reference_loss = cost["test_loss"]
+            reference = cost["test_loss"], cost["served_split_loss"]
         attacked = attack_point(
             point,
             defence,
@@ -273,13 +291,15 @@ def frontier(
                 {
                     "defence": point.label,
                     **asdict(point),
-                    "strength": point.strength,
                     "clip_forward": clips[point.cut].forward,
                     "clip_backward": clips[point.cut].backward,
                     **cost,
                     "loss_cost": None
-                    if reference_loss is None
-                    else cost["test_loss"] - reference_loss,
+                    if reference is None
+                    else cost["test_loss"] - reference[0],
+                    "served_split_cost": None
+                    if reference is None
+                    else cost["served_split_loss"] - reference[1],
                     **a,
                 }
             )

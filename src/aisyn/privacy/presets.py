@@ -14,8 +14,8 @@ It writes, to ``--out``:
   ``MAX_LOSS_COST`` nats.
 
 ``ci`` runs every piece in a few minutes (its numbers mean nothing);
-``full`` is the measurement quoted in docs/privacy.md (about an hour on a
-2-core CPU).
+``full`` is the measurement quoted in docs/privacy.md (under an hour on a
+quiet 2-core CPU).
 """
 
 from __future__ import annotations
@@ -58,10 +58,8 @@ class AuditPreset:
     points: tuple[Point, ...] = field(default_factory=tuple)
 
 
-def _gaussians(
-    *sigmas: float, cut: str = "u:1,1", sides: str = "both"
-) -> tuple[Point, ...]:
-    return tuple(Point("gaussian", cut=cut, sigma=s, sides=sides) for s in sigmas)
+def _gaussian(forward: float, backward: float, cut: str = "u:1,1") -> Point:
+    return Point("gaussian", cut=cut, forward=forward, backward=backward)
 
 
 AUDIT_PRESETS = {
@@ -79,7 +77,7 @@ AUDIT_PRESETS = {
         cuts=("u:0,0", "u:1,0"),
         points=(
             Point("none", cut="u:0,1"),
-            *_gaussians(0.1, cut="u:0,1"),
+            _gaussian(0.1, 0.1, cut="u:0,1"),
             Point("embedding-dp", cut="u:0,1", embedding_eps=5.0),
             Point("blocks", cut="u:1,0"),
         ),
@@ -97,15 +95,18 @@ AUDIT_PRESETS = {
         # u:1,1 with B knowing the base is in the frontier ("none"); the cut
         # audit adds no block on A, and B knowing nothing
         cuts=("u:0,0", "u:1,1"),
-        # Noise on the activations costs most: at σ = 0.01 the noise per
-        # element already exceeds the activations' (the bound is a whole
-        # row's norm), so the sweep puts noise on the gradient, and moves
-        # the forward cut instead (u:2,0: two blocks before B).
+        # Forward noise costs little because A puts its own residual stream
+        # back into B's answer (split.data_party): it degrades only what B's
+        # blocks add, and only while the noise is on.
         points=(
             Point("none"),
-            *_gaussians(0.01),
-            *_gaussians(0.1, 0.3, 1.0, sides="backward"),
-            *_gaussians(0.3, cut="u:2,0", sides="backward"),
+            _gaussian(0, 0.1),
+            _gaussian(0, 0.3),
+            _gaussian(0.1, 0.1),
+            _gaussian(0.1, 0.3),
+            _gaussian(0.3, 0.3),
+            _gaussian(1, 1),
+            Point("blocks", cut="u:2,0"),
             Point("embedding-dp", embedding_eps=5.0),
         ),
     ),
@@ -200,6 +201,7 @@ COLUMNS = [
     ("frequent_token", "frequent token"),
     ("test_loss", "test loss"),
     ("loss_cost", "loss cost"),
+    ("served_split_cost", "served split"),
     ("dp_epsilon", "ε"),
     ("bytes_per_step", "link MB/step"),
 ]
@@ -212,7 +214,7 @@ def _cell(key: str, v) -> str:
         return f"{100 * v:.1f} %"
     if key in ("test_loss",):
         return f"{v:.4f}"
-    if key == "loss_cost":
+    if key in ("loss_cost", "served_split_cost"):
         return f"{v:+.4f}"
     if key == "dp_epsilon":
         return f"{v:.3g}"
@@ -248,7 +250,11 @@ def write_frontier(out: Path, report: dict) -> None:
         f"{s['samples']} rows of A's test text with {s['attack_steps']} steps, "
         f"decoders fitted on {s['public_samples']} public rows through the same "
         f"mechanism. ε at δ = 1e-5 per training row (∞: a direction crosses "
-        f"without noise).\n\n" + "\n".join(lines) + f"\n\n{verdict}\n",
+        f"without noise). Loss cost: the merged model, run whole and in the "
+        f"clear; served split: the split run served with its defence still on "
+        f"(fresh noise), both against no defence.\n\n"
+        + "\n".join(lines)
+        + f"\n\n{verdict}\n",
         encoding="utf-8",
     )
     with (out / "frontier.csv").open("w", newline="", encoding="utf-8") as f:
@@ -260,50 +266,42 @@ def write_frontier(out: Path, report: dict) -> None:
 
 
 def plot_frontier(path: Path, rows: list[dict]) -> None:
+    """Recovery against the noise multiplier of each direction (early and
+    late), other defences as lines; and each point's loss cost, merged and
+    served split."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    gauss = [r for r in rows if r["family"] == "gaussian"]
-    none = [r for r in rows if r["family"] == "none"]
-    series = sorted({(r.get("sides", "both"), r["cut"]) for r in gauss})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, direction in zip(axes[:2], ("forward", "backward"), strict=True):
+        mine = [r for r in rows if r["direction"] == direction]
         for weights, marker in (("base (early)", "o"), ("trained (late)", "s")):
-            for sides, cut in series:
-                # each series starts from the undefended run, drawn at σ = 1e-3
-                pts = sorted(
-                    (max(r["sigma"], 1e-3), 100 * r["recovery"])
-                    for r in none
-                    + [
-                        g
-                        for g in gauss
-                        if (g.get("sides", "both"), g["cut"]) == (sides, cut)
-                    ]
-                    if r["direction"] == direction and r["A_weights"] == weights
-                )
-                name = f"noise on {'both' if sides == 'both' else 'the gradient'}"
-                ax.plot(
-                    *zip(*pts, strict=True),
-                    marker=marker,
-                    label=f"{name}, {cut}, A {weights}",
-                )
-        for r in rows:
-            if r["family"] not in ("none", "gaussian") and r["direction"] == direction:
+            pts = [
+                r
+                for r in mine
+                if r["A_weights"] == weights and r["family"] in ("none", "gaussian")
+            ]
+            # σ = 0 (this direction in the clear) is drawn at 1e-3
+            xs = [max(r[direction], 1e-3) for r in pts]
+            ax.scatter(
+                xs, [100 * r["recovery"] for r in pts], marker=marker, label=weights
+            )
+            if weights == "base (early)":
+                for x, r in zip(xs, pts, strict=True):
+                    ax.annotate(r["defence"], (x, 100 * r["recovery"]), fontsize=5)
+        for r in mine:
+            if r["family"] not in ("none", "gaussian") and r["A_weights"] == (
+                "base (early)"
+            ):
                 ax.axhline(100 * r["recovery"], linestyle="--", linewidth=0.8)
-                ax.annotate(
-                    f"{r['defence']} ({r['A_weights']})",
-                    (1e-3, 100 * r["recovery"]),
-                    fontsize=6,
-                )
-        freq = max(
-            100 * r["frequent_token"] for r in rows if r["direction"] == direction
-        )
+                ax.annotate(r["defence"], (1e-3, 100 * r["recovery"]), fontsize=6)
+        freq = max(100 * r["frequent_token"] for r in mine)
         ax.axhline(freq, color="grey", linestyle=":", label="frequent token")
         ax.axhline(100 * MAX_RECOVERY, color="red", linestyle=":", label="target")
         ax.set_xscale("log")
-        ax.set_xlabel("Gaussian noise multiplier σ (σ=0 drawn at 1e-3)")
+        ax.set_xlabel(f"noise multiplier σ on the {direction} direction (0 at 1e-3)")
         ax.set_ylabel("tokens recovered, best attack (%)")
         ax.set_title(
             f"{direction} ({'inputs' if direction == 'forward' else 'labels'})"
@@ -311,15 +309,21 @@ def plot_frontier(path: Path, rows: list[dict]) -> None:
         ax.set_ylim(0, 100)
         ax.legend(fontsize=6)
     ax = axes[2]
-    costs: dict[str, float] = {}
+    costs: dict[str, tuple[float, float]] = {}
     for r in rows:
         if r["loss_cost"] is not None:
-            costs.setdefault(r["defence"], r["loss_cost"])
-    ax.barh(list(costs), list(costs.values()))
-    ax.tick_params(axis="y", labelsize=6)
+            costs.setdefault(r["defence"], (r["loss_cost"], r["served_split_cost"]))
+    y = range(len(costs))
+    ax.barh([i - 0.2 for i in y], [c[0] for c in costs.values()], 0.4, label="merged")
+    ax.barh(
+        [i + 0.2 for i in y], [c[1] for c in costs.values()], 0.4, label="served split"
+    )
+    ax.set_yticks(list(y), list(costs), fontsize=6)
     ax.axvline(MAX_LOSS_COST, color="red", linestyle=":")
+    ax.set_xscale("symlog", linthresh=0.05)
     ax.set_xlabel("loss cost (nats, vs no defence)")
     ax.set_title("cost")
+    ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -79,6 +79,21 @@ class DataSession:
     def _protect(self, h: torch.Tensor, *where: object) -> torch.Tensor:
         return h if self.guard is None else self.guard.activations(h, *where)
 
+    @staticmethod
+    def _restore(y: torch.Tensor, clean: torch.Tensor, sent: torch.Tensor):
+        """B's output with A's own residual stream put back.
+
+        B's middle is residual blocks, so its answer is ``sent + Δ(sent)``.
+        Under a forward defence ``sent`` is the clipped, noised ``clean``;
+        A, which knows both, returns to ``clean + Δ(sent)``: the noise then
+        degrades only what B's blocks add, not the residual stream every
+        later layer reads (without this, forward noise that hides the tokens
+        costs nats; see docs/privacy.md). What B sees is unchanged.
+        """
+        if sent is clean:
+            return y
+        return y + (clean - sent).detach().to(y.dtype)
+
     def _open_round(self, control: proto.Control) -> int:
         r = self.round
         self.round += 1
@@ -120,27 +135,34 @@ class DataSession:
         )
         self.state.train(True)
         shape = (mb, T, self.hidden_size)
-        fronts: dict[int, torch.Tensor] = {}
+        # micro-batch -> (the front's output, what was sent in its place)
+        fronts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # micro-batch -> (A's gradient for B's output, what was sent instead)
+        gouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         losses: dict[int, float] = {}
         for kind, i in schedule.make(len(micro), self.window).a:
             inputs, targets, mask, pos = micro[i]
             if kind == "F":
                 with autocast_for(device):  # as aisyn train (bf16 on CUDA)
-                    h = self._protect(self.front(inputs, mask, pos), step, i)
-                self._send_act(r, i, h, inputs)
-                fronts[i] = h
+                    clean = self.front(inputs, mask, pos)
+                    sent = self._protect(clean, step, i)
+                self._send_act(r, i, sent, inputs)
+                fronts[i] = clean, sent
             elif kind == "L":
                 y = self.link.recv(
                     "out", step=r, micro=i, shape=shape, dtype=torch.float32
                 )
                 self.state.checked(y, f"the backbone output (micro-batch {i})")
                 y = y.to(device).requires_grad_()
+                clean, sent = fronts[i]
                 with autocast_for(device):
-                    loss = loss_of(self.back, self.back(y, mask, pos), targets)
+                    hidden = self.back(self._restore(y, clean, sent), mask, pos)
+                    loss = loss_of(self.back, hidden, targets)
                 loss.backward()
                 g = y.grad
                 if self.guard is not None:
-                    g = self.guard.gradient(g, step, i)
+                    gouts[i] = g, self.guard.gradient(g, step, i)
+                    g = gouts[i][1]
                 self.link.send("gout", g, step=r, micro=i)
                 losses[i] = loss.item()
             else:
@@ -148,7 +170,15 @@ class DataSession:
                     "gact", step=r, micro=i, shape=shape, dtype=torch.float32
                 )
                 self.state.checked(g, f"the gradient of the cut (micro-batch {i})")
-                torch.autograd.backward(fronts.pop(i), g.to(device))
+                clean, sent = fronts.pop(i)
+                if self.guard is None:
+                    torch.autograd.backward(sent, g.to(device))
+                else:
+                    # B's answer is the gradient through ``sent + Δ(sent)`` for
+                    # the gradient it was sent; A's residual stream (clean, see
+                    # ``_restore``) takes A's own, noiseless one instead.
+                    true, noisy = gouts.pop(i)
+                    torch.autograd.backward((sent, clean), (g.to(device) - noisy, true))
         total = 0.0
         for i in range(len(micro)):  # the baseline's summation order
             total += losses[i]
@@ -181,19 +211,16 @@ class DataSession:
         device = self.state.device
         self.evals_since_step += 1
         with autocast_for(device):
-            h = self._protect(
-                self.front(tokens, attn_mask, position_ids),
-                "eval",
-                self.last_step,
-                self.evals_since_step,
-            )
-        self.link.send("act", h, step=r)
+            clean = self.front(tokens, attn_mask, position_ids)
+            sent = self._protect(clean, "eval", self.last_step, self.evals_since_step)
+        self.link.send("act", sent, step=r)
         if eod:
             doc = document_index(tokens, self.eod_id).to(torch.int32)
             self.link.send("doc", doc, step=r)
         y = self._recv_hidden(r, B, T, f"in evaluation round {r}")
         with autocast_for(device):
-            return self.back(y.to(device), attn_mask, position_ids)
+            y = self._restore(y.to(device), clean, sent)
+            return self.back(y, attn_mask, position_ids)
 
     def _recv_hidden(self, r: int, B: int, T: int, where: str) -> torch.Tensor:
         """B's ``(B, T, hidden)`` answer of round ``r``; non-finite values are
@@ -299,12 +326,14 @@ class SplitDecoder:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         r = s._open_round(proto.Control.gen_step(first, n))
         # fp32 on every device, as ``aisyn generate`` runs the whole model
-        h = s._protect(s.front(x, cache=self.front_cache), "gen", r)
-        s.link.send("act", h, step=r)
+        clean = s.front(x, cache=self.front_cache)
+        sent = s._protect(clean, "gen", r)
+        s.link.send("act", sent, step=r)
         y = s._recv_hidden(r, 1, n, f"for positions [{first}, {first + n})")
+        y = s._restore(y.to(self.device), clean, sent)
         # Every new position goes through the back blocks (their keys and
         # values are cached); only the last one's logits are needed.
-        out = s.back(y.to(self.device), cache=self.back_cache)[0, -1]
+        out = s.back(y, cache=self.back_cache)[0, -1]
         return s.back.logits(out)
 
     def close(self) -> None:
