@@ -108,7 +108,7 @@ def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):
 
     argv = ["privacy", "calibrate", "--base", str(base), "--public"]
     argv += [str(reviews_data), "--batch-size", "4", "--samples", "8"]
-    argv += ["--forward-noise", "0.01"]
+    argv += ["--backward-noise", "0.2"]
     assert main(argv) in (0, None)
     flags = capsys.readouterr().out.split()
     values = dict(zip(flags[::2], flags[1::2], strict=True))
@@ -128,7 +128,11 @@ def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):
         backward_clip=float(values["--dp-backward-clip"]),
         backward_noise=float(values["--dp-backward-noise"]),
     )
-    assert (defence.forward.noise, defence.backward.noise) == (0.01, 0.1)
+    # the recommended forward noise by default; --backward-noise as asked
+    assert (defence.forward.noise, defence.backward.noise) == (0.1, 0.2)
+    # 0 leaves a direction out
+    assert main([*argv, "--forward-noise", "0"]) in (0, None)
+    assert "--dp-forward" not in capsys.readouterr().out
 
 
 def test_a_point_names_and_builds_its_defence():

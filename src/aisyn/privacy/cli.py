@@ -59,9 +59,10 @@ def cmd_calibrate(args) -> None:
     median row norm of the returned gradients (and of the activations) when
     --base runs --public rows at --cut in batches of --batch-size (the
     gradient scales with 1 / the tokens of a batch, so give the run's). Prints
-    the flags of the recommended default (docs/privacy.md): noise multiplier
-    --noise on the gradient; --forward-noise adds noise on the activations too.
-    Public text keeps the bounds free of A's data, as the accounting assumes."""
+    the flags of the recommended default (docs/privacy.md): noise multipliers
+    --forward-noise on the activations and --backward-noise on the gradient
+    (--forward-noise 0: the activations cross in the clear). Public text keeps
+    the bounds free of A's data, as the accounting assumes."""
     import torch
 
     from aisyn.data.shards import TokenShards
@@ -77,19 +78,18 @@ def cmd_calibrate(args) -> None:
     n = min(len(public), args.samples)
     rows = public.batch(torch.randperm(len(public), generator=g)[:n])
     clips = calibrate(model, rows, args.cut, args.batch_size)
-    flags = f"--cut {args.cut} "
-    if args.forward_noise is not None:
-        flags += (
-            f"--dp-forward-clip {clips.forward:.6g} "
-            f"--dp-forward-noise {args.forward_noise:g} "
-        )
-    print(
-        flags + f"--dp-backward-clip {clips.backward:.6g} "
-        f"--dp-backward-noise {args.noise:g}"
-    )
+    flags = [f"--cut {args.cut}"]
+    for side, clip, noise in (
+        ("forward", clips.forward, args.forward_noise),
+        ("backward", clips.backward, args.backward_noise),
+    ):
+        if noise:
+            flags += [f"--dp-{side}-clip {clip:.6g}", f"--dp-{side}-noise {noise:g}"]
+    print(" ".join(flags))
 
 
 def register(sub) -> None:
+    from aisyn.privacy.frontier import RECOMMENDED
     from aisyn.train.flagtable import REQUIRED, add_command, add_flags
 
     p = sub.add_parser("privacy", help="measure what crosses in split training")
@@ -130,12 +130,17 @@ def register(sub) -> None:
         ("--cut", None, "u:1,1", "the cut the run will use"),
         ("--batch-size", positive_int, 16, "the run's batch size"),
         ("--samples", positive_int, 256, "public rows to measure"),
-        ("--noise", nonneg_float, 0.1, "noise multiplier on the gradient"),
         (
             "--forward-noise",
             nonneg_float,
-            None,
-            "noise multiplier on the activations too (costly: docs/privacy.md)",
+            RECOMMENDED.forward,
+            "noise multiplier on the activations (0: none)",
+        ),
+        (
+            "--backward-noise",
+            nonneg_float,
+            RECOMMENDED.backward,
+            "noise multiplier on the returned gradient (0: none)",
         ),
         ("--seed", nonneg_int, 0, None),
     )

@@ -35,7 +35,7 @@ from aisyn.experiments.compare import cached_base, cached_shards
 from aisyn.experiments.presets import get_preset
 from aisyn.privacy.audit import AuditSettings, audit
 from aisyn.privacy.frontier import Point, frontier, recommended
-from aisyn.train.loop import TrainConfig
+from aisyn.train.loop import TrainConfig, evaluate_loss, load_run_model
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,13 @@ def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
         attack_steps=p.attack_steps,
     )
     choice = recommended(results, max_recovery=MAX_RECOVERY, max_cost=MAX_LOSS_COST)
+    # What the base itself scores: how much of fine-tuning's gain a defence
+    # leaves (its cost is against the undefended run, not against the base).
+    base_model, _ = load_run_model(base)
+    test = TokenShards.open(news, "test", tokenizer_sha256=tok.sha256)
+    base_loss = evaluate_loss(
+        base_model, test, batch_size=p.batch_size, max_batches=p.eval_batches
+    )
     report = {
         "preset": name,
         "settings": {
@@ -165,6 +172,7 @@ def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
         "train": cfg.to_dict(),
         "base": str(base),
         "recommended": choice,
+        "base_test_loss": base_loss,
         "targets": {"max_recovery": MAX_RECOVERY, "max_loss_cost": MAX_LOSS_COST},
         "frontier": results,
         "frontier_elapsed_s": time.perf_counter() - t0,
@@ -252,7 +260,8 @@ def write_frontier(out: Path, report: dict) -> None:
         f"mechanism. ε at δ = 1e-5 per training row (∞: a direction crosses "
         f"without noise). Loss cost: the merged model, run whole and in the "
         f"clear; served split: the split run served with its defence still on "
-        f"(fresh noise), both against no defence.\n\n"
+        f"(fresh noise), both against no defence. The base itself, before "
+        f"fine-tuning, scores {report['base_test_loss']:.4f}.\n\n"
         + "\n".join(lines)
         + f"\n\n{verdict}\n",
         encoding="utf-8",
