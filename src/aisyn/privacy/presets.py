@@ -275,48 +275,46 @@ def write_frontier(out: Path, report: dict) -> None:
 
 
 def plot_frontier(path: Path, rows: list[dict]) -> None:
-    """Recovery against the noise multiplier of each direction (early and
-    late), other defences as lines; and each point's loss cost, merged and
+    """Recovery against the noise multiplier of each direction, a colour per
+    defence (o: early, s: late; defences without Gaussian noise on that
+    direction drawn at σ = 1e-3); and each point's loss cost, merged and
     served split."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    defences = list(dict.fromkeys(r["defence"] for r in rows))
+    colour = {d: plt.cm.tab10(i % 10) for i, d in enumerate(defences)}
+    fig, axes = plt.subplots(
+        1,
+        3,
+        figsize=(18, 5.5),
+        layout="constrained",
+        gridspec_kw={"width_ratios": [1, 1, 1.1]},
+    )
     for ax, direction in zip(axes[:2], ("forward", "backward"), strict=True):
         mine = [r for r in rows if r["direction"] == direction]
-        for weights, marker in (("base (early)", "o"), ("trained (late)", "s")):
-            pts = [
-                r
-                for r in mine
-                if r["A_weights"] == weights and r["family"] in ("none", "gaussian")
-            ]
-            # σ = 0 (this direction in the clear) is drawn at 1e-3
-            xs = [max(r[direction], 1e-3) for r in pts]
-            ax.scatter(
-                xs, [100 * r["recovery"] for r in pts], marker=marker, label=weights
-            )
-            if weights == "base (early)":
-                for x, r in zip(xs, pts, strict=True):
-                    ax.annotate(r["defence"], (x, 100 * r["recovery"]), fontsize=5)
         for r in mine:
-            if r["family"] not in ("none", "gaussian") and r["A_weights"] == (
-                "base (early)"
-            ):
-                ax.axhline(100 * r["recovery"], linestyle="--", linewidth=0.8)
-                ax.annotate(r["defence"], (1e-3, 100 * r["recovery"]), fontsize=6)
+            ax.scatter(
+                max(r[direction], 1e-3),
+                100 * r["recovery"],
+                color=colour[r["defence"]],
+                marker="o" if r["A_weights"] == "base (early)" else "s",
+                label=r["defence"] if r["A_weights"] == "base (early)" else None,
+            )
         freq = max(100 * r["frequent_token"] for r in mine)
         ax.axhline(freq, color="grey", linestyle=":", label="frequent token")
         ax.axhline(100 * MAX_RECOVERY, color="red", linestyle=":", label="target")
         ax.set_xscale("log")
-        ax.set_xlabel(f"noise multiplier σ on the {direction} direction (0 at 1e-3)")
+        ax.set_xlabel(f"noise multiplier σ on the {direction} direction")
         ax.set_ylabel("tokens recovered, best attack (%)")
         ax.set_title(
-            f"{direction} ({'inputs' if direction == 'forward' else 'labels'})"
+            f"{direction} ({'inputs' if direction == 'forward' else 'labels'}); "
+            "o early, s late"
         )
         ax.set_ylim(0, 100)
-        ax.legend(fontsize=6)
+    axes[0].legend(fontsize=7, loc="center right")
     ax = axes[2]
     costs: dict[str, tuple[float, float]] = {}
     for r in rows:
@@ -327,12 +325,10 @@ def plot_frontier(path: Path, rows: list[dict]) -> None:
     ax.barh(
         [i + 0.2 for i in y], [c[1] for c in costs.values()], 0.4, label="served split"
     )
-    ax.set_yticks(list(y), list(costs), fontsize=6)
-    ax.axvline(MAX_LOSS_COST, color="red", linestyle=":")
-    ax.set_xscale("symlog", linthresh=0.05)
+    ax.set_yticks(list(y), list(costs), fontsize=7)
+    ax.axvline(MAX_LOSS_COST, color="red", linestyle=":", label="target")
     ax.set_xlabel("loss cost (nats, vs no defence)")
     ax.set_title("cost")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
