@@ -8,7 +8,10 @@ Exactness: each cut is a detached leaf on the receiving side; a segment's
 backward runs once with the gradient received for its output
 (``torch.autograd.backward(output, grad)``), so no forward is ever recomputed
 and every parameter gets the gradient of the unsplit model. The loss is
-accumulated exactly as ``train.loop.forward_backward`` does.
+accumulated exactly as ``train.loop.forward_backward`` does. Under a cut
+defence (``train.dp``) the model computed is the defended one: B's blocks see
+the noised activations and gradient, A's residual stream stays clean
+(``DataSession._restore``).
 """
 
 from __future__ import annotations
