@@ -19,15 +19,21 @@ from flwr.clientapp import ClientApp
 
 from aisyn.fl.secure import (
     legacy_fit_mod,
+    maskable_update_mod,
     optional_fixedclipping_mod,
     optional_secaggplus_mod,
 )
 
 # Outermost first: SecAgg+ masks what the legacy adapter returns, which is the
-# update after client-side DP clipping (each mod acts only on its messages).
-app = ClientApp(
-    mods=[optional_secaggplus_mod, legacy_fit_mod, optional_fixedclipping_mod]
-)
+# update after client-side DP clipping, once it is checked to be maskable
+# (each mod acts only on its messages).
+MODS = [
+    optional_secaggplus_mod,
+    maskable_update_mod,
+    legacy_fit_mod,
+    optional_fixedclipping_mod,
+]
+app = ClientApp(mods=MODS)
 
 
 def _setup_logging() -> None:

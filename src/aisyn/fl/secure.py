@@ -20,7 +20,8 @@ are and adapt at the two boundaries, with no cryptography of our own:
 * Client: ``optional_secaggplus_mod`` runs Flower's mod on SecAgg+ messages
   only (it would fail on plain ones); ``legacy_fit_mod`` turns the legacy
   ``FitIns`` into our train message for the handler, and the handler's reply
-  into the ``FitRes`` the mod masks.
+  into the ``FitRes`` the mod masks; between them ``maskable_update_mod``
+  refuses an update Flower's quantiser would turn into garbage (see below).
 
 What travels masked is the *update* (trained minus received weights), not the
 weights: SecAgg+ clips every value to ``+-clipping_range`` and quantises it to
@@ -28,7 +29,19 @@ weights: SecAgg+ clips every value to ``+-clipping_range`` and quantises it to
 update is small where weights are not. With the defaults (range 1.0, 2**22
 levels) one level is 4.8e-7, and the mean's error per coordinate is about that
 divided by sqrt(clients): far below what a learning-rate step changes.
-Updates larger than the range are clipped (the client logs a warning).
+
+What an honest client sends, and what the server accepts. Flower's quantiser
+clips to the range but does not stop NaN (``np.clip`` keeps it, the cast to
+integers makes it an arbitrary level), so one diverged client would move the
+global model by hundreds with every check passing. ``maskable_update_mod``
+(every honest client runs it, before masking) refuses an update with a value
+that is not finite or outside ``+-clipping_range``, or whose arrays are not
+those received: the client fails the round, which SecAgg+ treats as a dropout.
+A client that skips the mod can still send anything, so the server checks what
+it can: a masked vector that is not the right number of integer arrays of the
+right shapes is dropped (as a dropout: Flower's workflow would otherwise crash
+the run adding it), and an aggregate that is not finite or outside what any
+honest set of clients can produce (``aggregate_bound``) skips the round.
 Weights: each update is multiplied by ``num-examples / max_weight`` before
 quantising (max_weight is the largest count a reply may carry: max-examples,
 or 1 under DP, where every client counts once), so the server learns only
@@ -43,12 +56,14 @@ What it does not protect: the clients' metrics (losses, example counts,
 timings) travel in the clear; the sum of the updates (so, with two clients,
 each one's update to whoever knows the other's) and the global model are
 visible to the server. SecAgg+ assumes an honest-but-curious server and
-clients that follow the protocol: a client can still send any values, and the
-server cannot check them (hence no robust aggregation or norm bound with it).
+clients that follow the protocol: a client can still send any values within
+the bound, and the server cannot check them one by one (hence no robust
+aggregation or norm bound with it).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -95,6 +110,19 @@ def max_weight(settings: FLSettings) -> float:
     """The largest ``client_weight`` (an update is scaled by weight / this
     before quantising, so that the weighted sum cannot overflow)."""
     return 1.0 if settings.dp != "off" else float(settings.examples_bound)
+
+
+def aggregate_bound(clipping_range: float, largest_weight: float) -> float:
+    """The largest coordinate an aggregate of honest clients can have.
+
+    Each honest value is within the range and is scaled by its weight ratio
+    (weight / largest weight) before quantising, so the weighted mean is within
+    it too, up to the quantisation: one level (2 x range / levels) per client,
+    divided by the sum of the quantised ratios, which is at least one per
+    client of weight >= 1.
+    """
+    least_ratio = max(1, round(QUANTIZATION_RANGE / largest_weight))
+    return clipping_range * (1 + 2 / least_ratio)
 
 
 # --- server ---------------------------------------------------------------------------
@@ -190,10 +218,27 @@ class SecAggPlusGrid:
             modulus_range=MODULUS_RANGE,
             timeout=timeout,
         )
-        workflow(self._grid, context)
+        screened = _MaskedVectorScreen(self._grid, global_arrays, server_round)
+        self.last_round = {"sampled": len(messages), "dropped": []}
+        try:
+            workflow(screened, context)  # type: ignore[arg-type]
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            # A reply malformed in a way no check here foresaw (a key share, a
+            # public key): that round fails, not the federation.
+            log.warning(
+                "round %d: secure aggregation failed (%s: %s); keeping the last "
+                "global model",
+                server_round,
+                type(e).__name__,
+                e,
+            )
+            self.last_round["failed"] = f"{type(e).__name__}: {e}"
+            return []
         survivors = [node for node, _ in bridge.results]
         dropped = sorted(set(bridge.messages) - set(survivors))
-        self.last_round = {"sampled": len(messages), "dropped": dropped}
+        self.last_round["dropped"] = dropped
+        if screened.malformed:
+            self.last_round["malformed"] = screened.malformed
         if bridge.aggregate is None:
             log.warning(
                 "round %d: secure aggregation halted (fewer than %d of %d clients "
@@ -213,6 +258,15 @@ class SecAggPlusGrid:
                 dropped,
                 len(survivors),
             )
+        if problem := self._aggregate_problem(bridge.aggregate):
+            log.warning(
+                "round %d: secure aggregate rejected (%s; a client sent values "
+                "no honest client sends); keeping the last global model",
+                server_round,
+                problem,
+            )
+            self.last_round["aggregate_rejected"] = problem
+            return []
         # The workflow's aggregate is the weighted mean of the masked updates:
         # add it to the global model, float64, then the wire's float32.
         aggregate = ArrayRecord(
@@ -229,6 +283,84 @@ class SecAggPlusGrid:
             content = RecordDict({"arrays": aggregate, "metrics": metrics})
             replies.append(Message(content, reply_to=bridge.messages[node]))
         return replies
+
+
+    def _aggregate_problem(self, aggregate: list[np.ndarray]) -> str | None:
+        """Why the unmasked aggregate cannot be honest clients' mean, or None."""
+        bound = aggregate_bound(
+            self.settings.secagg_clipping_range, max_weight(self.settings)
+        )
+        for i, delta in enumerate(aggregate):
+            if not np.isfinite(delta).all():
+                return f"array {i}: non-finite values"
+            if delta.size and (largest := float(np.abs(delta).max())) > bound:
+                return (
+                    f"array {i}: a coordinate of {largest:.4g} exceeds {bound:.4g}, "
+                    "the most secagg-clipping-range allows"
+                )
+        return None
+
+
+class _MaskedVectorScreen:
+    """The Grid the SecAgg+ workflow talks through: a masked vector that is not
+    the integer arrays of the shapes an honest client sends is dropped, so the
+    workflow treats its client as a dropout (adding it would raise, ending the
+    run, or garble the sum)."""
+
+    def __init__(self, grid: Grid, arrays: ArrayRecord, server_round: int) -> None:
+        self._grid = grid
+        self.server_round = server_round
+        # the weight ratio (one integer), then one array per tensor
+        self.shapes = [(1,)] + [tuple(a.shape) for a in arrays.values()]
+        self.malformed: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._grid, name)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        kept = []
+        for reply in self._grid.send_and_receive(messages, timeout=timeout):
+            problem = None if reply.has_error() else self._problem(reply)
+            if problem is None:
+                kept.append(reply)
+                continue
+            node = reply.metadata.src_node_id
+            log.warning(
+                "round %d: dropped node %s from secure aggregation: %s",
+                self.server_round,
+                node,
+                problem,
+            )
+            self.malformed.append(node)
+        return kept
+
+    def _problem(self, reply: Message) -> str | None:
+        from flwr.common import bytes_to_ndarray
+        from flwr.common.secure_aggregation.secaggplus_constants import (
+            RECORD_KEY_CONFIGS,
+            Key,
+        )
+
+        configs = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+        if configs is None or Key.MASKED_PARAMETERS not in configs:
+            return None  # another stage's reply
+        blobs = configs[Key.MASKED_PARAMETERS]
+        if not isinstance(blobs, list) or len(blobs) != len(self.shapes):
+            n = len(blobs) if isinstance(blobs, list) else type(blobs).__name__
+            return f"masked vector of {n} arrays, expected {len(self.shapes)}"
+        for i, (blob, shape) in enumerate(zip(blobs, self.shapes, strict=True)):
+            try:
+                arr = bytes_to_ndarray(blob)  # np.load(allow_pickle=False)
+            except (ValueError, TypeError, OSError, EOFError) as e:
+                return f"masked array {i}: undecodable ({e})"
+            if arr.shape != shape or arr.dtype.kind not in "iu":
+                return (
+                    f"masked array {i}: {arr.dtype}{list(arr.shape)}, expected "
+                    f"integers{list(shape)}"
+                )
+        return None
 
 
 # --- client ---------------------------------------------------------------------------
@@ -296,14 +428,6 @@ def legacy_fit_mod(
         sent[n].numpy().astype(np.float64) - r.astype(np.float64)
         for n, r in zip(names, received, strict=True)
     ]
-    largest = max((float(np.abs(u).max()) for u in update if u.size), default=0.0)
-    if largest > settings.secagg_clipping_range:
-        log.warning(
-            "an update coordinate of %.4g exceeds secagg-clipping-range %g: "
-            "clipped to it before masking (raise the range)",
-            largest,
-            settings.secagg_clipping_range,
-        )
     fitres = FitRes(
         Status(Code.OK, ""),
         ndarrays_to_parameters(update),
@@ -311,6 +435,70 @@ def legacy_fit_mod(
         metrics,  # type: ignore[arg-type]
     )
     return Message(fitres_to_recorddict(fitres, False), reply_to=msg)
+
+
+def maskable_update_mod(
+    msg: Message, ctxt: Context, call_next: ClientAppCallable
+) -> Message:
+    """Refuse (raise, so the client drops out of the round) an update that
+    SecAgg+'s quantiser cannot carry faithfully: arrays other than those
+    received, a value that is not finite or outside the protocol's clipping
+    range, or a weight above its largest. Runs between ``secaggplus_mod`` and
+    ``legacy_fit_mod``, on the masked-vector stage only."""
+    if FITINS_ARRAYS not in msg.content.array_records:
+        return call_next(msg, ctxt)
+    from flwr.common import parameters_to_ndarrays
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
+    from flwr.compat.common.recorddict_compat import recorddict_to_fitres
+
+    # what was received, before legacy_fit_mod replaces the message's content
+    shapes = [npy_shape(a.data) for a in msg.content.array_records[FITINS_ARRAYS].values()]
+    protocol = ctxt.state.config_records[RECORD_KEY_STATE]  # the setup stage's
+    limit = float(protocol["clipping_range"])  # type: ignore[arg-type]
+    largest_weight = float(protocol["max_weight"])  # type: ignore[arg-type]
+    reply = call_next(msg, ctxt)
+    if reply.has_error():
+        return reply
+    fitres = recorddict_to_fitres(reply.content, keep_input=True)
+    update = parameters_to_ndarrays(fitres.parameters)
+    problem = update_problem(update, shapes, limit)
+    if problem is None and not 0 <= fitres.num_examples <= largest_weight:
+        problem = f"weight {fitres.num_examples} outside [0, {largest_weight:g}]"
+    if problem is not None:
+        raise ValueError(f"update refused before masking: {problem}")
+    return reply
+
+
+def npy_shape(blob: bytes) -> tuple[int, ...]:
+    """The shape in a legacy parameter's ``np.save`` header (the legacy
+    ``ArrayRecord`` holds raw bytes; decoding them would copy the model)."""
+    f = io.BytesIO(blob)
+    version = np.lib.format.read_magic(f)
+    read = (
+        np.lib.format.read_array_header_1_0
+        if version == (1, 0)
+        else np.lib.format.read_array_header_2_0
+    )
+    return tuple(read(f)[0])
+
+
+def update_problem(
+    update: list[np.ndarray], shapes: list[tuple[int, ...]], limit: float
+) -> str | None:
+    """Why ``update`` cannot be masked as is, or None."""
+    if len(update) != len(shapes):
+        return f"{len(update)} arrays, {len(shapes)} received"
+    for i, (u, shape) in enumerate(zip(update, shapes, strict=True)):
+        if u.shape != shape:
+            return f"array {i} has shape {list(u.shape)}, received {list(shape)}"
+        if not np.isfinite(u).all():
+            return f"array {i} has non-finite values"
+        if u.size and (largest := float(np.abs(u).max())) > limit:
+            return (
+                f"array {i} has a coordinate of {largest:.4g}, beyond "
+                f"secagg-clipping-range {limit:g} (raise it)"
+            )
+    return None
 
 
 def optional_fixedclipping_mod(
