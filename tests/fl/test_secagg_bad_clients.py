@@ -12,7 +12,8 @@ server must end with is known exactly. One node misbehaves:
   beyond the clipping range: the unmasked aggregate is then garbage, which the
   server must refuse, keeping the last global model;
 * it sends a masked vector of the wrong length: that node is dropped, not the
-  run ended (Flower's workflow raised adding it).
+  run ended (Flower's workflow raised adding it);
+* it sends key shares that are not shares: the round fails, not the run.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def trainer(update: dict[str, list[float]], node: int, mods=MODS) -> ClientApp:
         received = msg.content["arrays"]
         sent = ArrayRecord(
             {
-                k: Array((a.numpy() + np.asarray(update[k], np.float32)))
+                k: Array(a.numpy() + np.asarray(update[k], np.float32))
                 for k, a in received.items()
             }
         )
@@ -125,7 +126,9 @@ class InProcessGrid(FakeGrid):
             try:
                 replies.append(wire(self.apps[node](msg, self.contexts[node])))
             except Exception as e:  # noqa: BLE001 - what the runtime does
-                replies.append(Message(Error(2, f"{type(e).__name__}: {e}"), reply_to=msg))
+                replies.append(
+                    Message(Error(2, f"{type(e).__name__}: {e}"), reply_to=msg)
+                )
         return replies
 
 
@@ -180,12 +183,15 @@ def test_an_honest_client_refuses_to_mask_a_bad_update(bad_value):
     assert_global(arrays, weighted_mean([1, 2]), s)
 
 
-@pytest.mark.parametrize("bad_value", [np.nan, 1e6])
-def test_a_client_skipping_the_check_cannot_move_the_model(bad_value, caplog):
+@pytest.mark.parametrize(
+    ("bad_value", "dp"), [(np.nan, "off"), (np.nan, "client"), (1e6, "off")]
+)
+def test_a_client_skipping_the_check_cannot_move_the_model(bad_value, dp, caplog):
     # Prepare: node 3 sends NaN (or 10^6) without the honest check. Flower's
     # quantiser turns NaN into an arbitrary level; 10^6 it clips to the range
-    # *after* scaling by the weight ratio (0.2), so it counts as if weighted 1
-    s = settings()
+    # *after* scaling by the weight ratio (0.2; 1 under DP). Client DP (which
+    # clips each update's norm in an inner mod) does not stop either.
+    s = settings(dp=dp, dp_noise_multiplier=0.0, dp_clipping_norm=10.0)
     apps = honest_apps()
     apps[BAD] = trainer({"w": [bad_value] * 3, "b": [0.0, 0.0]}, BAD, UNCHECKED)
     # Execute
@@ -193,12 +199,26 @@ def test_a_client_skipping_the_check_cannot_move_the_model(bad_value, caplog):
         arrays, log = run_round(s, apps)
     # Assert: the round is refused with one clear line, the model unchanged
     assert arrays is None
-    assert "exceeds" in log["aggregate_rejected"] or "non-finite" in log[
-        "aggregate_rejected"
-    ]
+    assert (
+        "exceeds" in log["aggregate_rejected"]
+        or "non-finite" in log["aggregate_rejected"]
+    )
     [line] = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
     assert line.startswith("round 1: secure aggregate rejected (array 0: ")
     assert line.endswith("keeping the last global model")
+
+
+def test_what_the_bound_lets_a_client_do():
+    """Under DP every weight ratio is 1, so Flower's clip of 10^6 to the range
+    gives a value an honest client may send: accepted, and it moves each
+    coordinate by at most range / clients."""
+    s = settings(dp="client", dp_noise_multiplier=0.0, dp_clipping_norm=1e9)
+    apps = honest_apps()
+    apps[BAD] = trainer({"w": [1e6] * 3, "b": [0.0, 0.0]}, BAD, UNCHECKED)
+    arrays, _ = run_round(s, apps)
+    honest = {k: sum(np.asarray(UPDATES[n][k]) for n in (1, 2)) for k in GLOBAL}
+    moved = arrays["w"].numpy() - GLOBAL["w"] - honest["w"] / 3
+    np.testing.assert_allclose(moved, s.secagg_clipping_range / 3, atol=1e-5)
 
 
 def test_a_wrong_length_masked_vector_drops_that_client_not_the_run():
@@ -220,7 +240,37 @@ def test_update_problem_names_each_defect():
     assert update_problem(ok, shapes, 1.0) is None
     assert "2 arrays" in update_problem(ok, [(2,), (1,), (3,)], 1.0)
     assert "shape [3]" in update_problem([np.zeros(3), np.zeros(1)], shapes, 1.0)
-    assert "non-finite" in update_problem([np.zeros(2), np.array([np.nan])], shapes, 1.0)
+    assert "non-finite" in update_problem(
+        [np.zeros(2), np.array([np.nan])], shapes, 1.0
+    )
     assert "secagg-clipping-range 1" in update_problem(
         [np.zeros(2), np.array([-1.5])], shapes, 1.0
     )
+
+
+def garbage_shares_mod(msg, ctxt, call_next):
+    """A client whose key shares (the unmask stage) are not shares at all."""
+    from flwr.common.secure_aggregation.secaggplus_constants import (
+        RECORD_KEY_CONFIGS,
+        Key,
+    )
+
+    reply = call_next(msg, ctxt)
+    configs = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+    if configs is not None and Key.SHARE_LIST in configs:
+        configs[Key.SHARE_LIST] = [b"\x01"] * len(configs[Key.SHARE_LIST])
+    return reply
+
+
+def test_a_protocol_failure_skips_the_round_not_the_run(caplog):
+    s = settings()
+    apps = honest_apps()
+    apps[BAD] = trainer(UPDATES[BAD], BAD, [garbage_shares_mod, *MODS])
+    with caplog.at_level(logging.WARNING, "aisyn.fl.secagg"):
+        arrays, log = run_round(s, apps)
+    # Assert: Flower's unmasking raised (the run used to end); the round is
+    # skipped with one line, the model unchanged
+    assert arrays is None
+    assert log["failed"].startswith("ValueError: ")
+    [line] = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert line.startswith("round 1: secure aggregation failed (ValueError: ")

@@ -284,7 +284,6 @@ class SecAggPlusGrid:
             replies.append(Message(content, reply_to=bridge.messages[node]))
         return replies
 
-
     def _aggregate_problem(self, aggregate: list[np.ndarray]) -> str | None:
         """Why the unmasked aggregate cannot be honest clients' mean, or None."""
         bound = aggregate_bound(
@@ -452,7 +451,9 @@ def maskable_update_mod(
     from flwr.compat.common.recorddict_compat import recorddict_to_fitres
 
     # what was received, before legacy_fit_mod replaces the message's content
-    shapes = [npy_shape(a.data) for a in msg.content.array_records[FITINS_ARRAYS].values()]
+    shapes = [
+        npy_shape(a.data) for a in msg.content.array_records[FITINS_ARRAYS].values()
+    ]
     protocol = ctxt.state.config_records[RECORD_KEY_STATE]  # the setup stage's
     limit = float(protocol["clipping_range"])  # type: ignore[arg-type]
     largest_weight = float(protocol["max_weight"])  # type: ignore[arg-type]
