@@ -16,15 +16,17 @@ def test_robustness_settings_load_from_toml(tmp_path):
         "min-clients = 4\n"
         "max-examples = 5000\n"
         "max-norm-ratio = 4\n"
+        "max-examples-ratio = 10\n"
     )
     s = load_settings(path)
     assert (s.aggregation, s.trim_fraction, s.min_clients) == ("trimmed-mean", 0.25, 4)
-    assert (s.max_examples, s.max_norm_ratio) == (5000, 4.0)
+    assert (s.max_examples, s.max_norm_ratio, s.max_examples_ratio) == (5000, 4, 10)
 
 
 def test_defaults_keep_fedavgs_mean_with_the_bounds_on():
     s = FLSettings()
     assert s.aggregation == "mean" and s.max_norm_ratio == 3.0 and s.max_examples == 0
+    assert s.max_examples_ratio == 4.0
 
 
 @pytest.mark.parametrize(
@@ -43,6 +45,8 @@ def test_defaults_keep_fedavgs_mean_with_the_bounds_on():
         ({"assumed_attackers": -1}, "assumed-attackers must be >= 0"),
         ({"max_examples": -5}, "max-examples must be >= 0"),
         ({"max_norm_ratio": 0.5}, "max-norm-ratio must be 0 (off) or >= 1"),
+        ({"max_examples_ratio": 0.5}, "max-examples-ratio must be 0 (off) or >= 1"),
+        ({"max_examples_ratio": -1.0}, "max-examples-ratio must be 0 (off) or >= 1"),
     ],
 )
 def test_bad_robustness_settings_are_refused_in_one_line(kw, message):
@@ -58,8 +62,10 @@ def test_aggregation_flag_is_offered_with_its_choices():
 
     p = argparse.ArgumentParser()
     add_settings_args(p)
-    args = p.parse_args(["--aggregation", "median", "--max-norm-ratio", "5"])
+    flags = ["--aggregation", "median", "--max-norm-ratio", "5"]
+    args = p.parse_args([*flags, "--max-examples-ratio", "8"])
     assert args.aggregation == "median" and args.max_norm_ratio == 5.0
+    assert args.max_examples_ratio == 8.0
     with pytest.raises(SystemExit):
         p.parse_args(["--aggregation", "average"])
 

@@ -8,6 +8,8 @@ aggregate that overflowed to all zeros.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 from flower_fakes import FakeGrid, configured, reply_to
@@ -19,27 +21,77 @@ from aisyn.fl.strategy import make_strategy
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
-# rounds x local-steps x batch-size = 24: the most items a client can train on
+# rounds x local-steps x batch-size = 24: the old fixed cap of every count
 SMALL_RUN = dict(rounds=2, local_steps=3, batch_size=4, min_clients=2)
+
+
+def test_honest_clients_keep_their_fedavg_weights():
+    # Prepare: two honest domains of 8 683 and 3 670 items (the comparison's
+    # parts), far above the 24 items a client trains on in this run; they used
+    # to be clamped at 24 each, so FedAvg weighed them equally
+    s = make_strategy(FLSettings.from_dict(SMALL_RUN))
+    sent = configured(s, {"w": [0.0, 0.0]})
+    replies = [
+        reply_to(sent[1], {"w": [1.0, 1.0]}, n=8683),
+        reply_to(sent[2], {"w": [-1.0, 2.0]}, n=3670),
+    ]
+    # Execute
+    arrays, _ = s.aggregate_train(1, replies)
+    # Assert: FedAvg's example-weighted mean; nothing clamped
+    expected = (8683 * np.array([1.0, 1.0]) + 3670 * np.array([-1.0, 2.0])) / 12353
+    np.testing.assert_allclose(arrays["w"].numpy(), expected, rtol=1e-6)
+    assert s.round_log[1]["clamped"] == []
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedprox"])
 @pytest.mark.parametrize("claimed", [1e12, 2**62])
-def test_a_huge_num_examples_counts_as_the_most_a_client_can_train_on(
-    strategy, claimed
+def test_a_huge_num_examples_counts_as_k_times_the_rounds_median(
+    strategy, claimed, caplog
 ):
-    # Prepare: an honest client with 20 items, a liar claiming `claimed`
+    # Prepare: three honest clients of 20, 30 and 25 items, a liar claiming
+    # `claimed`; the lower median of the four reports is 25
     s = make_strategy(FLSettings.from_dict({"strategy": strategy, **SMALL_RUN}))
-    sent = configured(s, {"w": [0.0, 0.0]})
-    honest = reply_to(sent[1], {"w": [1.0, 1.0]}, n=20)
-    liar = reply_to(sent[2], {"w": [-1.0, 2.0]}, n=claimed)  # within the norm bound
+    sent = configured(s, {"w": [0.0, 0.0]}, nodes=(1, 2, 3, 4))
+    sizes = {1: 20, 2: 30, 3: 25}
+    updates = {1: [1.0, 1.0], 2: [1.0, 0.5], 3: [0.5, 1.0], 4: [-1.0, 2.0]}
+    replies = [reply_to(sent[n], {"w": updates[n]}, n=sizes[n]) for n in sizes]
+    replies.append(reply_to(sent[4], {"w": updates[4]}, n=claimed))
     # Execute
-    arrays, _ = s.aggregate_train(1, [honest, liar])
-    # Assert: the liar counts 24 (= 2 x 3 x 4), not `claimed`; logged as clamped
-    expected = (20 * np.array([1.0, 1.0]) + 24 * np.array([-1.0, 2.0])) / 44
+    with caplog.at_level(logging.WARNING, "aisyn.fl.server"):
+        arrays, _ = s.aggregate_train(1, replies)
+    # Assert: the liar counts 4 x 25 = 100 (max-examples-ratio 4), the honest
+    # clients their sizes; logged as clamped, with the setting named
+    counted = {**sizes, 4: 100}
+    expected = sum(counted[n] * np.array(updates[n]) for n in counted) / 175
     np.testing.assert_allclose(arrays["w"].numpy(), expected, rtol=1e-6)
     [clamped] = s.round_log[1]["clamped"]
-    assert clamped["node"] == 2 and clamped["counted"] == 24
+    assert clamped["node"] == 4 and clamped["counted"] == 100
+    [line] = [r.getMessage() for r in caplog.records if "counted as" in r.getMessage()]
+    assert line.endswith(
+        "counted as 100 (4 x the round's median report (max-examples-ratio))"
+    )
+
+
+def test_with_two_clients_a_liar_counts_at_most_k_honest_ones():
+    s = make_strategy(FLSettings.from_dict(SMALL_RUN))
+    sent = configured(s, {"w": [0.0]})
+    replies = [
+        reply_to(sent[1], {"w": [1.0]}, n=20),
+        reply_to(sent[2], {"w": [2.0]}, n=1e12),
+    ]
+    arrays, _ = s.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["w"].numpy(), [(20 + 2 * 80) / 100])
+
+
+def test_a_max_examples_ratio_of_0_turns_the_round_bound_off():
+    s = make_strategy(FLSettings.from_dict({"max_examples_ratio": 0, **SMALL_RUN}))
+    sent = configured(s, {"w": [0.0]})
+    replies = [
+        reply_to(sent[1], {"w": [1.0]}, n=10),
+        reply_to(sent[2], {"w": [2.0]}, n=990),
+    ]
+    arrays, _ = s.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["w"].numpy(), [1.99])
 
 
 def test_a_configured_max_examples_is_the_bound():
@@ -51,6 +103,8 @@ def test_a_configured_max_examples_is_the_bound():
     ]
     arrays, _ = s.aggregate_train(1, replies)
     np.testing.assert_allclose(arrays["w"].numpy(), [1.5])  # equal weights
+    [clamped] = s.round_log[1]["clamped"]
+    assert clamped["counted"] == 100
 
 
 def test_two_clients_at_1e308_examples_do_not_zero_the_model():
@@ -63,7 +117,7 @@ def test_two_clients_at_1e308_examples_do_not_zero_the_model():
     ]
     # Execute
     arrays, _ = s.aggregate_train(1, replies)
-    # Assert: both count the bound, so the plain mean
+    # Assert: both count the same (MAX_COUNTED), so the plain mean
     np.testing.assert_allclose(arrays["w"].numpy(), [2.0, 2.0])
 
 

@@ -46,8 +46,10 @@ _HELP = {
     "trim_fraction": "trimmed-mean: share of values cut from each tail",
     "assumed_attackers": "krum / multikrum / bulyan: attackers f to tolerate",
     "min_clients": "clients needed to start / aggregate a round",
-    "max_examples": "a reply's num-examples counts at most this "
-    "(0: rounds x local-steps x batch-size)",
+    "max_examples": "a reply's num-examples counts at most this (0: no fixed "
+    "cap; under SecAgg+ rounds x local-steps x batch-size)",
+    "max_examples_ratio": "a reply's num-examples counts at most this x the "
+    "round's median report (0: off)",
     "max_norm_ratio": "reject updates whose norm exceeds this x the round's "
     "median (0: off)",
     "round_timeout": "seconds to wait for replies per round (dropouts)",

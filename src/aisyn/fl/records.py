@@ -10,9 +10,11 @@ anyway).
 An update is accepted only if it carries exactly the expected tensor names,
 each with the expected shape and dtype (both the declared metadata and the
 decoded array), all values finite, and a sample count that is a whole number
->= 1. The server cannot check that count, so it weighs it at most a bound
-(``counted_examples``); the magnitude of the update itself is checked against
-the round's other updates by ``aisyn.fl.strategy.UpdateGuard``.
+>= 1. The server cannot check that count, so it weighs it at most a
+declared cap and a bound relative to the round's other reports
+(``counted_examples``, ``round_examples_bound``); the magnitude of the update
+itself is checked against the round's other updates by
+``aisyn.fl.strategy.UpdateGuard``.
 """
 
 from __future__ import annotations
@@ -95,13 +97,19 @@ def record_to_tensors(
     return {k: torch.from_numpy(v) for k, v in decode_checked(record, expected).items()}
 
 
-def counted_examples(value: float, bound: int) -> int:
-    """The weight the server gives a reported ``num-examples``: a whole number
-    >= 1 (else ``UpdateRejected``), counted as at most ``bound``.
+#: no report counts more (the largest count float64 weights hold exactly;
+#: two reports of 1e308 used to overflow the sum of weights to inf)
+MAX_COUNTED = 2**53
 
-    Over the bound is clamped, not rejected: an honest client may hold more items
-    than the bound (it just cannot have trained on more), and a liar gains
-    nothing by claiming more than the bound.
+
+def counted_examples(value: float, bound: int | None = None) -> int:
+    """The weight the server gives a reported ``num-examples``: a whole number
+    >= 1 (else ``UpdateRejected``), counted as at most ``bound`` (a declared
+    cap, max-examples) and ``MAX_COUNTED``.
+
+    Over the bound is clamped, not rejected: the server cannot tell a liar from
+    an organisation that declared a cap too low, and a liar gains nothing by
+    claiming more than the bound.
     """
     if isinstance(value, list) or not math.isfinite(float(value)):
         raise UpdateRejected(f"{WEIGHT_KEY} is not a finite number")
@@ -109,7 +117,22 @@ def counted_examples(value: float, bound: int) -> int:
         raise UpdateRejected(f"{WEIGHT_KEY} must be a whole number, got {value}")
     if value < 1:
         raise UpdateRejected(f"{WEIGHT_KEY} must be positive, got {value}")
-    return min(int(value), bound)
+    return min(int(value), bound or MAX_COUNTED, MAX_COUNTED)
+
+
+def round_examples_bound(counts: list[int], ratio: float) -> int | None:
+    """The most one report of a round counts: ``ratio`` x the round's lower
+    median report (None: no bound, ratio 0 or nothing reported).
+
+    Relative to the round, so honest clients of different sizes keep their
+    FedAvg weights (a fixed cap flattened every client above it), while a liar
+    gains at most ``ratio`` median clients' worth. The lower median, so that
+    with two clients it is the smaller report (a liar cannot raise it).
+    """
+    if not ratio or not counts:
+        return None
+    median = sorted(counts)[(len(counts) - 1) // 2]
+    return max(1, int(ratio * median))
 
 
 def check_reply(

@@ -44,8 +44,10 @@ the run adding it), and an aggregate that is not finite or outside what any
 honest set of clients can produce (``aggregate_bound``) skips the round.
 Weights: each update is multiplied by ``num-examples / max_weight`` before
 quantising (max_weight is the largest count a reply may carry: max-examples,
-or 1 under DP, where every client counts once), so the server learns only
-the sum of the counts.
+else rounds x local-steps x batch-size, or 1 under DP, where every client
+counts once; a client holding more counts as that, and logs it), so the
+server learns only the sum of the counts. The plain path's bound relative to
+the round's median report cannot apply: no count is known before masking.
 
 A client that fails or vanishes after the setup stage is a dropout: the
 protocol recovers its masks from the others' secret shares, and the round
@@ -98,18 +100,27 @@ MODULUS_RANGE = 2**32  # Flower's default (the largest it allows)
 
 
 def client_weight(settings: FLSettings, num_examples: int) -> int:
-    """The weight a client gives its update: its example count, at most the
-    bound the server counts (max-examples); 1 under DP (every client counts
+    """The weight a client gives its update: its example count, at most
+    ``max_weight`` (logged when that bites); 1 under DP (every client counts
     once)."""
     if settings.dp != "off":
         return 1
-    return max(1, min(int(num_examples), settings.examples_bound))
+    bound = settings.masked_examples_bound
+    if num_examples > bound:
+        log.warning(
+            "%d training items counted as %d under secure aggregation (the "
+            "largest weight: max-examples, else rounds x local-steps x "
+            "batch-size); set max-examples to the largest client's items",
+            num_examples,
+            bound,
+        )
+    return max(1, min(int(num_examples), bound))
 
 
 def max_weight(settings: FLSettings) -> float:
     """The largest ``client_weight`` (an update is scaled by weight / this
     before quantising, so that the weighted sum cannot overflow)."""
-    return 1.0 if settings.dp != "off" else float(settings.examples_bound)
+    return 1.0 if settings.dp != "off" else float(settings.masked_examples_bound)
 
 
 def aggregate_bound(clipping_range: float, largest_weight: float) -> float:

@@ -85,6 +85,7 @@ NUMBER_RANGES: dict[str, dict] = {
     "trim_fraction": {"low": 0, "high": 0.5, "high_open": True},
     "assumed_attackers": {"low": 0},
     "max_examples": {"low": 0},
+    "max_examples_ratio": {"low": 0},  # and 0 (off) or >= 1: __post_init__
     "max_norm_ratio": {"low": 0},  # and 0 (off) or >= 1: __post_init__
     "secagg_threshold": {"low": 0},  # and 0 (auto) or >= 2: __post_init__
     "secagg_clipping_range": {"low": 0, "low_open": True},
@@ -132,9 +133,12 @@ class FLSettings:
     # participation and robustness
     min_clients: int = 2
     round_timeout: float = 3600.0
-    # a reply's num-examples counts at most this (0: rounds x local-steps x
-    # batch-size, the most items a client can train on in the run)
+    # a reply's num-examples (its FedAvg weight) counts at most this (0: no
+    # fixed cap; under SecAgg+, where each client scales its own update,
+    # rounds x local-steps x batch-size)
     max_examples: int = 0
+    # ... and at most this many times the round's median report (0: no bound)
+    max_examples_ratio: float = 4.0
     # an update (reply - global model) whose L2 norm exceeds this many times the
     # round's median update norm is rejected (0: no bound)
     max_norm_ratio: float = 3.0
@@ -175,6 +179,11 @@ class FLSettings:
             raise ValueError("round-timeout must be positive")
         if self.max_examples < 0:
             raise ValueError(f"max-examples must be >= 0, got {self.max_examples}")
+        if self.max_examples_ratio != 0 and not self.max_examples_ratio >= 1:
+            raise ValueError(
+                "max-examples-ratio must be 0 (off) or >= 1, got "
+                f"{self.max_examples_ratio}"
+            )
         if self.max_norm_ratio != 0 and not self.max_norm_ratio >= 1:
             raise ValueError(
                 f"max-norm-ratio must be 0 (off) or >= 1, got {self.max_norm_ratio}"
@@ -280,9 +289,11 @@ class FLSettings:
         return self.secagg_threshold or max(2, self.sampled_clients // 2 + 1)
 
     @property
-    def examples_bound(self) -> int:
-        """The most a reply's num-examples counts (max-examples; 0: rounds x
-        local-steps x batch-size, the most items a client can train on)."""
+    def masked_examples_bound(self) -> int:
+        """Under SecAgg+, the most a client's num-examples counts: each client
+        scales its own update by count / this before masking, so it must be
+        known before any count is (max-examples; 0: rounds x local-steps x
+        batch-size, the most items a client can train on)."""
         return self.max_examples or self.total_local_steps * self.train.batch_size
 
     @property

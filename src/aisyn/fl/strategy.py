@@ -9,9 +9,12 @@ put ``UpdateGuard`` in front of them. Each round it
   drops) replies that are errors, miss or add tensors, change a shape or dtype,
   carry NaN/inf, or lack a whole, positive sample count — Flower's own
   consistency check would otherwise raise and end the whole run;
-* counts each reply's ``num-examples`` as at most ``max-examples`` (clamped and
-  logged: the server cannot verify it, and one huge count would otherwise make
-  the global model that client's);
+* counts each reply's ``num-examples`` as at most ``max-examples-ratio`` (k)
+  times the round's lower median report, and at most ``max-examples`` if set
+  (clamped and logged: the server cannot verify a count, and one huge count
+  would otherwise make the global model that client's). Relative to the round,
+  so FedAvg still weighs honest clients by their sizes (a fixed default cap
+  flattened every client above it);
 * rejects an update (reply minus global model) whose L2 norm exceeds
   ``max-norm-ratio`` (k) times the round's median update norm. Rejected rather
   than clipped: clipping keeps the update's direction, and a sign-flipped update
@@ -71,6 +74,7 @@ from aisyn.fl.records import (
     counted_examples,
     expected_spec,
     payload_bytes,
+    round_examples_bound,
 )
 from aisyn.fl.settings import FLSettings, min_updates
 
@@ -110,7 +114,8 @@ class UpdateGuard:
 
     def _guard_init(self, settings: FLSettings) -> None:
         self.num_rounds = settings.rounds
-        self.max_examples = settings.examples_bound
+        self.max_examples = settings.max_examples or None
+        self.max_examples_ratio = settings.max_examples_ratio
         # Under client DP every client counts once: the noise is calibrated to
         # the plain mean of the sampled clients' clipped updates.
         self.uniform_weights = settings.dp != "off"
@@ -228,41 +233,64 @@ class UpdateGuard:
     ) -> list[tuple[Message, dict[str, np.ndarray]]]:
         """Well-formed replies with their arrays (float64) and bounded weights."""
         out = []
-        clamped = []
         received = 0
         for msg in replies:
             node = msg.metadata.src_node_id
             try:
                 arrays = check_reply(msg, self.expected)
                 metrics = msg.content.metric_records["metrics"]
-                counted = counted_examples(metrics[WEIGHT_KEY], self.max_examples)
+                counted_examples(metrics[WEIGHT_KEY])  # a whole number >= 1
             except UpdateRejected as e:
                 reject(node, str(e))
                 continue
-            if self.uniform_weights:
-                counted = 1
-            elif counted != metrics[WEIGHT_KEY]:
+            received += payload_bytes(msg.content.array_records["arrays"])
+            out.append((msg, {k: v.astype(np.float64) for k, v in arrays.items()}))
+        entry["clamped"] = self._bound_weights(
+            [msg for msg, _ in out], server_round, self.uniform_weights
+        )
+        entry["_bytes_received"] = received
+        return out
+
+    def _bound_weights(
+        self, good: list[Message], server_round: int, uniform: bool
+    ) -> list[dict]:
+        """Set each reply's ``num-examples`` to what Flower's aggregation weighs it
+        by (1 each if ``uniform``); returns the clamped ones."""
+        metrics = [m.content.metric_records["metrics"] for m in good]
+        if uniform:
+            for m in metrics:
+                m[WEIGHT_KEY] = 1
+            return []
+        capped = [counted_examples(m[WEIGHT_KEY], self.max_examples) for m in metrics]
+        bound = round_examples_bound(capped, self.max_examples_ratio)
+        clamped = []
+        for msg, m, count in zip(good, metrics, capped, strict=True):
+            counted = count if bound is None else min(count, bound)
+            if counted != m[WEIGHT_KEY]:
+                why = (
+                    f"{self.max_examples_ratio:g} x the round's median report"
+                    " (max-examples-ratio)"
+                    if counted < count
+                    else "max-examples"
+                )
                 log.warning(
-                    "round %d: node %s reported %s %s; counted as %d (max-examples)",
+                    "round %d: node %s reported %s %s; counted as %d (%s)",
                     server_round,
-                    node,
-                    metrics[WEIGHT_KEY],
+                    msg.metadata.src_node_id,
+                    m[WEIGHT_KEY],
                     WEIGHT_KEY,
                     counted,
+                    why,
                 )
                 clamped.append(
                     {
-                        "node": node,
-                        "reported": float(metrics[WEIGHT_KEY]),
+                        "node": msg.metadata.src_node_id,
+                        "reported": float(m[WEIGHT_KEY]),
                         "counted": counted,
                     }
                 )
-            metrics[WEIGHT_KEY] = counted  # what Flower's aggregation weighs by
-            received += payload_bytes(msg.content.array_records["arrays"])
-            out.append((msg, {k: v.astype(np.float64) for k, v in arrays.items()}))
-        entry["clamped"] = clamped
-        entry["_bytes_received"] = received
-        return out
+            m[WEIGHT_KEY] = counted  # what Flower's aggregation weighs by
+        return clamped
 
     def _within_norm_bound(
         self,
@@ -345,9 +373,7 @@ class UpdateGuard:
                 loss = metrics["valid-loss"]
                 if isinstance(loss, list) or not math.isfinite(float(loss)):
                     raise UpdateRejected("valid-loss is not a finite number")
-                metrics[WEIGHT_KEY] = counted_examples(
-                    metrics[WEIGHT_KEY], self.max_examples
-                )
+                counted_examples(metrics[WEIGHT_KEY])  # a whole number >= 1
             except UpdateRejected as e:
                 log.warning(
                     "round %d: evaluation reply from node %s rejected: %s",
@@ -357,7 +383,10 @@ class UpdateGuard:
                 )
                 continue
             good.append(msg)
-        return super().aggregate_evaluate(server_round, good) if good else None
+        if not good:
+            return None
+        self._bound_weights(good, server_round, uniform=False)
+        return super().aggregate_evaluate(server_round, good)
 
 
 def _log_client_metrics(entry: dict, good: list[Message]) -> None:
