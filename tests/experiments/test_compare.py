@@ -65,7 +65,8 @@ def _check_report(out, names):
         "d_fed_beats_other_standalone",
     }
     plots = sorted(p.name for p in (out / "plots").glob("*.png"))
-    assert len(plots) == 6  # 2 standalone, fusion, federated global, 2 clients
+    # 2 standalone, fusion, federated global, 2 clients, and the accuracy chart
+    assert len(plots) == 7 and "accuracy.png" in plots
     return rows
 
 
@@ -143,3 +144,95 @@ def test_targets_are_judged_as_the_issue_states():
     assert not t["c_fed_vs_fusion_loss"]["reviews"]["pass"]  # 0.05 nats
     assert t["d_fed_beats_other_standalone"]["news"]["pass"]  # 0.255 > 0.14
     assert t["d_fed_beats_other_standalone"]["reviews"]["pass"]  # 0.27 > 0.15
+
+
+def _full_row(regime, acc_news, acc_reviews, **kw):
+    """A report row as ``run_compare`` writes it (what ``write_report`` reads)."""
+    return {
+        **_row(regime, acc_news, acc_reviews, **kw),
+        "device": "CPU",
+        "epochs_or_rounds": "-",
+        "steps": 4,
+        "wall_s": 1.0,
+        "final_loss": 3.0,
+        "format": "prompt",
+    }
+
+
+def _report(rows):
+    return {
+        "domains": ["news", "reviews"],
+        "preset": {"name": "micro", "finetune_steps": 4},
+        "rows": rows,
+        "targets": check_targets(rows, ["news", "reviews"]),
+    }
+
+
+REGIMES = [
+    ("news ft", 0.25, 0.15),
+    ("reviews ft", 0.14, 0.19),
+    ("news+reviews ft", 0.26, 0.30),
+    ("AIsyn federated (fedavg, full)", 0.255, 0.27),
+]
+
+
+def test_accuracy_chart_labels_each_regimes_bars_with_its_numbers():
+    from matplotlib.container import BarContainer
+
+    from aisyn.experiments.accuracy_chart import accuracy_figure
+
+    # Prepare
+    report = _report([_full_row(*r) for r in REGIMES])
+    # Execute
+    fig = accuracy_figure(report)
+    # Assert: one bar series per regime, labelled with it, whose heights are
+    # its accuracies (%) on news and reviews and whose error bars its intervals
+    ax = fig.axes[0]
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    assert [b.get_label() for b in bars] == [r[0] for r in REGIMES]
+    for b, (_, news, reviews) in zip(bars, REGIMES, strict=True):
+        heights = [p.get_height() for p in b.patches]
+        assert heights == pytest.approx([100 * news, 100 * reviews])
+        (segments,) = [c.get_segments() for c in b.errorbar.lines[2]]
+        ends = [y for s in segments for y in (s[0][1], s[1][1])]
+        assert ends == pytest.approx(
+            [100 * news - 2, 100 * news + 2, 100 * reviews - 2, 100 * reviews + 2]
+        )
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["chance"] + [r[0] for r in REGIMES]
+    (chance,) = [c for c in ax.collections if c.get_label() == "chance"]
+    assert [s[0][1] for s in chance.get_segments()] == pytest.approx([10.0])
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "news test items",
+        "reviews test items",
+    ]
+
+
+def test_the_report_has_the_chart_and_a_targets_table(tmp_path):
+    from aisyn.experiments.compare import write_report
+
+    # Execute
+    write_report(tmp_path, _report([_full_row(*r) for r in REGIMES]), {})
+    # Assert: the chart is written and linked; the targets are a table, not JSON
+    md = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert (tmp_path / "plots" / "accuracy.png").stat().st_size > 0
+    assert "![accuracy per domain, by regime](plots/accuracy.png)" in md
+    targets = md.split("## Targets")[1].split("##")[0]
+    assert "```" not in targets and "{" not in targets
+    lines = [ln for ln in targets.splitlines() if ln.startswith("|")]
+    assert lines[0] == "| target | domain | numbers | result |"
+    assert (
+        "| (a) standalone >= 2x chance on its own domain | reviews | "
+        "accuracy 19.00 %, needed 20.00 % | **not met** |"
+    ) in lines
+    assert (
+        "| (b) federated within 1 point of fusion, or inside fusion's 95 % interval "
+        "| news | federated 25.50 %, fusion 26.00 %, fusion 95 % interval "
+        "[24.0, 28.0] | met |"
+    ) in lines
+    assert (
+        "| (c) federated test loss within 0.02 nats of fusion's | news | "
+        "federated 5.0000, fusion 5.0000 | met |"
+    ) in lines
+    # (a), (b), (c), (d) for both domains; (e) has no split rows here
+    assert len(lines) == 2 + 4 * 2

@@ -225,3 +225,20 @@ def test_lora_federated_fine_tuning_of_a_llama_base(
     merged = read_tensors(model_file(tmp_path / "run" / "server"))
     assert "model.layers.1.self_attn.o_proj.weight" in merged
     assert not any("lora_" in n for n in merged)
+
+
+def test_the_global_loss_plot_counts_whole_rounds():
+    from aisyn.fl.task import global_loss_figure
+
+    history = [
+        {"round": 1, "global_valid_loss": 6.0},
+        {"round": 2, "global_valid_loss": 5.5},
+    ]
+    fig = global_loss_figure(history, 5.2)
+    ax = fig.axes[0]
+    (line,) = ax.get_lines()
+    assert line.get_label() == "global model, clients' valid items"
+    assert list(line.get_xdata()) == [0, 1, 2]
+    assert list(line.get_ydata()) == [6.0, 5.5, 5.2]
+    ticks = [t for t in ax.get_xticks() if 0 <= t <= 2]
+    assert ticks and all(float(t).is_integer() for t in ticks)

@@ -283,8 +283,15 @@ def client_evaluate(
 
 
 def plot_global(history: list[dict], final: float | None, png: Path) -> None:
+    fig = global_loss_figure(history, final)
+    if fig is not None:
+        save_figure(fig, png)
+
+
+def global_loss_figure(history: list[dict], final: float | None):
     """The global model's validation loss (clients' weighted mean) after each
-    number of completed rounds: round r's clients score the model of round r-1."""
+    number of completed rounds: round r's clients score the model of round r-1.
+    None when no round has a loss yet."""
     points = [
         (h["round"] - 1, h["global_valid_loss"])
         for h in history
@@ -293,22 +300,24 @@ def plot_global(history: list[dict], final: float | None, png: Path) -> None:
     if final is not None and history:
         points.append((history[-1]["round"], final))
     if not points:
-        return
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     ax.plot(
         *zip(*points, strict=True), "o-", label="global model, clients' valid items"
     )
     ax.set_xlabel("rounds completed")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 0.5
     ax.set_ylabel("loss (nats/answer token)")
     ax.set_title("federated global model")
     ax.grid(alpha=0.3)
     ax.legend()
-    save_figure(fig, png)
+    return fig
 
 
 @dataclass
