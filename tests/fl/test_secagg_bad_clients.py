@@ -274,3 +274,19 @@ def test_a_protocol_failure_skips_the_round_not_the_run(caplog):
     assert log["failed"].startswith("ValueError: ")
     [line] = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert line.startswith("round 1: secure aggregation failed (ValueError: ")
+
+
+def test_a_client_above_the_largest_masked_weight_says_so(caplog):
+    """Under SecAgg+ each client scales its own update before any count is
+    known, so the fixed largest weight still applies there, and bites loudly."""
+    from aisyn.fl.secure import client_weight, max_weight
+
+    s = settings()  # 100 rounds x 1 step x batch 1: the largest weight is 100
+    assert max_weight(s) == 100
+    with caplog.at_level(logging.WARNING, "aisyn.fl.secagg"):
+        assert client_weight(s, 60) == 60
+        assert not caplog.records
+        assert client_weight(s, 8683) == 100
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("8683 training items counted as 100 under secure aggreg")
+    assert client_weight(settings(max_examples=9000), 8683) == 8683
