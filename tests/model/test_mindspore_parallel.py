@@ -157,6 +157,20 @@ def test_files_of_different_models_are_refused(tmp_path, capsys):
     assert "different values" in err[0]
 
 
+def test_two_models_word_embeddings_are_not_taken_for_a_vocabulary_cut(
+    tmp_path, capsys
+):
+    # whole (uncut) files whose only difference is the word embedding: a
+    # vocabulary-parallel cut happens only with the attention cut too
+    whole = plain()
+    other = {**whole, WORD: whole[WORD] + 1}
+    write_checkpoint(tmp_path / "a.ckpt", whole)
+    write_checkpoint(tmp_path / "b.ckpt", other)
+    assert convert([tmp_path / "a.ckpt", tmp_path / "b.ckpt"], tmp_path / "o") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{WORD} (in 2 files)" in err[0]
+
+
 def test_data_parallel_copies_that_disagree_are_refused(tmp_path, capsys):
     files, strategy = write_ranks(tmp_path, mp=2, dp=2)
     rank2 = read_checkpoint(files[2])

@@ -257,8 +257,10 @@ def _layout_axis(
     if short == WORD_EMBEDDING:
         # vocabulary-parallel or not is a run's choice (word_emb_dp); random
         # rows of different ranks are never equal, a replicated table's are
+        # (only ever with model parallelism: files whose attention is whole
+        # hold whole tables, and differing ones are no one model's)
         same = all(torch.equal(slices[0], t) for t in slices[1:])
-        return None if same else 0
+        return None if same or cut_ffn is False else 0
     leaf = short.split(".", 2)[-1] if short.startswith("blocks.") else short
     leaf = leaf.removeprefix("top_query_layer.")
     axis = MP_AXES.get(leaf)
