@@ -212,16 +212,13 @@ def convert_to_mindspore(
     from aisyn.model.mindspore_ckpt import write_checkpoint
     from aisyn.model.mindspore_pangu import expected_shapes, to_mindspore
     from aisyn.train import checkpoint as ckpt
-    from aisyn.train.run import RunDir
 
     out = Path(out)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     cfg, state, weights = _run_weights(run, out)
     if dtype is None:
-        source = RunDir(run).read_config().get("source")
-        recorded = source.get("dtype") if isinstance(source, dict) else None
-        dtype = recorded if recorded in DTYPES else "fp32"
+        dtype = _source_dtype(run) or "fp32"
     missing = [n for n in expected_shapes(cfg) if n not in state]
     if missing:
         raise ckpt.CheckpointError(
@@ -245,6 +242,29 @@ def convert_to_mindspore(
     out.parent.mkdir(parents=True, exist_ok=True)
     write_checkpoint(out, tensors, crc=crc)
     return {"out": str(out), "tensors": len(tensors), "dtype": dtype}
+
+
+def _source_dtype(run: str | Path, hops: int = 8) -> str | None:
+    """The dtype recorded by ``convert --from mindspore`` for ``run``, or for
+    the base it was fine-tuned (``base.path``) or trained (``init_from``) from,
+    followed back a few runs; None where the trail ends first."""
+    from aisyn.train.run import RunDir
+
+    for _ in range(hops):
+        try:
+            config = RunDir(run).read_config()
+        except (OSError, ValueError):
+            return None
+        if not isinstance(config, dict):
+            return None
+        source = config.get("source")
+        if isinstance(source, dict) and source.get("dtype") in DTYPES:
+            return source["dtype"]
+        base = config.get("base")
+        run = base.get("path") if isinstance(base, dict) else config.get("init_from")
+        if not isinstance(run, str) or not Path(run).is_dir():
+            return None
+    return None
 
 
 def convert_to_hf(run: str | Path, out: str | Path) -> dict:

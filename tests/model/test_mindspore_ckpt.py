@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -619,16 +620,31 @@ def test_export_dtype_defaults_to_the_sources(tmp_path, capsys):
     assert read_checkpoint(tmp_path / "b.ckpt")[OURS[0]].dtype == torch.bfloat16
 
 
-def test_export_of_a_run_trained_here_is_fp32(tmp_path):
+def test_export_dtype_follows_the_base_else_fp32(tmp_path):
+    half = {k: v.half() for k, v in read_checkpoint(FIXTURES / "plain.ckpt").items()}
+    write_checkpoint(tmp_path / "half.ckpt", half)
     base = tmp_path / "base"
-    argv = ["convert", "--from", "mindspore", str(FIXTURES / "plain.ckpt")]
+    argv = ["convert", "--from", "mindspore", str(tmp_path / "half.ckpt")]
     assert main([*argv, "--out", str(base), "--num-heads", "2"]) == 0
-    config = RunDir(base).read_config()
-    del config["source"]  # as a run of aisyn train records none
-    (base / "config.json").write_text(json.dumps(config))
-    out = tmp_path / "x.ckpt"
-    assert (
-        main(["convert", "--to", "mindspore", "--run", str(base), "--out", str(out)])
-        == 0
-    )
-    assert read_checkpoint(out)[OURS[0]].dtype == torch.float32
+
+    def run_like(name: str, **keys) -> Path:
+        """A run folder with the base's weights and a config as aisyn
+        finetune / train write it (no source of its own)."""
+        run = tmp_path / name
+        shutil.copytree(base, run)
+        config = RunDir(run).read_config()
+        del config["source"]
+        (run / "config.json").write_text(json.dumps({**config, **keys}))
+        return run
+
+    def exported_dtype(run: Path) -> torch.dtype:
+        out = tmp_path / f"{run.name}.ckpt"
+        to = ["convert", "--to", "mindspore", "--run", str(run), "--out", str(out)]
+        assert main(to) == 0
+        return read_checkpoint(out)[OURS[0]].dtype
+
+    tuned = run_like("tuned", kind="finetune", base={"path": str(base)})
+    assert exported_dtype(tuned) == torch.float16  # the base's, one hop back
+    trained = run_like("trained", kind="train", init_from=str(tuned))
+    assert exported_dtype(trained) == torch.float16  # two hops
+    assert exported_dtype(run_like("scratch", kind="train")) == torch.float32
