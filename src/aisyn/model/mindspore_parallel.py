@@ -161,13 +161,15 @@ def rank_order(files: list[str]) -> list[str]:
 
 
 def merge_rank_files(
-    sources: Mapping[str, Mapping[str, torch.Tensor | str]],
+    sources: dict[str, dict[str, torch.Tensor | str]],
     strategy: Mapping[str, SliceLayout] | None = None,
 ) -> dict[str, dict[str, torch.Tensor | str]]:
-    """``sources`` (file -> its entries) with every weight that several files
-    hold merged into one tensor, kept under the first file's entries (and
-    dropped from the others'); see the module doc. Training state and
-    metadata are left as they are, for the caller to skip.
+    """Merge, in place, every weight that several of ``sources`` (file -> its
+    entries) hold into one tensor, kept under the first rank's entries and
+    dropped from the others' (in place, so that each tensor's slices are freed
+    once it is merged: a model's weights are held about once, not twice); see
+    the module doc. Training state and metadata are left as they are, for
+    the caller to skip. Returns ``sources``.
 
     Raises ``ValueError`` naming the tensor and the files when they do not
     make one tensor.
@@ -185,9 +187,8 @@ def merge_rank_files(
                 continue
             holders.setdefault(short, []).append((source, name))
     shared = {s: h for s, h in holders.items() if len(h) > 1}
-    out = {source: dict(entries) for source, entries in sources.items()}
     if not shared:
-        return out
+        return sources
     hidden = _hidden_size(sources, holders)
     cut_ffn = None if strategy else _attention_is_cut(sources, shared, hidden)
     for short, held in shared.items():
@@ -205,10 +206,11 @@ def merge_rank_files(
             merged = _concat(slices, axis, where) if axis is not None else None
             if merged is None:
                 merged = _replicated(slices, where)
+        del slices
         first, tag = held[0]
-        out[first][tag] = merged
+        sources[first][tag] = merged
         for f, t in held[1:]:
-            del out[f][t]
+            del sources[f][t]
     how = "the strategy file" if strategy else "PanGu-α's model-parallel layout"
     log.info(
         "merged %d tensors held by several of %d files, by %s",
@@ -216,7 +218,7 @@ def merge_rank_files(
         len(sources),
         how,
     )
-    return out
+    return sources
 
 
 def _by_short(strategy: Mapping[str, SliceLayout], short: str) -> SliceLayout | None:
