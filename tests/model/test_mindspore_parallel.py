@@ -238,6 +238,12 @@ def test_foreign_strategy_files_are_refused(content, message, tmp_path):
         read_strategy(path)
 
 
+@pytest.mark.parametrize("path", ["/dev/zero", "."])
+def test_a_strategy_that_is_no_file_is_refused_unread(path):
+    with pytest.raises(ValueError, match="no such strategy file"):
+        read_strategy(path)  # /dev/zero would be read forever
+
+
 def test_rank_order_needs_every_path_to_name_a_rank():
     assert rank_order(["r/rank_10/a", "r/rank_2/a"]) == ["r/rank_2/a", "r/rank_10/a"]
     assert rank_order(["b.ckpt", "a.ckpt"]) == ["b.ckpt", "a.ckpt"]  # as given
