@@ -83,8 +83,7 @@ def convert_from_mindspore(
     skipped: list[str] = []
     weights = gather_weights(merge_rank_files(entries, layouts), skipped)
     skipped = sorted(undecoded | set(skipped))
-    if skipped:
-        log.info("skipped %d training-state entries: %s", len(skipped), skipped)
+    log.debug("skipped %d training-state entries: %s", len(skipped), skipped)
     cfg = infer_config(weights, num_heads)
     dtype = weights_dtype(weights)
     state = to_state_dict(weights, cfg)
@@ -99,6 +98,27 @@ def convert_from_mindspore(
     if strategy:
         source["strategy"] = str(strategy)
     return {**write_base(out, cfg, state, tok, source), "skipped": skipped}
+
+
+def skipped_summary(names: list[str]) -> str:
+    """One line for the skipped training state: optimizer state counted by
+    its prefix, the rest (loop state, metadata) by name."""
+    from aisyn.model.mindspore_pangu import IGNORED_PREFIXES
+
+    counts: dict[str, int] = {}
+    rest = []
+    for name in names:
+        prefix = next((p for p in IGNORED_PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            rest.append(name)
+        else:
+            counts[prefix] = counts.get(prefix, 0) + 1
+    parts = [f"{n} {p}*" for p, n in counts.items()]
+    if rest:
+        parts.append(
+            ", ".join(rest[:12]) + (f" (+{len(rest) - 12})" if len(rest) > 12 else "")
+        )
+    return f"{len(names)} entries: " + "; ".join(parts)
 
 
 def convert_from_port(
@@ -239,7 +259,10 @@ def convert_to_mindspore(
             run,
         )
     tensors = to_mindspore(state, cfg, getattr(torch, DTYPES[dtype]))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"{out}: a file is in the way of its folder") from None
     write_checkpoint(out, tensors, crc=crc)
     return {"out": str(out), "tensors": len(tensors), "dtype": dtype}
 
@@ -335,9 +358,7 @@ def cmd_convert(args) -> None:
                 strategy=args.strategy,
             )
             if res["skipped"]:
-                names = res["skipped"]
-                more = f", ... ({len(names)} in all)" if len(names) > 6 else ""
-                print(f"skipped training state: {', '.join(names[:6])}{more}")
+                print(f"skipped training state: {skipped_summary(res['skipped'])}")
         m = res["model"]
         print(
             f"wrote {res['out']}: {m.get('family', 'pangu')}, {m['num_layers']} "

@@ -49,12 +49,15 @@ bit.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 
 import torch
 
 from aisyn.model.pangu import CONFIGS, PanguConfig
+
+log = logging.getLogger(__name__)
 
 #: MindSpore's layer leaves -> ours, and whether the weight is stored [in, out]
 LAYER_LEAVES: dict[str, tuple[str, bool]] = {
@@ -215,6 +218,7 @@ def _top_layer_from_blocks(weights: dict[str, torch.Tensor]) -> dict[str, torch.
     if not blocks:
         return weights
     top = f"blocks.{max(blocks)}."
+    log.info("no top_query_layer.*: %s* taken for it (r1.3's pipeline model)", top)
     return {
         (f"top_query_layer.{k.removeprefix(top)}" if k.startswith(top) else k): v
         for k, v in weights.items()
