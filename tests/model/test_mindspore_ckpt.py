@@ -545,6 +545,20 @@ def test_a_far_block_index_is_refused_before_anything_is_sized(tmp_path):
     assert time.perf_counter() - start < 2  # was 151 s and 4.4 GB
 
 
+def test_an_empty_tensor_declaring_a_huge_size_is_one_line(tmp_path, capsys):
+    # no bytes behind it, so the reader takes it; the sizes it would set (an FFN
+    # of 10^12) are checked against the other tensors before anything is built
+    plain = read_checkpoint(FIXTURES / "plain.ckpt")
+    name = "backbone.top_query_layer.output.mapping.weight"
+    write_checkpoint(tmp_path / "x.ckpt", {**plain, name: torch.empty(0, 10**12)})
+    argv = ["convert", "--from", "mindspore", str(tmp_path / "x.ckpt")]
+    start = time.perf_counter()
+    assert main([*argv, "--out", str(tmp_path / "o"), "--num-heads", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "expected (8, 1000000000000)" in err[0]
+    assert time.perf_counter() - start < 2
+
+
 def raw_value(tag: str, dims: list[int], kind: str, content: bytes) -> bytes:
     """One checkpoint value as MindSpore writes it, with any dims at all."""
     msg = Checkpoint()
