@@ -324,11 +324,13 @@ def convert_to_hf(run: str | Path, out: str | Path) -> dict:
 
 def cmd_convert(args) -> None:
     """Convert PanGu-α weights: --from mindspore FILE.ckpt ... --out DIR writes a
-    run folder usable as a base model (config read off the tensor shapes);
+    run folder usable as a base model (config read off the tensor shapes;
+    a model-parallel run's rank files are merged, by --strategy FILE if given);
     --from pangu-port DIR --out DIR does the same for a folder of the public
     PyTorch port (config.json, weights, vocab.model), --from hf DIR --out DIR
     for a Hugging Face GPT-2/Llama/Qwen2 folder; --to mindspore --run RUN --out
-    FILE.ckpt writes a run's latest weights as a MindSpore checkpoint, --to hf
+    FILE.ckpt writes a run's latest weights as a MindSpore checkpoint (in the
+    dtype of the run's MindSpore source, or --dtype), --to hf
     --run RUN --out DIR as a Hugging Face folder."""
 
     if args.source:
