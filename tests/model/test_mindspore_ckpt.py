@@ -289,6 +289,27 @@ def test_failed_convert_leaves_nothing(tmp_path, capsys):
         (["--to", "mindspore", "--out", "x.ckpt"], "give --run RUN"),
         (["--from", "mindspore", "nope.ckpt", "--out", "x"], "nope.ckpt: no such file"),
         (["--from", "tensorflow", "--out", "x"], "invalid choice"),
+        (
+            [
+                f"{FIXTURES}/plain.ckpt",
+                "--from",
+                "mindspore",
+                "--out",
+                "x",
+                "--dtype",
+                "fp16",
+            ],
+            "--dtype go with --to",
+        ),
+        (
+            ["--to", "mindspore", "--run", "r", "--out", "x", "--strategy", __file__],
+            "no files, --tokenizer, --num-heads or --strategy",
+        ),
+        (["--to", "mindspore", "--out", "x", "--dtype", "fp8"], "invalid choice"),
+        (
+            ["--to", "hf", "--run", "r", "--out", "x", "--dtype", "fp16"],
+            "go with --to mindspore",
+        ),
         (["--out", "x"], "one of the arguments --from --to is required"),
         (
             [
