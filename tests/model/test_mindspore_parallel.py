@@ -171,6 +171,20 @@ def test_two_models_word_embeddings_are_not_taken_for_a_vocabulary_cut(
     assert len(err) == 1 and f"{WORD} (in 2 files)" in err[0]
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["backbone.blocks.0.attention.dense1.weight", "backbone.layernorm.gamma"],
+)
+def test_slices_of_mixed_dtypes_are_refused(name, tmp_path, capsys):
+    files, _ = write_ranks(tmp_path, mp=2)
+    rank1 = read_checkpoint(files[1])
+    rank1[name] = rank1[name].double()  # torch.cat would promote silently
+    write_checkpoint(files[1], rank1)
+    assert convert(files, tmp_path / "base") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the files hold it as float32 and float64" in err[0]
+
+
 def test_data_parallel_copies_that_disagree_are_refused(tmp_path, capsys):
     files, strategy = write_ranks(tmp_path, mp=2, dp=2)
     rank2 = read_checkpoint(files[2])

@@ -271,7 +271,16 @@ def _layout_axis(
     return None if same else axis
 
 
+def _same_dtype(slices: list[torch.Tensor], where: str) -> None:
+    # torch.cat would promote mixed dtypes silently; no MindSpore run mixes them
+    dtypes = {t.dtype for t in slices}
+    if len(dtypes) != 1:
+        names = sorted(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{where}: the files hold it as {' and '.join(names)}")
+
+
 def _concat(slices: list[torch.Tensor], axis: int, where: str) -> torch.Tensor:
+    _same_dtype(slices, where)
     shapes = {tuple(t.shape) for t in slices}
     if len(shapes) != 1:
         raise ValueError(
@@ -282,6 +291,7 @@ def _concat(slices: list[torch.Tensor], axis: int, where: str) -> torch.Tensor:
 
 
 def _replicated(slices: list[torch.Tensor], where: str) -> torch.Tensor:
+    _same_dtype(slices, where)
     for t in slices[1:]:
         if t.shape != slices[0].shape or not torch.equal(t, slices[0]):
             raise ValueError(
