@@ -8,9 +8,10 @@ model config read off the tensor shapes, ``checkpoints/step_00000000/`` with
 make one model (the split reference's embedding, backbone and head files;
 a model-parallel run's rank files, merged from ``--strategy FILE`` or PanGu-α's
 known layout, ``aisyn.model.mindspore_parallel``); optimizer and loop state in
-a training checkpoint is skipped and reported. The weights' dtype is recorded
-(``source.dtype``) for the way back. The folder is built beside ``--out`` and
-renamed into place, so a failure leaves nothing behind.
+a training checkpoint is skipped and reported. The weights' dtypes are
+recorded (``source.dtype``, ``source.dtypes``) for the way back. The folder
+is built beside ``--out`` and renamed into place, so a failure leaves nothing
+behind.
 
 ``--from pangu-port DIR --out DIR`` does the same for a folder of the public
 PyTorch port (``aisyn.model.port``; its ``vocab.model`` is the tokenizer).
@@ -20,8 +21,8 @@ Qwen2 folder as ``save_pretrained`` writes it (``aisyn.model.hf``).
 
 ``--to mindspore --run RUN --out FILE.ckpt [--dtype fp16|bf16|fp32]`` writes a
 run's latest weights under the official MindSpore model's names
-(``aisyn.model.mindspore_pangu``), in the dtype the run's MindSpore source had
-(fp32 for any other run) unless ``--dtype`` says otherwise.
+(``aisyn.model.mindspore_pangu``), each tensor in the dtype the run's MindSpore
+source had it in (fp32 for any other run) unless ``--dtype`` says otherwise.
 ``--to hf --run RUN --out DIR`` writes them as a Hugging Face folder
 (``config.json`` + ``model.safetensors``): one ``transformers`` loads for a
 GPT-2/Llama/Qwen2 run, the PyTorch port's layout for a PanGu-α run.
@@ -61,8 +62,8 @@ def convert_from_mindspore(
         gather_weights,
         infer_config,
         is_training_state,
+        saved_dtypes,
         to_state_dict,
-        weights_dtype,
     )
     from aisyn.model.mindspore_parallel import merge_rank_files, read_strategy
 
@@ -85,16 +86,16 @@ def convert_from_mindspore(
     skipped = sorted(undecoded | set(skipped))
     log.debug("skipped %d training-state entries: %s", len(skipped), skipped)
     cfg = infer_config(weights, num_heads)
-    dtype = weights_dtype(weights)
+    # what --to mindspore writes by default: each tensor as it came
+    dtype, others = saved_dtypes(weights, cfg)
     state = to_state_dict(weights, cfg)
     source = {
         "format": "mindspore",
         "files": [str(Path(f)) for f in files],
-        # what --to mindspore writes by default (float64 weights: fp32)
-        "dtype": {"float16": "fp16", "bfloat16": "bf16"}.get(
-            str(dtype).removeprefix("torch."), "fp32"
-        ),
+        "dtype": dtype,
     }
+    if others:
+        source["dtypes"] = others
     if strategy:
         source["strategy"] = str(strategy)
     return {**write_base(out, cfg, state, tok, source), "skipped": skipped}
@@ -223,22 +224,21 @@ def convert_to_mindspore(
     run: str | Path, out: str | Path, *, crc: bool = False, dtype: str | None = None
 ) -> dict:
     """Write the latest weights of run folder ``run`` as MindSpore ``out``, in
-    ``dtype`` (a ``DTYPES`` name; default: the dtype of the MindSpore
-    checkpoint the run was converted from, recorded in its config, else fp32:
-    MindSpore's strict load wants the network's own dtype). A missing parent
-    folder of ``out`` is created."""
-    import torch
-
+    ``dtype`` (a ``DTYPES`` name; default: each tensor in the dtype it had in
+    the MindSpore checkpoint the run was converted from, recorded in its
+    config, else fp32: MindSpore's strict load wants the network's own
+    dtypes). A missing parent folder of ``out`` is created."""
     from aisyn.model.mindspore_ckpt import write_checkpoint
-    from aisyn.model.mindspore_pangu import expected_shapes, to_mindspore
+    from aisyn.model.mindspore_pangu import DTYPE_NAMES, expected_shapes, to_mindspore
     from aisyn.train import checkpoint as ckpt
 
     out = Path(out)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     cfg, state, weights = _run_weights(run, out)
+    others: dict = {}
     if dtype is None:
-        dtype = _source_dtype(run) or "fp32"
+        dtype, others = _source_dtypes(run) or ("fp32", {})
     missing = [n for n in expected_shapes(cfg) if n not in state]
     if missing:
         raise ckpt.CheckpointError(
@@ -258,19 +258,26 @@ def convert_to_mindspore(
             "fast_gelu, so its logits will differ slightly from this model's",
             run,
         )
-    tensors = to_mindspore(state, cfg, getattr(torch, DTYPES[dtype]))
+    tensors = to_mindspore(
+        state,
+        cfg,
+        DTYPE_NAMES[dtype],
+        {k: DTYPE_NAMES[v] for k, v in others.items()},
+    )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise ValueError(f"{out}: a file is in the way of its folder") from None
     write_checkpoint(out, tensors, crc=crc)
-    return {"out": str(out), "tensors": len(tensors), "dtype": dtype}
+    mixed = f" ({len(others)} kinds of tensor otherwise)" if others else ""
+    return {"out": str(out), "tensors": len(tensors), "dtype": dtype + mixed}
 
 
-def _source_dtype(run: str | Path, hops: int = 8) -> str | None:
-    """The dtype recorded by ``convert --from mindspore`` for ``run``, or for
-    the base it was fine-tuned (``base.path``) or trained (``init_from``) from,
-    followed back a few runs; None where the trail ends first."""
+def _source_dtypes(run: str | Path, hops: int = 8) -> tuple[str, dict] | None:
+    """The dtypes recorded by ``convert --from mindspore`` for ``run`` (the
+    main one, and the tensors saved otherwise), or for the base it was
+    fine-tuned (``base.path``) or trained (``init_from``) from, followed back
+    a few runs; None where the trail ends first."""
     from aisyn.train.run import RunDir
 
     for _ in range(hops):
@@ -282,7 +289,12 @@ def _source_dtype(run: str | Path, hops: int = 8) -> str | None:
             return None
         source = config.get("source")
         if isinstance(source, dict) and source.get("dtype") in DTYPES:
-            return source["dtype"]
+            others = source.get("dtypes", {})
+            if not isinstance(others, dict) or not all(
+                isinstance(k, str) and v in DTYPES for k, v in others.items()
+            ):
+                raise ValueError(f"{run}/config.json: source.dtypes is damaged")
+            return source["dtype"], others
         base = config.get("base")
         run = base.get("path") if isinstance(base, dict) else config.get("init_from")
         if not isinstance(run, str) or not Path(run).is_dir():

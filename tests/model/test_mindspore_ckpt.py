@@ -657,6 +657,45 @@ def test_export_dtype_defaults_to_the_sources(tmp_path, capsys):
     assert read_checkpoint(tmp_path / "b.ckpt")[OURS[0]].dtype == torch.bfloat16
 
 
+def test_export_keeps_each_tensors_dtype(tmp_path):
+    # as the official PanGu-α saves: fp16 weights, fp32 LayerNorms; and one
+    # odd tensor, the top query layer's FFN bias, in bf16
+    def official(name: str) -> torch.dtype:
+        if name == "backbone.top_query_layer.output.mapping.bias":
+            return torch.bfloat16
+        return torch.float32 if "layernorm" in name else torch.float16
+
+    mixed = {
+        k: v.to(official(k))
+        for k, v in read_checkpoint(FIXTURES / "plain.ckpt").items()
+    }
+    write_checkpoint(tmp_path / "mixed.ckpt", mixed)
+    base = tmp_path / "base"
+    argv = ["convert", "--from", "mindspore", str(tmp_path / "mixed.ckpt")]
+    assert main([*argv, "--out", str(base), "--num-heads", "2"]) == 0
+    source = RunDir(base).read_config()["source"]
+    assert source["dtype"] == "fp16"
+    assert source["dtypes"] == {  # by layer pattern where every layer agrees
+        "transformer.ln_f.weight": "fp32",
+        "transformer.ln_f.bias": "fp32",
+        "transformer.h.*.ln_1.weight": "fp32",
+        "transformer.h.*.ln_1.bias": "fp32",
+        "transformer.h.*.ln_2.weight": "fp32",
+        "transformer.h.*.ln_2.bias": "fp32",
+        "transformer.h.2.mlp.c_fc.bias": "bf16",
+    }
+    out = tmp_path / "back.ckpt"
+    assert (
+        main(["convert", "--to", "mindspore", "--run", str(base), "--out", str(out)])
+        == 0
+    )
+    back = read_checkpoint(out)
+    assert {k: t.dtype for k, t in back.items()} == {
+        k: t.dtype for k, t in mixed.items()
+    }
+    assert all(torch.equal(back[k], t) for k, t in mixed.items())  # exact, too
+
+
 def test_export_dtype_follows_the_base_else_fp32(tmp_path):
     half = {k: v.half() for k, v in read_checkpoint(FIXTURES / "plain.ckpt").items()}
     write_checkpoint(tmp_path / "half.ckpt", half)

@@ -316,12 +316,14 @@ def to_mindspore(
     state: Mapping[str, torch.Tensor],
     cfg: PanguConfig,
     dtype: torch.dtype | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Our weights under the whole MindSpore model's names (``backbone.*``),
     FFN and attention-projection weights transposed back to ``[in, out]``,
-    cast to ``dtype`` if given; in the order in which MindSpore saves
-    ``PanguAlpha_Model``'s parameters (the order its cells are defined in):
-    embeddings, final LayerNorm, blocks, top query embedding, top query
+    each cast to its entry in ``dtypes`` (our name, or its ``layer_pattern``)
+    if it has one, else to ``dtype`` if given; in the order in which MindSpore
+    saves ``PanguAlpha_Model``'s parameters (the order its cells are defined
+    in): embeddings, final LayerNorm, blocks, top query embedding, top query
     layer."""
     names = list(expected_shapes(cfg))
     top = f"transformer.h.{cfg.num_layers - 1}."
@@ -333,24 +335,61 @@ def to_mindspore(
         + [n for n in names if n.startswith(top)]
     )
     assert sorted(order) == sorted(names)
+    dtypes = dtypes or {}
     out = {}
     for n in order:
         t = state[n].T if _transposed(n) else state[n]
+        want = dtypes.get(n) or dtypes.get(layer_pattern(n)) or dtype or t.dtype
         # one copy at most: the cast writes row-major directly
         out[mindspore_name(n, cfg.num_layers)] = t.to(
-            dtype or t.dtype, memory_format=torch.contiguous_format
+            want, memory_format=torch.contiguous_format
         )
     return out
 
 
-def weights_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
-    """The floating dtype holding most of ``weights``' elements: what a
-    checkpoint's parameters were saved in (fp16 for the official PanGu-α)."""
-    count: dict[torch.dtype, int] = {}
-    for t in weights.values():
-        if t.is_floating_point():
-            count[t.dtype] = count.get(t.dtype, 0) + t.numel()
-    return max(count, key=count.__getitem__) if count else torch.float32
+#: the dtypes a MindSpore export may be written in, by name
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+}
+_NAME_OF = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def layer_pattern(name: str) -> str:
+    """Our ``name`` with its layer index as ``*`` (``transformer.h.*.ln_1.weight``)."""
+    return re.sub(r"^transformer\.h\.\d+\.", "transformer.h.*.", name)
+
+
+def saved_dtypes(
+    weights: Mapping[str, torch.Tensor], cfg: PanguConfig
+) -> tuple[str, dict[str, str]]:
+    """The dtypes ``weights`` (short names) were saved in, to write them back
+    in: the one holding most elements, and the others' tensors by our name,
+    or by ``layer_pattern`` where every layer agrees (the official PanGu-α
+    keeps fp16 weights but fp32 LayerNorms: a strict MindSpore load wants
+    each as it was). Float64 is recorded as fp32."""
+    ours: dict[str, str] = {}
+    count: dict[str, int] = {}
+    for short, t in weights.items():
+        mapped = our_name(short, cfg.num_layers - 1)
+        if mapped is None or not t.is_floating_point():
+            continue  # to_state_dict refuses these
+        ours[mapped[0]] = kind = _NAME_OF.get(t.dtype, "fp32")
+        count[kind] = count.get(kind, 0) + t.numel()
+    if not count:
+        return "fp32", {}
+    main = max(count, key=count.__getitem__)
+    by_pattern: dict[str, set[str]] = {}
+    for name, kind in ours.items():
+        by_pattern.setdefault(layer_pattern(name), set()).add(kind)
+    others: dict[str, str] = {}
+    for name, kind in ours.items():
+        if kind == main:
+            continue
+        pattern = layer_pattern(name)
+        others[pattern if by_pattern[pattern] == {kind} else name] = kind
+    return main, others
 
 
 def expected_shapes(cfg: PanguConfig) -> dict[str, tuple[int, ...]]:
