@@ -724,3 +724,17 @@ def test_export_dtype_follows_the_base_else_fp32(tmp_path):
     trained = run_like("trained", kind="train", init_from=str(tuned))
     assert exported_dtype(trained) == torch.float16  # two hops
     assert exported_dtype(run_like("scratch", kind="train")) == torch.float32
+
+
+def test_a_damaged_dtype_record_is_one_line(tmp_path, capsys):
+    base = tmp_path / "base"
+    argv = ["convert", "--from", "mindspore", str(FIXTURES / "plain.ckpt")]
+    assert main([*argv, "--out", str(base), "--num-heads", "2"]) == 0
+    config = RunDir(base).read_config()
+    config["source"]["dtypes"] = {"transformer.wte.weight": "fp64"}
+    (base / "config.json").write_text(json.dumps(config))
+    to = ["convert", "--to", "mindspore", "--run", str(base)]
+    assert main([*to, "--out", str(tmp_path / "x.ckpt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "source.dtypes is damaged" in err[0]
+    assert not (tmp_path / "x.ckpt").exists()
