@@ -185,6 +185,17 @@ def test_slices_of_mixed_dtypes_are_refused(name, tmp_path, capsys):
     assert len(err) == 1 and "the files hold it as float32 and float64" in err[0]
 
 
+def test_one_file_holding_a_weight_under_two_names_is_no_rank_set(tmp_path, capsys):
+    whole = plain()
+    twice = {**whole, "backbone.word_embedding_table": whole[WORD] + 1}
+    write_checkpoint(tmp_path / "rank_0.ckpt", twice)
+    write_checkpoint(tmp_path / "rank_1.ckpt", whole)
+    files = [tmp_path / "rank_0.ckpt", tmp_path / "rank_1.ckpt"]
+    assert convert(files, tmp_path / "o") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give each tensor once" in err[0]
+
+
 def test_data_parallel_copies_that_disagree_are_refused(tmp_path, capsys):
     files, strategy = write_ranks(tmp_path, mp=2, dp=2)
     rank2 = read_checkpoint(files[2])

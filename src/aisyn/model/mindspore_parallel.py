@@ -181,16 +181,23 @@ def merge_rank_files(
             if our_name(short, 0) is None:
                 continue
             holders.setdefault(short, []).append((source, name))
-    shared = {s: h for s, h in holders.items() if len(h) > 1}
+    # one file holding a weight twice (two savers' names for it) is no rank
+    # set: gather_weights refuses it
+    shared = {
+        s: h
+        for s, h in holders.items()
+        if len(h) > 1 and len({f for f, _ in h}) == len(h)
+    }
     if not shared:
         return sources
+    by_short = {short_name(n): lay for n, lay in (strategy or {}).items()}
     hidden = _hidden_size(sources, holders)
     cut_ffn = None if strategy else _attention_is_cut(sources, shared, hidden)
     for short, held in shared.items():
         slices = [sources[f][tag] for f, tag in held]
         where = f"{held[0][1]} (in {len(held)} files)"
         if strategy is not None:
-            layout = strategy.get(held[0][1]) or _by_short(strategy, short)
+            layout = strategy.get(held[0][1]) or by_short.get(short)
             merged = (
                 _merge_by_layout(slices, layout, where)
                 if layout is not None
@@ -214,13 +221,6 @@ def merge_rank_files(
         how,
     )
     return sources
-
-
-def _by_short(strategy: Mapping[str, SliceLayout], short: str) -> SliceLayout | None:
-    for name, layout in strategy.items():
-        if short_name(name) == short:
-            return layout
-    return None
 
 
 def _hidden_size(sources, holders) -> int | None:
