@@ -33,7 +33,7 @@ from aisyn.model.mindspore_pangu import (
     to_state_dict,
 )
 from aisyn.model.pangu import CONFIGS, PanguAlpha, PanguConfig, fast_gelu
-from aisyn.model.port import read_port_config, write_port_folder
+from aisyn.model.port import PortError, read_port_config, write_port_folder
 from aisyn.model.proto.mindspore_checkpoint_pb2 import Checkpoint
 from aisyn.train.checkpoint import load_weights
 from aisyn.train.loop import load_run_model
@@ -456,6 +456,12 @@ def test_port_export_keeps_the_activation(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["activation_function"] == "quick_gelu"  # x * sigmoid(1.702 x)
     assert read_port_config(tmp_path) == fast
+    for bad in ("relu", ["gelu"]):
+        (tmp_path / "config.json").write_text(
+            json.dumps({**config, "activation_function": bad})
+        )
+        with pytest.raises(PortError, match="not one of gelu, quick_gelu"):
+            read_port_config(tmp_path)
 
 
 # --- other savers' names, loop state --------------------------------------------------

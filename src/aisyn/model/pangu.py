@@ -61,7 +61,7 @@ class PanguConfig(ConfigDict):
     activation: str = "gelu"  # of the MLP; one of ACTIVATIONS
 
     def __post_init__(self) -> None:
-        if self.activation not in ACTIVATIONS:
+        if not isinstance(self.activation, str) or self.activation not in ACTIVATIONS:
             raise ValueError(
                 f"activation must be one of {', '.join(ACTIVATIONS)}, got "
                 f"{self.activation!r}"

@@ -80,7 +80,7 @@ def read_port_config(folder: str | Path) -> PanguConfig:
             f"{path}: model_type {found!r}, not the PanGu-α port's {MODEL_TYPE!r}"
         )
     act = c.get("activation_function", "gelu")
-    if act not in PORT_ACTIVATIONS:
+    if not isinstance(act, str) or act not in PORT_ACTIVATIONS:
         raise PortError(
             f"{path}: activation {act!r}, not one of {', '.join(PORT_ACTIVATIONS)}"
         )
