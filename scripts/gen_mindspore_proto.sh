@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate the Python module for MindSpore's checkpoint format.
+# Regenerate the Python modules for MindSpore's checkpoint format and its
+# parallel strategy file.
 #
 #   scripts/gen_mindspore_proto.sh [OUT_DIR]     (default: src/aisyn/model/proto)
 #
@@ -19,12 +20,14 @@ trap 'rm -rf "$tmp"' EXIT
   -I "$repo/src" \
   --python_out="$tmp" \
   --pyi_out="$tmp" \
-  "$repo/src/aisyn/model/mindspore_checkpoint.proto"
+  "$repo/src/aisyn/model/mindspore_checkpoint.proto" \
+  "$repo/src/aisyn/model/mindspore_strategy.proto"
 
 gen="$tmp/aisyn/model"
 # ruff's generated-code exclude in pyproject covers *_pb2*.py, not .pyi.
-sed -i '1i # ruff: noqa\n# fmt: off' "$gen/mindspore_checkpoint_pb2.pyi"
-
 mkdir -p "$out"
-cp "$gen/mindspore_checkpoint_pb2.py" "$gen/mindspore_checkpoint_pb2.pyi" "$out/"
+for name in mindspore_checkpoint mindspore_strategy; do
+  sed -i '1i # ruff: noqa\n# fmt: off' "$gen/${name}_pb2.pyi"
+  cp "$gen/${name}_pb2.py" "$gen/${name}_pb2.pyi" "$out/"
+done
 echo "generated into $out"

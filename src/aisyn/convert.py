@@ -5,9 +5,13 @@ that every command taking a base model loads (``aisyn train --init-from``,
 ``aisyn finetune --base``, ``aisyn fl ... --base``): ``config.json`` with the
 model config read off the tensor shapes, ``checkpoints/step_00000000/`` with
 ``model.safetensors``, and with ``--tokenizer`` the tokenizer. Several files
-make one model (the split reference's embedding, backbone and head files);
-optimizer state in a training checkpoint is skipped. The folder is built
-beside ``--out`` and renamed into place, so a failure leaves nothing behind.
+make one model (the split reference's embedding, backbone and head files;
+a model-parallel run's rank files, merged from ``--strategy FILE`` or PanGu-α's
+known layout, ``aisyn.model.mindspore_parallel``); optimizer and loop state in
+a training checkpoint is skipped and reported. The weights' dtypes are
+recorded (``source.dtype``, ``source.dtypes``) for the way back. The folder
+is built beside ``--out`` and renamed into place, so a failure leaves nothing
+behind.
 
 ``--from pangu-port DIR --out DIR`` does the same for a folder of the public
 PyTorch port (``aisyn.model.port``; its ``vocab.model`` is the tokenizer).
@@ -15,8 +19,10 @@ PyTorch port (``aisyn.model.port``; its ``vocab.model`` is the tokenizer).
 ``--from hf DIR --out DIR`` does the same for a Hugging Face GPT-2, Llama or
 Qwen2 folder as ``save_pretrained`` writes it (``aisyn.model.hf``).
 
-``--to mindspore --run RUN --out FILE.ckpt`` writes a run's latest weights
-under the official MindSpore model's names (``aisyn.model.mindspore_pangu``).
+``--to mindspore --run RUN --out FILE.ckpt [--dtype fp16|bf16|fp32]`` writes a
+run's latest weights under the official MindSpore model's names
+(``aisyn.model.mindspore_pangu``), each tensor in the dtype the run's MindSpore
+source had it in (fp32 for any other run) unless ``--dtype`` says otherwise.
 ``--to hf --run RUN --out DIR`` writes them as a Hugging Face folder
 (``config.json`` + ``model.safetensors``): one ``transformers`` loads for a
 GPT-2/Llama/Qwen2 run, the PyTorch port's layout for a PanGu-α run.
@@ -25,14 +31,19 @@ GPT-2/Llama/Qwen2 run, the PyTorch port's layout for a PanGu-α run.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from aisyn.validate import positive_int
 
+log = logging.getLogger(__name__)
+
 SOURCES = ["mindspore", "pangu-port", "hf"]
 TARGETS = ["mindspore", "hf"]
+#: ``--dtype`` names <-> torch dtypes, for MindSpore exports
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def convert_from_mindspore(
@@ -41,30 +52,74 @@ def convert_from_mindspore(
     *,
     tokenizer: str | Path | None = None,
     num_heads: int | None = None,
+    strategy: str | Path | None = None,
 ) -> dict:
-    """Read MindSpore checkpoints into a new run folder ``out``; its summary."""
+    """Read MindSpore checkpoints into a new run folder ``out``; its summary
+    (``skipped``: the training-state entries left out)."""
     from aisyn.data.tokenizer import load_tokenizer
     from aisyn.model.mindspore_ckpt import read_checkpoint
     from aisyn.model.mindspore_pangu import (
         gather_weights,
         infer_config,
         is_training_state,
+        saved_dtypes,
         to_state_dict,
     )
+    from aisyn.model.mindspore_parallel import merge_rank_files, read_strategy
 
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out}: already exists; choose another --out")
     tok = load_tokenizer(tokenizer) if tokenizer else None  # fail early
-    entries = {
-        str(f): read_checkpoint(f, keep=lambda name: not is_training_state(name))
-        for f in files
-    }
-    weights = gather_weights(entries)
+    layouts = read_strategy(strategy) if strategy else None
+    undecoded: set[str] = set()  # optimizer state: parsed, never decoded
+
+    def keep(name: str) -> bool:
+        if is_training_state(name):
+            undecoded.add(name)
+            return False
+        return True
+
+    entries = {str(f): read_checkpoint(f, keep=keep) for f in files}
+    skipped: list[str] = []
+    weights = gather_weights(merge_rank_files(entries, layouts), skipped)
+    skipped = sorted(undecoded | set(skipped))
+    log.debug("skipped %d training-state entries: %s", len(skipped), skipped)
     cfg = infer_config(weights, num_heads)
+    # what --to mindspore writes by default: each tensor as it came
+    dtype, others = saved_dtypes(weights, cfg)
     state = to_state_dict(weights, cfg)
-    source = {"format": "mindspore", "files": [str(Path(f)) for f in files]}
-    return write_base(out, cfg, state, tok, source)
+    source = {
+        "format": "mindspore",
+        "files": [str(Path(f)) for f in files],
+        "dtype": dtype,
+    }
+    if others:
+        source["dtypes"] = others
+    if strategy:
+        source["strategy"] = str(strategy)
+    return {**write_base(out, cfg, state, tok, source), "skipped": skipped}
+
+
+def skipped_summary(names: list[str]) -> str:
+    """One line for the skipped training state: optimizer state counted by
+    its prefix, the rest (loop state, metadata) by name."""
+    from aisyn.model.mindspore_pangu import IGNORED_PREFIXES
+
+    counts: dict[str, int] = {}
+    rest = []
+    for name in names:
+        prefix = next((p for p in IGNORED_PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            rest.append(name)
+        else:
+            counts[prefix] = counts.get(prefix, 0) + 1
+    parts = [f"{n} {p}*" for p, n in counts.items()]
+    if rest:
+        parts.append(
+            ", ".join(rest[:12]) + (f" (+{len(rest) - 12})" if len(rest) > 12 else "")
+        )
+    return f"{len(names)} entries: " + "; ".join(parts)
 
 
 def convert_from_port(
@@ -166,15 +221,24 @@ def _run_weights(run: str | Path, out: Path):
 
 
 def convert_to_mindspore(
-    run: str | Path, out: str | Path, *, crc: bool = False
+    run: str | Path, out: str | Path, *, crc: bool = False, dtype: str | None = None
 ) -> dict:
-    """Write the latest weights of run folder ``run`` as MindSpore ``out``."""
+    """Write the latest weights of run folder ``run`` as MindSpore ``out``, in
+    ``dtype`` (a ``DTYPES`` name; default: each tensor in the dtype it had in
+    the MindSpore checkpoint the run was converted from, recorded in its
+    config, else fp32: MindSpore's strict load wants the network's own
+    dtypes). A missing parent folder of ``out`` is created."""
     from aisyn.model.mindspore_ckpt import write_checkpoint
-    from aisyn.model.mindspore_pangu import expected_shapes, to_mindspore
+    from aisyn.model.mindspore_pangu import DTYPE_NAMES, expected_shapes, to_mindspore
     from aisyn.train import checkpoint as ckpt
 
     out = Path(out)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     cfg, state, weights = _run_weights(run, out)
+    others: dict = {}
+    if dtype is None:
+        dtype, others = _source_dtypes(run) or ("fp32", {})
     missing = [n for n in expected_shapes(cfg) if n not in state]
     if missing:
         raise ckpt.CheckpointError(
@@ -187,9 +251,55 @@ def convert_to_mindspore(
                 f"{weights}: {name} has shape {tuple(state[name].shape)}, the run's "
                 f"config says {shape}"
             )
-    tensors = to_mindspore(state, cfg)
+    if getattr(cfg, "activation", "gelu") != "fast_gelu":
+        # MindSpore's PanGu-α computes fast_gelu whatever the file holds
+        log.warning(
+            "%s: this model uses the exact GELU; MindSpore's PanGu-α computes "
+            "fast_gelu, so its logits will differ slightly from this model's",
+            run,
+        )
+    tensors = to_mindspore(
+        state,
+        cfg,
+        DTYPE_NAMES[dtype],
+        {k: DTYPE_NAMES[v] for k, v in others.items()},
+    )
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"{out}: a file is in the way of its folder") from None
     write_checkpoint(out, tensors, crc=crc)
-    return {"out": str(out), "tensors": len(tensors)}
+    mixed = f" ({len(others)} kinds of tensor otherwise)" if others else ""
+    return {"out": str(out), "tensors": len(tensors), "dtype": dtype + mixed}
+
+
+def _source_dtypes(run: str | Path, hops: int = 8) -> tuple[str, dict] | None:
+    """The dtypes recorded by ``convert --from mindspore`` for ``run`` (the
+    main one, and the tensors saved otherwise), or for the base it was
+    fine-tuned (``base.path``) or trained (``init_from``) from, followed back
+    a few runs; None where the trail ends first."""
+    from aisyn.train.run import RunDir
+
+    for _ in range(hops):
+        try:
+            config = RunDir(run).read_config()
+        except (OSError, ValueError):
+            return None
+        if not isinstance(config, dict):
+            return None
+        source = config.get("source")
+        if isinstance(source, dict) and source.get("dtype") in DTYPES:
+            others = source.get("dtypes", {})
+            if not isinstance(others, dict) or not all(
+                isinstance(k, str) and v in DTYPES for k, v in others.items()
+            ):
+                raise ValueError(f"{run}/config.json: source.dtypes is damaged")
+            return source["dtype"], others
+        base = config.get("base")
+        run = base.get("path") if isinstance(base, dict) else config.get("init_from")
+        if not isinstance(run, str) or not Path(run).is_dir():
+            return None
+    return None
 
 
 def convert_to_hf(run: str | Path, out: str | Path) -> dict:
@@ -226,16 +336,20 @@ def convert_to_hf(run: str | Path, out: str | Path) -> dict:
 
 def cmd_convert(args) -> None:
     """Convert PanGu-α weights: --from mindspore FILE.ckpt ... --out DIR writes a
-    run folder usable as a base model (config read off the tensor shapes);
+    run folder usable as a base model (config read off the tensor shapes;
+    a model-parallel run's rank files are merged, by --strategy FILE if given);
     --from pangu-port DIR --out DIR does the same for a folder of the public
     PyTorch port (config.json, weights, vocab.model), --from hf DIR --out DIR
     for a Hugging Face GPT-2/Llama/Qwen2 folder; --to mindspore --run RUN --out
-    FILE.ckpt writes a run's latest weights as a MindSpore checkpoint, --to hf
+    FILE.ckpt writes a run's latest weights as a MindSpore checkpoint (in the
+    dtype of the run's MindSpore source, or --dtype), --to hf
     --run RUN --out DIR as a Hugging Face folder."""
 
     if args.source:
-        if args.run or args.crc:
-            raise ValueError("--run and --crc go with --to, not --from")
+        if args.run or args.crc or args.dtype:
+            raise ValueError("--run, --crc and --dtype go with --to, not --from")
+        if args.strategy and args.source != "mindspore":
+            raise ValueError("--strategy goes with --from mindspore")
         if args.source in ("pangu-port", "hf"):
             port = args.source == "pangu-port"
             if len(args.files) != 1 or not Path(args.files[0]).is_dir():
@@ -255,7 +369,10 @@ def cmd_convert(args) -> None:
                 args.out,
                 tokenizer=args.tokenizer,
                 num_heads=args.num_heads,
+                strategy=args.strategy,
             )
+            if res["skipped"]:
+                print(f"skipped training state: {skipped_summary(res['skipped'])}")
         m = res["model"]
         print(
             f"wrote {res['out']}: {m.get('family', 'pangu')}, {m['num_layers']} "
@@ -264,20 +381,21 @@ def cmd_convert(args) -> None:
             f"{m['seq_len']} positions ({res['tensors']} tensors)"
         )
         return
-    if args.files or args.tokenizer or args.num_heads:
+    if args.files or args.tokenizer or args.num_heads or args.strategy:
         raise ValueError(
             f"--to {args.target} takes --run RUN and --out, no files, "
-            "--tokenizer or --num-heads"
+            "--tokenizer, --num-heads or --strategy"
         )
     if not args.run:
         raise ValueError(f"--to {args.target}: give --run RUN")
     if args.target == "hf":
-        if args.crc:
-            raise ValueError("--crc goes with --to mindspore")
+        if args.crc or args.dtype:
+            raise ValueError("--crc and --dtype go with --to mindspore")
         res = convert_to_hf(args.run, args.out)
     else:
-        res = convert_to_mindspore(args.run, args.out, crc=args.crc)
-    print(f"wrote {res['out']}: {res['tensors']} tensors")
+        res = convert_to_mindspore(args.run, args.out, crc=args.crc, dtype=args.dtype)
+    dtype = f", {res['dtype']}" if "dtype" in res else ""
+    print(f"wrote {res['out']}: {res['tensors']} tensors{dtype}")
 
 
 def _existing(text: str) -> str:
@@ -329,4 +447,19 @@ def register(sub) -> None:
             "--from: attention heads (default: the reference's for the hidden size)",
         ),
         ("--crc", "store_true", None, "--to: append MindSpore's CRC-32 trailer"),
+        (
+            "--strategy",
+            _existing,
+            None,
+            "--from mindspore: the model-parallel run's strategy file "
+            "(strategy_ckpt_save_file), to merge its rank files by (default: "
+            "PanGu-α's layout)",
+        ),
+        (
+            "--dtype",
+            list(DTYPES),
+            None,
+            "--to mindspore: fp16, bf16 or fp32 (default: the dtype of the run's "
+            "MindSpore source, else fp32)",
+        ),
     )

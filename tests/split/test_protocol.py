@@ -166,6 +166,8 @@ def test_client_without_certificate_is_refused(served):
     "change,match",
     [
         ({"model": {"hidden_size": 64}}, "model config differs"),
+        # the parties must compute the same function, not just hold the shapes
+        ({"model": {"activation": "fast_gelu"}}, r"differs .* in \['activation'\]"),
         ({"partition": {"num_layers": 5, "front": 2, "back": 0}}, "cut"),
         ({"run_id": "../../etc"}, "run id"),
         ({"protocol": "other/9"}, "protocol"),

@@ -34,13 +34,13 @@ with its optimizer state is about 30 GiB. Nothing here unpickles anything.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from aisyn.model.proto.mindspore_checkpoint_pb2 import Checkpoint
@@ -234,8 +234,21 @@ def _finish(
         )
     dims = list(head.dims)
     shape = [] if dims == [0] else dims  # MindSpore's scalar convention
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if any(d < 0 for d in shape):
+        raise MindSporeCheckpointError(
+            f"{source}: {tag} declares the negative shape {tuple(shape)}; the file "
+            "is damaged"
+        )
+    # Python's integers: NumPy's int64 product wraps around, and a wrapped
+    # product that matched the content would let a huge shape through
+    numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if math.prod(d for d in shape if d) * itemsize >= 2**63:
+        # even an empty tensor of such a shape overflows torch's size arithmetic
+        raise MindSporeCheckpointError(
+            f"{source}: {tag} declares the shape {tuple(shape)}, whose size "
+            "overflows 64 bits; the file is damaged"
+        )
     if numel * itemsize != len(content):
         raise MindSporeCheckpointError(
             f"{source}: {tag} holds {len(content)} bytes, but its shape "

@@ -30,21 +30,34 @@ Where the names come from (all public source):
   ``top_query_embedding.*``, ``top_query_layer.*`` (``HeadLossNet``), i.e. the
   same names without ``backbone.`` and ``embedding.``. Names are compared
   after dropping those two prefixes, so these files load too, given together.
+* older and other savers' names for the three embeddings (``ALIASES``): the
+  r1.3 model_zoo's ``embedding_table``,
+  ``backbone.embedding.embedding.position_embedding.embedding_table`` and
+  ``backbone.top_query_embedding_table``; mindformers' ``convert_weight.py``
+  and ``PanguAlpha_Model.load_embedding_from_ckpt``'s
+  ``word_embedding_table``, ``position_embedding_table`` and
+  ``query_embedding_table``. The r1.3 pipeline model keeps its top query layer
+  as the last of its ``blocks``: with no ``top_query_layer.*`` tensor, the
+  highest block is it.
 
-Two differences in the computation, not the weights: MindSpore's PanGu-α uses
-``fast_gelu`` (x * sigmoid(1.702 x)) where this model uses the exact GELU, and
-computes in float16; logits of a converted model agree closely, not bit for
-bit, with MindSpore's.
+MindSpore's PanGu-α uses ``fast_gelu`` (x * sigmoid(1.702 x)) where our
+presets use the exact GELU: ``infer_config`` sets ``activation="fast_gelu"``,
+so a converted model computes what the original did. It still computes in
+float32 where MindSpore's ran in float16: logits agree closely, not bit for
+bit.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 
 import torch
 
 from aisyn.model.pangu import CONFIGS, PanguConfig
+
+log = logging.getLogger(__name__)
 
 #: MindSpore's layer leaves -> ours, and whether the weight is stored [in, out]
 LAYER_LEAVES: dict[str, tuple[str, bool]] = {
@@ -77,6 +90,13 @@ TOP_LEVEL: dict[str, str] = {
 IGNORED_PREFIXES = ("adam_m.", "adam_v.", "moment1.", "moment2.", "accu_grads.")
 IGNORED_NAMES = frozenset(
     {
+        # the released checkpoints' loop state (mindformers' callbacks)
+        "has_trained_step",
+        "has_trained_epoch",
+        "cur_epoch_num",
+        "cur_step_num",
+        "data_start_index",
+        "loss_scale_value",
         "global_step",
         "learning_rate",
         "loss_scale",
@@ -91,6 +111,18 @@ IGNORED_NAMES = frozenset(
 )
 #: incremental-inference caches (``use_past``), state rather than weights
 IGNORED_SUFFIXES = (".key_past", ".value_past")
+
+#: other savers' short names of the embeddings -> ours (see the module doc)
+ALIASES: dict[str, str] = {
+    "embedding_table": "word_embedding.embedding_table",
+    "word_embedding_table": "word_embedding.embedding_table",
+    "embedding.position_embedding.embedding_table": (
+        "position_embedding.embedding_table"
+    ),
+    "position_embedding_table": "position_embedding.embedding_table",
+    "top_query_embedding_table": "top_query_embedding.embedding_table",
+    "query_embedding_table": "top_query_embedding.embedding_table",
+}
 
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 
@@ -113,8 +145,10 @@ def is_training_state(name: str) -> bool:
 
 def short_name(name: str) -> str:
     """``name`` without the ``backbone.`` and ``embedding.`` prefixes that the
-    whole model has and the split reference's files do not."""
-    return name.removeprefix("backbone.").removeprefix("embedding.")
+    whole model has and the split reference's files do not, under our name
+    for it where another saver's differs (``ALIASES``)."""
+    short = name.removeprefix("backbone.").removeprefix("embedding.")
+    return ALIASES.get(short, short)
 
 
 def our_name(short: str, num_blocks: int) -> tuple[str, bool] | None:
@@ -135,29 +169,60 @@ def our_name(short: str, num_blocks: int) -> tuple[str, bool] | None:
 
 def gather_weights(
     sources: Mapping[str, Mapping[str, torch.Tensor | str]],
+    skipped: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The weights of several checkpoints (file -> its entries) as one model,
-    keyed by short name; training state dropped. A weight in two files, or a
-    name that is neither a weight nor training state, is refused."""
+    keyed by short name; training state dropped (its names appended to
+    ``skipped``). A weight in two files, or a name that is neither a weight
+    nor training state, is refused.
+
+    Training state is what ``is_training_state`` names, plus any other tensor
+    of at most one element that is no weight: loop counters and scales, which
+    each trainer names its own way (a weight is never a single number).
+    """
     found: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     for source, entries in sources.items():
         for name, value in entries.items():
             # Strings are append_info metadata (MindSpore stores no weight so)
             if is_training_state(name) or isinstance(value, str):
+                if skipped is not None:
+                    skipped.append(name)
                 continue
             short = short_name(name)
-            if short in where:
-                raise ValueError(
-                    f"{source}: {name} is also in {where[short]}; give each tensor once"
-                )
+            if our_name(short, 0) is None and value.numel() <= 1:
+                if skipped is not None:
+                    skipped.append(name)
+                continue
             if our_name(short, 0) is None:
                 raise ValueError(
                     f"{source}: {name} is not a PanGu-α parameter (nor optimizer "
                     "state); is this a PanGu-α checkpoint?"
                 )
+            if short in where:
+                raise ValueError(
+                    f"{source}: {name} is also in {where[short]}; give each tensor once"
+                )
             found[short], where[short] = value, source
-    return found
+    return _top_layer_from_blocks(found)
+
+
+def _top_layer_from_blocks(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The r1.3 pipeline model's names: with no ``top_query_layer.*`` but a
+    top query embedding, the highest block is the top query layer."""
+    if any(k.startswith("top_query_layer.") for k in weights):
+        return weights
+    if "top_query_embedding.embedding_table" not in weights:
+        return weights  # a file of the split reference's, without its head
+    blocks = [int(m.group(1)) for k in weights if (m := _BLOCK.fullmatch(k))]
+    if not blocks:
+        return weights
+    top = f"blocks.{max(blocks)}."
+    log.info("no top_query_layer.*: %s* taken for it (r1.3's pipeline model)", top)
+    return {
+        (f"top_query_layer.{k.removeprefix(top)}" if k.startswith(top) else k): v
+        for k, v in weights.items()
+    }
 
 
 def infer_config(
@@ -183,6 +248,14 @@ def infer_config(
             raise ValueError(f"{short} has shape {tuple(t.shape)}; expected a matrix")
     blocks = {int(m.group(1)) for k in weights if (m := _BLOCK.fullmatch(k))}
     num_blocks = max(blocks) + 1 if blocks else 0
+    if len(blocks) != num_blocks:
+        # Bounded by the tensors present, before anything is sized by it: a
+        # lone "blocks.100000000.*" must not make a 10^8-layer model.
+        gap = next(i for i in range(num_blocks) if i not in blocks)  # <= len
+        raise ValueError(
+            f"the checkpoint has blocks up to {num_blocks - 1} but none of block "
+            f"{gap} ({len(blocks)} blocks in all); is every file given?"
+        )
     vocab, hidden = word.shape
     if num_heads is None:
         num_heads = REFERENCE_HEADS.get(hidden)
@@ -199,6 +272,7 @@ def infer_config(
         ffn_size=mapping.shape[1],
         seq_len=position.shape[0],
         dropout=0.0,
+        activation="fast_gelu",  # MindSpore's PanGu-α's FFN activation
     )
 
 
@@ -239,29 +313,83 @@ def to_state_dict(
 
 
 def to_mindspore(
-    state: Mapping[str, torch.Tensor], cfg: PanguConfig
+    state: Mapping[str, torch.Tensor],
+    cfg: PanguConfig,
+    dtype: torch.dtype | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Our weights under the whole MindSpore model's names (``backbone.*``),
-    FFN and attention-projection weights transposed back to ``[in, out]``; in
-    the MindSpore model's order (embeddings, blocks, final LayerNorm, top
-    query embedding, top query layer)."""
+    FFN and attention-projection weights transposed back to ``[in, out]``,
+    each cast to its entry in ``dtypes`` (our name, or its ``layer_pattern``)
+    if it has one, else to ``dtype`` if given; in the order in which MindSpore
+    saves ``PanguAlpha_Model``'s parameters (the order its cells are defined
+    in): embeddings, final LayerNorm, blocks, top query embedding, top query
+    layer."""
     names = list(expected_shapes(cfg))
     top = f"transformer.h.{cfg.num_layers - 1}."
-    # wqe and the top query layer come after ln_f in PanguAlpha_Model
     order = (
         [n for n in names if n.startswith(("transformer.wte", "transformer.wpe"))]
-        + [n for n in names if n.startswith("transformer.h.") and not n.startswith(top)]
         + [n for n in names if n.startswith("transformer.ln_f")]
+        + [n for n in names if n.startswith("transformer.h.") and not n.startswith(top)]
         + ["transformer.wqe.weight"]
         + [n for n in names if n.startswith(top)]
     )
     assert sorted(order) == sorted(names)
-    return {
-        mindspore_name(n, cfg.num_layers): (
-            state[n].T if _transposed(n) else state[n]
-        ).contiguous()
-        for n in order
-    }
+    dtypes = dtypes or {}
+    out = {}
+    for n in order:
+        t = state[n].T if _transposed(n) else state[n]
+        want = dtypes.get(n) or dtypes.get(layer_pattern(n)) or dtype or t.dtype
+        # one copy at most: the cast writes row-major directly
+        out[mindspore_name(n, cfg.num_layers)] = t.to(
+            want, memory_format=torch.contiguous_format
+        )
+    return out
+
+
+#: the dtypes a MindSpore export may be written in, by name
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+}
+_NAME_OF = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def layer_pattern(name: str) -> str:
+    """Our ``name`` with its layer index as ``*`` (``transformer.h.*.ln_1.weight``)."""
+    return re.sub(r"^transformer\.h\.\d+\.", "transformer.h.*.", name)
+
+
+def saved_dtypes(
+    weights: Mapping[str, torch.Tensor], cfg: PanguConfig
+) -> tuple[str, dict[str, str]]:
+    """The dtypes ``weights`` (short names) were saved in, to write them back
+    in: the one holding most elements, and the others' tensors by our name,
+    or by ``layer_pattern`` where every layer agrees (the official PanGu-α
+    keeps fp16 weights but fp32 LayerNorms: a strict MindSpore load wants
+    each as it was). Float64 is recorded as fp32."""
+    ours: dict[str, str] = {}
+    count: dict[str, int] = {}
+    for short, t in weights.items():
+        mapped = our_name(short, cfg.num_layers - 1)
+        if mapped is None or not t.is_floating_point():
+            continue  # to_state_dict refuses these
+        ours[mapped[0]] = kind = _NAME_OF.get(t.dtype, "fp32")
+        count[kind] = count.get(kind, 0) + t.numel()
+    if not count:
+        return "fp32", {}
+    main = max(count, key=count.__getitem__)
+    by_pattern: dict[str, set[str]] = {}
+    for name, kind in ours.items():
+        by_pattern.setdefault(layer_pattern(name), set()).add(kind)
+    others: dict[str, str] = {}
+    for name, kind in ours.items():
+        if kind == main:
+            continue
+        pattern = layer_pattern(name)
+        others[pattern if by_pattern[pattern] == {kind} else name] = kind
+    return main, others
 
 
 def expected_shapes(cfg: PanguConfig) -> dict[str, tuple[int, ...]]:

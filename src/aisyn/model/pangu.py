@@ -9,6 +9,10 @@ twists over GPT-2:
   while keys and values come from the (normalised) hidden states;
 * the output projection is tied to the word embedding.
 
+The MLP's activation is the exact GELU by default; MindSpore's PanGu-α uses
+``fast_gelu`` (x * sigmoid(1.702 x)), which a model converted from MindSpore
+records as ``activation`` so that it computes what the original did.
+
 Parameter names follow the public PyTorch port of PanGu-α
 (``GPTPanguForCausalLM``: ``transformer.wte/wpe/wqe``, ``transformer.h.{i}``
 with ``ln_1``, ``attn.{q,k,v,c}_proj``, ``ln_2``, ``mlp.{c_fc,c_proj}``,
@@ -54,8 +58,14 @@ class PanguConfig(ConfigDict):
     dropout: float = 0.0
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
+    activation: str = "gelu"  # of the MLP; one of ACTIVATIONS
 
     def __post_init__(self) -> None:
+        if not isinstance(self.activation, str) or self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {', '.join(ACTIVATIONS)}, got "
+                f"{self.activation!r}"
+            )
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by "
@@ -70,6 +80,15 @@ class PanguConfig(ConfigDict):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict:
+        # The default activation is left out, so that the config (and every
+        # comparison or record of it: resume, the split handshake, a run's
+        # config.json) of a GELU model is what it was before the field existed.
+        d = super().to_dict()
+        if d["activation"] == "gelu":
+            del d["activation"]
+        return d
 
     @property
     def head_dim(self) -> int:
@@ -126,12 +145,25 @@ class PanguConfig(ConfigDict):
             if f.name not in d:
                 continue
             value, want = d[f.name], type(f.default)
+            if want is str:
+                if not isinstance(value, str):
+                    raise ValueError(f"{f.name} must be a string, got {value!r}")
+                continue
             numeric = isinstance(value, int | float) and not isinstance(value, bool)
             if not (numeric and (want is float or isinstance(value, int))):
                 kind = "an integer" if want is int else "a number"
                 raise ValueError(f"{f.name} must be {kind}, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+
+
+def fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    """MindSpore's ``fast_gelu``: x * sigmoid(1.702 x) (= x / (1 + exp(-1.702 x)))."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+#: the MLP activations a ``PanguConfig`` may name
+ACTIVATIONS = {"gelu": F.gelu, "fast_gelu": fast_gelu}
 
 
 # The reference's table (seed 000) plus CPU-sized presets for tests and demos.
@@ -205,7 +237,8 @@ class PanguAlpha(GPTLM):
 
     def __init__(self, cfg: PanguConfig, seed: int = 0) -> None:
         eps = cfg.layer_norm_eps
-        super().__init__(cfg, seed, GPTBody(cfg, Attention, F.gelu, eps, wqe=True))
+        act = ACTIVATIONS[cfg.activation]
+        super().__init__(cfg, seed, GPTBody(cfg, Attention, act, eps, wqe=True))
 
     def finish(
         self, x: torch.Tensor, ctx: Context, kvs: list[LayerKV] | None = None

@@ -30,6 +30,10 @@ from safetensors.torch import load_file
 from aisyn.model.pangu import PanguConfig
 
 MODEL_TYPE = "gpt_pangu"
+#: the port's activation_function (transformers' ACT2FN names) -> ours;
+#: transformers' quick_gelu is x * sigmoid(1.702 x), MindSpore's fast_gelu
+PORT_ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "fast_gelu"}
+_PORT_NAMES = {v: k for k, v in PORT_ACTIVATIONS.items()}
 # In the order the port's ``save_pretrained`` prefers them.
 WEIGHT_FILES = (
     "model.safetensors",
@@ -75,8 +79,11 @@ def read_port_config(folder: str | Path) -> PanguConfig:
         raise PortError(
             f"{path}: model_type {found!r}, not the PanGu-α port's {MODEL_TYPE!r}"
         )
-    if c.get("activation_function", "gelu") != "gelu":
-        raise PortError(f"{path}: activation {c['activation_function']!r}, not gelu")
+    act = c.get("activation_function", "gelu")
+    if not isinstance(act, str) or act not in PORT_ACTIVATIONS:
+        raise PortError(
+            f"{path}: activation {act!r}, not one of {', '.join(PORT_ACTIVATIONS)}"
+        )
     if not c.get("scale_attn_weights", True):
         raise PortError(f"{path}: unscaled attention is not PanGu-α's")
     hidden = c.get("hidden_size", 2560)
@@ -90,6 +97,7 @@ def read_port_config(folder: str | Path) -> PanguConfig:
                 "ffn_size": c.get("intermediate_size") or 4 * hidden,
                 "seq_len": c.get("max_position_embeddings", 1024),
                 "layer_norm_eps": c.get("layer_norm_epsilon", 1e-5),
+                "activation": PORT_ACTIVATIONS[act],
             }
         )
     except (TypeError, ValueError) as e:
@@ -221,7 +229,7 @@ def port_config(cfg: PanguConfig) -> dict:
         "intermediate_size": cfg.ffn_size,
         "max_position_embeddings": cfg.seq_len,
         "layer_norm_epsilon": cfg.layer_norm_eps,
-        "activation_function": "gelu",
+        "activation_function": _PORT_NAMES[cfg.activation],
         "scale_attn_weights": True,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": True,

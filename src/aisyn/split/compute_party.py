@@ -135,7 +135,8 @@ class ComputeParty:
         theirs = h.get("model")
         if theirs != mine:
             diff = (
-                sorted(k for k in mine if mine.get(k) != theirs.get(k))
+                # both sides' keys: a config may leave out a default field
+                sorted(k for k in mine | theirs if mine.get(k) != theirs.get(k))
                 if isinstance(theirs, dict)
                 else ["<not an object>"]
             )
