@@ -208,10 +208,10 @@ def cmd_demo(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from aisyn.eval.flags import add_eval_args, add_generate_args
     from aisyn.train.flags import add_train_args
-    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
+    from aisyn.train.flagtable import REQUIRED, Parser, add_command, add_flags
     from aisyn.validate import nonneg_int, positive_int
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="aisyn",
         description="Split (pipeline) and federated training of PanGu-α across "
         "organisations that cannot pool their data.",
@@ -226,9 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(
         d,
         ("--out", None, "runs/demo", "folder for data and run"),
-        ("--steps", positive_int, 1000, None),
+        ("--steps", positive_int, 1000, "optimizer steps"),
         ("--max-docs", positive_int, 8000, "documents of the news corpus to use"),
-        ("--model", None, "tiny", None),
+        ("--model", None, "tiny", "model preset or JSON file (as aisyn train)"),
         ("--overwrite", "store_true", None, "replace an earlier demo in --out"),
     )
 
@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(
         tt,
-        ("--vocab-size", positive_int, 8000, None),
+        ("--vocab-size", positive_int, 8000, "pieces in the SentencePiece model"),
         ("--out", None, REQUIRED, "output .model file"),
     )
 
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
             "vocab.model), hf:DIR (a Hugging Face model folder's tokenizer.json, "
             "for --model hf:DIR) or a tokenizer.json file",
         ),
-        ("--seq-len", positive_int, 128, None),
+        ("--seq-len", positive_int, 128, "tokens per sample (one more is stored)"),
         ("--max-docs", positive_int, None, "use only the first N documents"),
         (
             "--overwrite",
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(tr)
 
     ev = add_command(sub, "eval", cmd_eval, "test loss, perplexity and cloze accuracy")
-    ev.add_argument("--run", required=True)
+    ev.add_argument("--run", required=True, help="run folder (its latest checkpoint)")
     add_eval_args(ev)
 
     g = add_command(sub, "generate", cmd_generate, "continue a prompt with a run")
@@ -314,10 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cloze", help="build cloze items")
     csub = c.add_subparsers(dest="cloze_command", required=True, metavar="ACTION")
     cb = add_command(csub, "build", cmd_cloze_build, "cloze items from a corpus split")
-    cb.add_argument("--corpus", nargs="+", required=True)
+    cb.add_argument("--corpus", nargs="+", required=True, help=corpus_help)
     add_flags(
         cb,
-        ("--split", ["train", "valid", "test"], "test", None),
+        ("--split", ["train", "valid", "test"], "test", "corpus split to blank"),
         ("--out", None, REQUIRED, "output .jsonl"),
         (
             "--per-doc",
@@ -325,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
             1,
             "items per document (each blanks a different noun)",
         ),
-        ("--max-docs", positive_int, None, None),
-        ("--seed", nonneg_int, 0, None),
+        ("--max-docs", positive_int, None, "use only the first N documents"),
+        ("--seed", nonneg_int, 0, "seed of the blanks and candidates"),
     )
 
     for name in EXTENSIONS:

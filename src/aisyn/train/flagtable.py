@@ -11,6 +11,37 @@ from typing import Any
 REQUIRED = object()
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option with its default, where it has one worth
+    showing: not for a required flag, a switch (False) or an unset value
+    (None, whose meaning the help text says), nor twice."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        default = action.default
+        if (
+            text is None
+            or text == argparse.SUPPRESS
+            or not action.option_strings
+            or action.required
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or "%(default)" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of ``aisyn`` and of every subcommand under it (argparse makes
+    subparsers of their parent's class): all show their defaults in ``--help``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def add_flags(container: argparse._ActionsContainer, *rows: tuple) -> None:
     """Add one option per row ``(flag, kind, default, help)``, in order.
 
