@@ -100,6 +100,60 @@ def cmd_cloze_build(args) -> None:
     print(f"wrote {n} cloze items to {args.out}")
 
 
+def cmd_certs(args) -> None:
+    """Development credentials for a first run across two machines: a fresh CA
+    (ca.pem), the certificate and key of party B, the compute party or
+    federated server (b.pem, b.key, valid for each --host), those of party A,
+    the data party or a client (a.pem, a.key), and a random shared token
+    (token). The names are the ones docs/split.md uses; keys and the token
+    are written 0600. For experiments only: production brings its own PKI."""
+
+    from aisyn.link.certs import DevCerts, make_dev_certs, write_token
+
+    out = Path(args.out)
+    paths = DevCerts.for_parties(out)
+    token = out / "token"
+    if not args.overwrite:
+        there = [p.name for p in (*paths.files(), token) if p.exists()]
+        if there:
+            raise FileExistsError(
+                f"{out}: already holds {', '.join(there)}; pass --overwrite to "
+                "replace them (peers using the old ones will be refused)"
+            )
+    hosts = args.host or ["127.0.0.1", "localhost"]
+    make_dev_certs(out, hosts, days=args.days, paths=paths)
+    write_token(token)
+    print(
+        f"wrote {out}/: ca.pem, b.pem + b.key (compute party / server, for "
+        f"{', '.join(hosts)}), a.pem + a.key (data party / client), token"
+    )
+    print(
+        f"B: --tls-cert {paths.server_cert} --tls-key {paths.server_key} "
+        f"--tls-ca {paths.ca_cert} --token-file {token}"
+    )
+    print(
+        f"A: --tls-cert {paths.client_cert} --tls-key {paths.client_key} "
+        f"--tls-ca {paths.ca_cert} --token-file {token}"
+    )
+
+
+def _cert_host(text: str) -> str:
+    """A ``--host`` for a certificate: an IP address or an ASCII DNS name (a
+    certificate holds names in their ASCII form)."""
+    import ipaddress
+    import re
+
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        pass
+    if not re.fullmatch(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an IP address nor an ASCII host name"
+        )
+    return text
+
+
 # --- training and evaluation --------------------------------------------------
 
 
@@ -268,6 +322,23 @@ def build_parser() -> argparse.ArgumentParser:
             None,
             "replace an existing folder (built beside it, then swapped)",
         ),
+    )
+
+    ce = add_command(
+        sub, "certs", cmd_certs, "development TLS certificates and a token"
+    )
+    add_flags(
+        ce,
+        ("--out", None, REQUIRED, "folder to write them to"),
+        ("--days", positive_int, 30, "days the certificates are valid"),
+        ("--overwrite", "store_true", None, "replace credentials already there"),
+    )
+    ce.add_argument(
+        "--host",
+        action="append",
+        type=_cert_host,
+        help="name or address B is reached at (repeat; default 127.0.0.1 and "
+        "localhost)",
     )
 
     tr = add_command(sub, "train", cmd_train, "standalone (unsplit) training")
