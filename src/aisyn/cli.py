@@ -262,7 +262,13 @@ def cmd_demo(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from aisyn.eval.flags import add_eval_args, add_generate_args
     from aisyn.train.flags import add_train_args
-    from aisyn.train.flagtable import REQUIRED, Parser, add_command, add_flags
+    from aisyn.train.flagtable import (
+        REQUIRED,
+        Parser,
+        add_command,
+        add_config_flag,
+        add_flags,
+    )
     from aisyn.validate import nonneg_int, positive_int
 
     p = Parser(
@@ -363,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--quiet", "store_true", None, "no progress bar"),
     )
     add_train_args(tr)
+    add_config_flag(tr, "train")
 
     ev = add_command(sub, "eval", cmd_eval, "test loss, perplexity and cloze accuracy")
     ev.add_argument("--run", required=True, help="run folder (its latest checkpoint)")

@@ -331,7 +331,7 @@ def cmd_merge(args) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     from aisyn.eval.flags import add_eval_args, add_generate_args
     from aisyn.train.flags import add_train_args
-    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
+    from aisyn.train.flagtable import REQUIRED, add_command, add_config_flag, add_flags
 
     s = sub.add_parser(
         "split",
@@ -515,6 +515,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_train_args(t)
     # A split run's seed is secret unless given (see split.train.secret_seed).
     t.set_defaults(seed=None)
+    add_config_flag(t, "split-train")
 
     v = add_command(ssub, "serve", cmd_serve, "serve as the compute party over gRPC")
     add_flags(
@@ -552,6 +553,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "wait forever)",
     )
     _add_link_args(v, server=True)
+    add_config_flag(v, "split-serve")
 
     e = add_command(ssub, "eval", cmd_eval, "evaluate a split run through the link")
     add_flags(
