@@ -1,3 +1,4 @@
+import argparse
 import json
 import subprocess
 import sys
@@ -24,6 +25,38 @@ def test_every_subcommand_has_help(argv, capsys):
 
     assert e.value.code == 0
     assert "usage: aisyn" in capsys.readouterr().out
+
+
+def _parsers(parser, prefix=("aisyn",)):
+    yield " ".join(prefix), parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*prefix, name))
+
+
+def test_every_flag_of_every_command_has_help_text():
+    missing = [
+        f"{command} {action.option_strings[-1]}"
+        for command, parser in _parsers(build_parser())
+        for action in parser._actions
+        if action.option_strings
+        and action.help != argparse.SUPPRESS  # hidden old spellings
+        and not (action.help or "").strip()
+    ]
+
+    assert missing == []
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # unwrap argparse's lines
+
+    assert "optimizer steps (default: 200)" in out
+    assert "peak learning rate (default: 0.001)" in out
+    assert "--resume continue the run" in out  # a switch: no "(default: False)"
+    assert "(default: False)" not in out and "(default: None)" not in out
 
 
 def test_prepare_train_eval_end_to_end(tmp_path, capsys, model_file):

@@ -100,6 +100,60 @@ def cmd_cloze_build(args) -> None:
     print(f"wrote {n} cloze items to {args.out}")
 
 
+def cmd_certs(args) -> None:
+    """Development credentials for a first run across two machines: a fresh CA
+    (ca.pem), the certificate and key of party B, the compute party or
+    federated server (b.pem, b.key, valid for each --host), those of party A,
+    the data party or a client (a.pem, a.key), and a random shared token
+    (token). The names are the ones docs/split.md uses; keys and the token
+    are written 0600. For experiments only: production brings its own PKI."""
+
+    from aisyn.link.certs import DevCerts, make_dev_certs, write_token
+
+    out = Path(args.out)
+    paths = DevCerts.for_parties(out)
+    token = out / "token"
+    if not args.overwrite:
+        there = [p.name for p in (*paths.files(), token) if p.exists()]
+        if there:
+            raise FileExistsError(
+                f"{out}: already holds {', '.join(there)}; pass --overwrite to "
+                "replace them (peers using the old ones will be refused)"
+            )
+    hosts = args.host or ["127.0.0.1", "localhost"]
+    make_dev_certs(out, hosts, days=args.days, paths=paths)
+    write_token(token)
+    print(
+        f"wrote {out}/: ca.pem, b.pem + b.key (compute party / server, for "
+        f"{', '.join(hosts)}), a.pem + a.key (data party / client), token"
+    )
+    print(
+        f"B: --tls-cert {paths.server_cert} --tls-key {paths.server_key} "
+        f"--tls-ca {paths.ca_cert} --token-file {token}"
+    )
+    print(
+        f"A: --tls-cert {paths.client_cert} --tls-key {paths.client_key} "
+        f"--tls-ca {paths.ca_cert} --token-file {token}"
+    )
+
+
+def _cert_host(text: str) -> str:
+    """A ``--host`` for a certificate: an IP address or an ASCII DNS name (a
+    certificate holds names in their ASCII form)."""
+    import ipaddress
+    import re
+
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        pass
+    if not re.fullmatch(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an IP address nor an ASCII host name"
+        )
+    return text
+
+
 # --- training and evaluation --------------------------------------------------
 
 
@@ -208,10 +262,16 @@ def cmd_demo(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from aisyn.eval.flags import add_eval_args, add_generate_args
     from aisyn.train.flags import add_train_args
-    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
+    from aisyn.train.flagtable import (
+        REQUIRED,
+        Parser,
+        add_command,
+        add_config_flag,
+        add_flags,
+    )
     from aisyn.validate import nonneg_int, positive_int
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="aisyn",
         description="Split (pipeline) and federated training of PanGu-α across "
         "organisations that cannot pool their data.",
@@ -226,9 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(
         d,
         ("--out", None, "runs/demo", "folder for data and run"),
-        ("--steps", positive_int, 1000, None),
+        ("--steps", positive_int, 1000, "optimizer steps"),
         ("--max-docs", positive_int, 8000, "documents of the news corpus to use"),
-        ("--model", None, "tiny", None),
+        ("--model", None, "tiny", "model preset or JSON file (as aisyn train)"),
         ("--overwrite", "store_true", None, "replace an earlier demo in --out"),
     )
 
@@ -243,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(
         tt,
-        ("--vocab-size", positive_int, 8000, None),
+        ("--vocab-size", positive_int, 8000, "pieces in the SentencePiece model"),
         ("--out", None, REQUIRED, "output .model file"),
     )
 
@@ -260,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
             "vocab.model), hf:DIR (a Hugging Face model folder's tokenizer.json, "
             "for --model hf:DIR) or a tokenizer.json file",
         ),
-        ("--seq-len", positive_int, 128, None),
+        ("--seq-len", positive_int, 128, "tokens per sample (one more is stored)"),
         ("--max-docs", positive_int, None, "use only the first N documents"),
         (
             "--overwrite",
@@ -268,6 +328,23 @@ def build_parser() -> argparse.ArgumentParser:
             None,
             "replace an existing folder (built beside it, then swapped)",
         ),
+    )
+
+    ce = add_command(
+        sub, "certs", cmd_certs, "development TLS certificates and a token"
+    )
+    add_flags(
+        ce,
+        ("--out", None, REQUIRED, "folder to write them to"),
+        ("--days", positive_int, 30, "days the certificates are valid"),
+        ("--overwrite", "store_true", None, "replace credentials already there"),
+    )
+    ce.add_argument(
+        "--host",
+        action="append",
+        type=_cert_host,
+        help="name or address B is reached at (repeat; default 127.0.0.1 and "
+        "localhost)",
     )
 
     tr = add_command(sub, "train", cmd_train, "standalone (unsplit) training")
@@ -292,9 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("--quiet", "store_true", None, "no progress bar"),
     )
     add_train_args(tr)
+    add_config_flag(tr, "train")
 
     ev = add_command(sub, "eval", cmd_eval, "test loss, perplexity and cloze accuracy")
-    ev.add_argument("--run", required=True)
+    ev.add_argument("--run", required=True, help="run folder (its latest checkpoint)")
     add_eval_args(ev)
 
     g = add_command(sub, "generate", cmd_generate, "continue a prompt with a run")
@@ -314,10 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cloze", help="build cloze items")
     csub = c.add_subparsers(dest="cloze_command", required=True, metavar="ACTION")
     cb = add_command(csub, "build", cmd_cloze_build, "cloze items from a corpus split")
-    cb.add_argument("--corpus", nargs="+", required=True)
+    cb.add_argument("--corpus", nargs="+", required=True, help=corpus_help)
     add_flags(
         cb,
-        ("--split", ["train", "valid", "test"], "test", None),
+        ("--split", ["train", "valid", "test"], "test", "corpus split to blank"),
         ("--out", None, REQUIRED, "output .jsonl"),
         (
             "--per-doc",
@@ -325,8 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
             1,
             "items per document (each blanks a different noun)",
         ),
-        ("--max-docs", positive_int, None, None),
-        ("--seed", nonneg_int, 0, None),
+        ("--max-docs", positive_int, None, "use only the first N documents"),
+        ("--seed", nonneg_int, 0, "seed of the blanks and candidates"),
     )
 
     for name in EXTENSIONS:

@@ -328,10 +328,56 @@ def convert_to_hf(run: str | Path, out: str | Path) -> dict:
             write_hf_folder(cfg, state, tmp)
         else:
             write_port_folder(cfg, state, tmp)
+        tokenizer = _export_tokenizer(Path(run), tmp)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"out": str(out), "tensors": len(state), "family": cfg.layout.family}
+    return {
+        "out": str(out),
+        "tensors": len(state),
+        "family": cfg.layout.family,
+        "tokenizer": tokenizer,
+    }
+
+
+def _export_tokenizer(run: Path, out: Path) -> str | None:
+    """Put the run's tokenizer into export folder ``out``, so the folder alone
+    tokenises: a Hugging Face ``tokenizer.json`` with a
+    ``tokenizer_config.json`` naming its end-of-text and pad tokens (what
+    ``AutoTokenizer.from_pretrained`` reads), or PanGu's SentencePiece model
+    as ``vocab.model`` (the port's name for it). Returns the file written,
+    or None for a run folder without a tokenizer copy (said in the log)."""
+    import json
+    import logging
+
+    from aisyn.data.tokenizer import HF_TOKENIZER_FILE, HFTokenizer, open_tokenizer
+    from aisyn.train.run import TOKENIZER, RunDir
+
+    src = run / TOKENIZER
+    if not src.is_file():
+        logging.getLogger("aisyn.convert").warning(
+            "%s: no %s; the export has no tokenizer (copy the run's beside it)",
+            run,
+            TOKENIZER,
+        )
+        return None
+    tok = open_tokenizer(src, RunDir(run).read_config().get("tokenizer"))
+    if not isinstance(tok, HFTokenizer):
+        shutil.copyfile(src, out / "vocab.model")
+        return "vocab.model"
+    shutil.copyfile(src, out / HF_TOKENIZER_FILE)
+    settings = {
+        # The fast tokenizer of any tokenizer.json, whatever the family's own
+        # class would add (GPT-2's adds no BOS, Llama's would): encoding then
+        # gives the ids the run was trained on.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": tok.tk.id_to_token(tok.eod_id),
+        "pad_token": tok.tk.id_to_token(tok.pad_id),
+    }
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(settings, indent=2, ensure_ascii=False) + "\n"
+    )
+    return HF_TOKENIZER_FILE
 
 
 def cmd_convert(args) -> None:
@@ -395,7 +441,8 @@ def cmd_convert(args) -> None:
     else:
         res = convert_to_mindspore(args.run, args.out, crc=args.crc, dtype=args.dtype)
     dtype = f", {res['dtype']}" if "dtype" in res else ""
-    print(f"wrote {res['out']}: {res['tensors']} tensors{dtype}")
+    with_tok = f", tokenizer {res['tokenizer']}" if res.get("tokenizer") else ""
+    print(f"wrote {res['out']}: {res['tensors']} tensors{dtype}{with_tok}")
 
 
 def _existing(text: str) -> str:

@@ -330,3 +330,55 @@ def test_a_data_tokenizer_larger_than_the_models_vocab_is_refused(tmp_path, news
             progress=False,
         )
     assert not (tmp_path / "a").exists()
+
+
+def _word_level_tokenizer(folder, words):
+    """A tokenizer.json small enough for the 97-row test models, its
+    end-of-text token at the test models' eos_token_id (2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "<|endoftext|>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_the_hf_export_carries_the_runs_tokenizer(tmp_path, capsys):
+    """transformers tokenises with the exported folder alone, as the run did."""
+    from aisyn.cli import main
+    from aisyn.data.tokenizer import load_tokenizer
+
+    hf_model("llama").save_pretrained(tmp_path / "hf")
+    _word_level_tokenizer(tmp_path / "hf", ["记者", "北京", "日电", "新华社"])
+    argv = ["convert", "--from", "hf", str(tmp_path / "hf"), "--out"]
+    assert (
+        main([*argv, str(tmp_path / "base"), "--tokenizer", f"hf:{tmp_path}/hf"]) == 0
+    )
+
+    argv = ["convert", "--to", "hf", "--run", str(tmp_path / "base")]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+
+    assert "tokenizer tokenizer.json" in capsys.readouterr().out
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    ours = load_tokenizer(tmp_path / "base" / "tokenizer.model")
+    text = "新华社 北京 日电 记者"
+    assert theirs(text)["input_ids"] == ours.encode(text) == [6, 4, 5, 3]
+    assert theirs.eos_token == "<|endoftext|>"
+    assert theirs.eos_token_id == ours.eod_id == 2
+
+
+def test_a_pangu_export_carries_its_sentencepiece_model(tmp_path):
+    from aisyn.convert import convert_to_hf, write_base
+    from aisyn.data.tokenizer import load_tokenizer
+    from aisyn.train.checkpoint import unique_state_dict
+
+    tok = load_tokenizer(None)
+    cfg = load_config("tiny", vocab_size=tok.vocab_size)
+    state = unique_state_dict(build_model(cfg, seed=4))
+    write_base(tmp_path / "base", cfg, state, tok, {"format": "test"})
+
+    res = convert_to_hf(tmp_path / "base", tmp_path / "port")
+
+    assert res["tokenizer"] == "vocab.model"
+    assert (tmp_path / "port" / "vocab.model").read_bytes() == tok.model_bytes

@@ -268,9 +268,10 @@ def test_damaged_compute_checkpoint_is_refused_with_the_reason(
     split_train(split_config, [news_data], out, cfg, opts, progress=False)
     (b_run,) = (out / "compute").iterdir()
     (b_run / "checkpoints" / "step_00000004" / "model.safetensors").unlink()
+    more = train_cfg(steps=6, ckpt_every=2)  # (at --steps 4 there is nothing to do)
     with pytest.raises(HandshakeError, match="model.safetensors: missing"):
         split_train(
-            split_config, [news_data], out, cfg, opts, resume=True, progress=False
+            split_config, [news_data], out, more, opts, resume=True, progress=False
         )
     # A's half of the run is untouched by the refused attempt
     assert losses(out) and (out / "checkpoints" / "step_00000004").is_dir()
@@ -318,3 +319,48 @@ def _pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # zombie = exited
     except FileNotFoundError:
         return False
+
+
+def test_split_resume_before_any_checkpoint_and_past_the_end(
+    tmp_path, news_data, split_config, monkeypatch
+):
+    """A split run killed before its first checkpoint resumes with only the
+    rerun's metrics rows; one resumed at its last step trains nothing and
+    reports its own loss; --steps below it is refused before anything opens."""
+    from aisyn.split import train as split_mod
+
+    out = tmp_path / "run"
+    cfg = train_cfg(steps=4)
+    real_step = split_mod.DataPartyTraining.train_step
+    calls = {"n": 0}
+
+    def crashing_step(self, step):
+        calls["n"] += 1
+        if calls["n"] == 3:  # killed after logging steps 1 and 2
+            raise KeyboardInterrupt("simulated kill")
+        return real_step(self, step)
+
+    monkeypatch.setattr(split_mod.DataPartyTraining, "train_step", crashing_step)
+    local = SplitOptions(cut=CUT, mode="local")
+    with pytest.raises(KeyboardInterrupt):
+        split_train(split_config, [news_data], out, cfg, local, progress=False)
+    monkeypatch.setattr(split_mod.DataPartyTraining, "train_step", real_step)
+
+    split_train(split_config, [news_data], out, cfg, local, resume=True, progress=False)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+    with pytest.raises(ValueError, match="--steps 2 is below the 4 steps"):
+        split_train(
+            split_config,
+            [news_data],
+            out,
+            train_cfg(steps=2),
+            local,
+            resume=True,
+            progress=False,
+        )
+    done = split_train(
+        split_config, [news_data], out, cfg, local, resume=True, progress=False
+    )
+    assert done["final_loss"] == losses(out)[-1]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]

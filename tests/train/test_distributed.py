@@ -6,19 +6,22 @@ import sys
 
 import pytest
 
-from aisyn.train.loop import TrainConfig, train
+from aisyn.train.loop import TrainConfig, per_rank_micro_batches, train
 from aisyn.train.run import read_metrics
 
 
-def test_two_ranks_match_one_process(tmp_path, news_data, model_file):
+@pytest.mark.parametrize("micro", [1, None], ids=["accumulating", "default-flags"])
+def test_two_ranks_match_one_process(tmp_path, news_data, model_file, micro):
+    """With --micro-batch-size 1 (accumulation under DDP) and with the default
+    flags, which once failed at 2 ranks ("batch_size 8 must split into 2 ranks
+    x micro-batches of 8")."""
     model = model_file
     args = [
+        *(["--micro-batch-size", str(micro)] if micro else []),
         "--steps",
         "6",
         "--batch-size",
         "4",
-        "--micro-batch-size",
-        "1",
         "--lr",
         "3e-3",
         "--warmup",
@@ -59,7 +62,7 @@ def test_two_ranks_match_one_process(tmp_path, news_data, model_file):
     cfg = TrainConfig(
         steps=6,
         batch_size=4,
-        micro_batch_size=1,
+        micro_batch_size=micro,
         lr=3e-3,
         warmup_steps=2,
         log_every=1,
@@ -78,7 +81,7 @@ def test_batch_must_split_over_ranks(monkeypatch, tmp_path, news_data):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
 
-    with pytest.raises(ValueError, match="must split into 3 ranks"):
+    with pytest.raises(ValueError, match="--batch-size 4 does not split into 3 ranks"):
         train(
             "tiny",
             [news_data],
@@ -86,3 +89,14 @@ def test_batch_must_split_over_ranks(monkeypatch, tmp_path, news_data):
             TrainConfig(steps=1, batch_size=4),
             progress=False,
         )
+
+
+def test_default_micro_batch_is_each_ranks_share():
+    cfg = TrainConfig(steps=1, batch_size=8)
+
+    assert per_rank_micro_batches(cfg, 2).micro == 4  # one micro-batch per rank
+    assert per_rank_micro_batches(cfg, 1) is cfg
+    # 4 divides the batch of 12 but not a rank's share of 6
+    uneven = TrainConfig(steps=1, batch_size=12, micro_batch_size=4)
+    with pytest.raises(ValueError, match="give a --micro-batch-size that divides 6"):
+        per_rank_micro_batches(uneven, 2)

@@ -129,3 +129,54 @@ def test_config_json_records_the_run(tmp_path, news_data, tiny_config):
     assert cfg["train"]["steps"] == 1
     assert cfg["tokenizer"]["vocab_size"] == 8000
     assert (tmp_path / "r" / "tokenizer.model").is_file()
+
+
+def _crash_at_call(monkeypatch, n: int):
+    """Make the n-th ``train_step`` raise, as a kill would end the run there."""
+    real_step = loop.train_step
+    calls = {"n": 0}
+
+    def crashing_step(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt("simulated kill")
+        return real_step(*args, **kw)
+
+    monkeypatch.setattr(loop, "train_step", crashing_step)
+    return real_step
+
+
+def test_resume_before_any_checkpoint_keeps_only_the_rerun_metrics(
+    tmp_path, news_data, tiny_config, monkeypatch
+):
+    cfg = _cfg(steps=5)
+    train(tiny_config, [news_data], tmp_path / "full", cfg, progress=False)
+    real_step = _crash_at_call(monkeypatch, 3)  # killed after logging 2 steps
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config, [news_data], tmp_path / "cut", cfg, progress=False)
+    monkeypatch.setattr(loop, "train_step", real_step)
+    assert ckpt.latest(tmp_path / "cut" / "checkpoints") is None
+
+    train(tiny_config, [news_data], tmp_path / "cut", cfg, resume=True, progress=False)
+
+    steps = [r["step"] for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5]  # not [1, 2, 1, 2, 3, 4, 5]
+    assert _losses(tmp_path / "cut") == _losses(tmp_path / "full")
+
+
+def test_resume_with_steps_at_or_below_the_runs_step(tmp_path, news_data, tiny_config):
+    run = tmp_path / "r"
+    train(tiny_config, [news_data], run, _cfg(steps=4), progress=False)
+    config = (run / "config.json").read_text()
+    metrics = (run / "metrics.jsonl").read_text()
+
+    with pytest.raises(ValueError, match="--steps 2 is below the 4 steps"):
+        train(tiny_config, [news_data], run, _cfg(steps=2), resume=True, progress=False)
+    done = train(
+        tiny_config, [news_data], run, _cfg(steps=4), resume=True, progress=False
+    )
+
+    assert done["final_loss"] == _losses(run)[-1]  # the run's, not nan
+    assert done["steps"] == 4
+    assert (run / "config.json").read_text() == config  # nothing rewritten
+    assert (run / "metrics.jsonl").read_text() == metrics

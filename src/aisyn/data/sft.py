@@ -31,8 +31,15 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
-from aisyn.data.cloze import ClozeItem, build_items, prompt_text, read_items
+from aisyn.data.cloze import (
+    ClozeItem,
+    build_items,
+    domain_nouns,
+    prompt_text,
+    read_items,
+)
 from aisyn.data.corpora import Corpus
 from aisyn.data.folder import (
     TOKENIZER_FILE,
@@ -82,7 +89,7 @@ def encode_items(
     tokens = np.full((n, seq_len + 1), tok.pad_id, dtype=np.int32)
     starts = np.zeros(n, dtype=np.int32)
     lengths = np.zeros(n, dtype=np.int32)
-    for i, item in enumerate(items):
+    for i, item in enumerate(tqdm(items, desc="tokenising", unit="item", disable=None)):
         ids, start = encode_item(item, tok, seq_len)
         tokens[i, : len(ids)] = ids
         starts[i], lengths[i] = start, len(ids)
@@ -145,6 +152,7 @@ def prepare_sft(
         "max_documents": max_documents,
         "splits": {},
     }
+    padding = domain_nouns(corpus)  # once, not once per split
     for split in ("train", "valid"):
         items = build_items(
             corpus,
@@ -152,6 +160,7 @@ def prepare_sft(
             per_document=per_document,
             seed=seed,
             max_documents=max_documents,
+            padding=padding,
         )
         if not items:
             raise SFTError(f"corpus {corpus.name!r}: no cloze items in {split} split")
@@ -170,6 +179,7 @@ def prepare_sft(
         per_document=test_per_document,
         seed=seed,
         max_documents=max_documents,
+        padding=padding,
     )
     (tmp / TEST_ITEMS).write_text(
         "".join(it.to_json() + "\n" for it in test), encoding="utf-8"

@@ -23,14 +23,24 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
         default=3,
         help="cloze items per test document",
     )
-    p.add_argument("--max-items", type=validate.positive_int, default=None)
+    p.add_argument(
+        "--max-items",
+        type=validate.positive_int,
+        default=None,
+        help="score only the first N cloze items (default: all)",
+    )
     p.add_argument(
         "--format",
         choices=["lm", "prompt"],
         default=None,
         help="scoring format (default: as the run was trained)",
     )
-    p.add_argument("--device", type=validate.device, default="auto")
+    p.add_argument(
+        "--device",
+        type=validate.device,
+        default="auto",
+        help="auto, cpu, cuda, cuda:1, ...",
+    )
 
 
 def eval_options(args: argparse.Namespace) -> dict:
@@ -58,7 +68,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     add_flags(
         p,
         ("--prompt", None, REQUIRED, "text to continue"),
-        ("--max-new-tokens", validate.positive_int, 50, None),
+        ("--max-new-tokens", validate.positive_int, 50, "tokens to generate at most"),
         ("--temperature", validate.nonneg_float, 0.0, "0: greedy"),
         (
             "--top-k",
@@ -78,7 +88,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
             None,
             "sampling seed (default: random, printed)",
         ),
-        ("--device", validate.device, "auto", None),
+        ("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ..."),
     )
 
 

@@ -132,9 +132,9 @@ def register(sub) -> None:
     add_flags(
         c,
         ("--domains", None, "news,reviews", "comma-separated corpora"),
-        ("--preset", ["ci", "full"], "ci", None),
+        ("--preset", ["ci", "full"], "ci", "ci: minutes; full: the README table"),
         ("--out", None, REQUIRED, "report folder"),
-        ("--device", validate.device, "auto", None),
+        ("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ..."),
         ("--rounds", positive_int, None, "override federated rounds"),
         (
             "--strategy",
@@ -142,7 +142,7 @@ def register(sub) -> None:
             None,
             "override the federated strategy",
         ),
-        ("--method", ["full", "lora"], None, None),
+        ("--method", ["full", "lora"], None, "override: full weights or LoRA"),
         ("--steps", positive_int, None, "override the step budget"),
         ("--lr", positive_float, None, "override the fine-tuning lr"),
         ("--echo", "store_true", None, "stream the Flower server log"),
@@ -178,12 +178,12 @@ def register(sub) -> None:
             "shipped tokenizer name (default zh8k), .model file, hf:DIR or "
             "tokenizer.json (a Hugging Face tokenizer)",
         ),
-        ("--seq-len", positive_int, 128, None),
+        ("--seq-len", positive_int, 128, "tokens per item at most"),
         ("--per-doc", positive_int, 5, "blanks per train document"),
         ("--test-per-doc", positive_int, 5, "blanks per test document"),
-        ("--max-docs", positive_int, None, None),
-        ("--seed", nonneg_int, 0, None),
-        ("--overwrite", "store_true", None, None),
+        ("--max-docs", positive_int, None, "use only the first N documents"),
+        ("--seed", nonneg_int, 0, "seed of the blanks and candidates"),
+        ("--overwrite", "store_true", None, "replace an existing folder"),
     )
 
     f = add_command(
@@ -197,10 +197,10 @@ def register(sub) -> None:
         ("--base", None, REQUIRED, "base model run folder"),
         ("--data", "append", REQUIRED, "SFT folder (repeat)"),
         ("--out", None, REQUIRED, "run folder"),
-        ("--method", ["full", "lora"], "full", None),
-        ("--lora-rank", positive_int, 8, None),
-        ("--lora-alpha", positive_float, 16.0, None),
-        ("--quiet", "store_true", None, None),
+        ("--method", ["full", "lora"], "full", "full weights or LoRA adapters"),
+        ("--lora-rank", positive_int, 8, "rank of the LoRA adapters"),
+        ("--lora-alpha", positive_float, 16.0, "LoRA scale alpha"),
+        ("--quiet", "store_true", None, "no progress bar"),
     )
     # fine-tuning always starts fresh: a --resume here would be ignored
     add_train_args(f, steps=200, resumable=False)

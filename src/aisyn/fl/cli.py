@@ -264,7 +264,9 @@ def register(sub) -> None:
     sv.add_argument("--base", required=True, help="base model run folder")
     sv.add_argument("--out", required=True, help="server run folder")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sv.add_argument("--port", type=validate.port, default=9092)
+    sv.add_argument(
+        "--port", type=validate.port, default=9092, help="port to listen on"
+    )
     add_tls_files(
         sv,
         cert="server certificate (PEM)",
@@ -334,7 +336,11 @@ def register(sub) -> None:
         "--parts folders of the same distribution.",
     )
     pt.add_argument("--data", action="append", required=True, help="SFT folder")
-    pt.add_argument("--parts", type=validate.positive_int, default=2)
+    pt.add_argument(
+        "--parts", type=validate.positive_int, default=2, help="IID parts to deal"
+    )
     pt.add_argument("--out", required=True, help="folder for part0, part1, ...")
-    pt.add_argument("--seed", type=validate.nonneg_int, default=0)
+    pt.add_argument(
+        "--seed", type=validate.nonneg_int, default=0, help="seed of the deal"
+    )
     pt.set_defaults(func=cmd_partition)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["DevCerts", "TlsConfig", "make_dev_certs"]
+__all__ = ["DevCerts", "TlsConfig", "make_dev_certs", "write_token"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +69,37 @@ class DevCerts:
     client_key: Path
 
     @classmethod
-    def at(cls, out_dir: str | os.PathLike[str]) -> DevCerts:
-        """The paths :func:`make_dev_certs` uses in ``out_dir`` (nothing is created)."""
+    def at(
+        cls,
+        out_dir: str | os.PathLike[str],
+        server: str = "server",
+        client: str = "client",
+    ) -> DevCerts:
+        """The paths :func:`make_dev_certs` uses in ``out_dir`` (nothing is
+        created): ``ca.pem``, ``SERVER.pem`` / ``.key``, ``CLIENT.pem`` / ``.key``."""
         out = Path(out_dir)
         return cls(
             ca_cert=out / "ca.pem",
-            server_cert=out / "server.pem",
-            server_key=out / "server.key",
-            client_cert=out / "client.pem",
-            client_key=out / "client.key",
+            server_cert=out / f"{server}.pem",
+            server_key=out / f"{server}.key",
+            client_cert=out / f"{client}.pem",
+            client_key=out / f"{client}.key",
+        )
+
+    @classmethod
+    def for_parties(cls, out_dir: str | os.PathLike[str]) -> DevCerts:
+        """The names the docs use (``aisyn certs``): the compute party or
+        federated server is B (``b.pem``, ``b.key``), the data party or
+        client A (``a.pem``, ``a.key``)."""
+        return cls.at(out_dir, server="b", client="a")
+
+    def files(self) -> tuple[Path, ...]:
+        return (
+            self.ca_cert,
+            self.server_cert,
+            self.server_key,
+            self.client_cert,
+            self.client_key,
         )
 
     def server_tls(self) -> TlsConfig:
@@ -93,10 +116,13 @@ def make_dev_certs(
     hosts: Sequence[str] = ("127.0.0.1", "localhost"),
     *,
     days: int = 30,
+    paths: DevCerts | None = None,
 ) -> DevCerts:
     """Write a fresh CA, a server certificate valid for ``hosts`` and a client
-    certificate into ``out_dir``. Keys are P-256 (fast to generate, supported
-    by gRPC's BoringSSL) and written with mode 0600."""
+    certificate into ``out_dir`` (under ``paths``' names, by default
+    ``DevCerts.at``'s). Keys are P-256 (fast to generate, supported by gRPC's
+    BoringSSL) and written with mode 0600; the CA's key is never written, so
+    nothing more can be signed with it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC)
@@ -139,13 +165,21 @@ def make_dev_certs(
     )
     client_cert, client_key = leaf("aisyn-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
 
-    paths = DevCerts.at(out)
+    paths = paths or DevCerts.at(out)
     _write(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
     _write(paths.server_cert, server_cert.public_bytes(serialization.Encoding.PEM))
     _write(paths.client_cert, client_cert.public_bytes(serialization.Encoding.PEM))
     _write(paths.server_key, _key_pem(server_key), private=True)
     _write(paths.client_key, _key_pem(client_key), private=True)
     return paths
+
+
+def write_token(path: str | os.PathLike[str]) -> Path:
+    """A fresh random token (256 bits, URL-safe text) for ``--token-file``,
+    written with mode 0600: both parties of a split run give the same file."""
+    path = Path(path)
+    _write(path, (secrets.token_urlsafe(32) + "\n").encode(), private=True)
+    return path
 
 
 def _name(common_name: str) -> x509.Name:

@@ -113,7 +113,7 @@ def register(sub) -> None:
         ("--samples", positive_int, 8, "rows of A's data attacked"),
         ("--public-samples", positive_int, 256, "public rows B fits decoders on"),
         ("--steps", positive_int, 200, "optimisation steps per white-box attack"),
-        ("--seed", nonneg_int, 0, None),
+        ("--seed", nonneg_int, 0, "seed of the rows and attacks"),
     )
     c = add_command(
         psub, "calibrate", cmd_calibrate, "clipping bounds for the cut's DP defence"
@@ -142,5 +142,5 @@ def register(sub) -> None:
             RECOMMENDED.backward,
             "noise multiplier on the returned gradient (0: none)",
         ),
-        ("--seed", nonneg_int, 0, None),
+        ("--seed", nonneg_int, 0, "seed of the rows measured"),
     )

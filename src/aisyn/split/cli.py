@@ -331,7 +331,7 @@ def cmd_merge(args) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     from aisyn.eval.flags import add_eval_args, add_generate_args
     from aisyn.train.flags import add_train_args
-    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
+    from aisyn.train.flagtable import REQUIRED, add_command, add_config_flag, add_flags
 
     s = sub.add_parser(
         "split",
@@ -360,18 +360,23 @@ def register(sub: argparse._SubParsersAction) -> None:
             "NAME:THROUGHPUT:MEMORY, e.g. A:1:32GB and B:4:80GB (throughput in any "
             "unit, the same for both; memory like 80GB, 24GiB or inf)",
         ),
-        ("--batch-size", positive_int, 8, None),
-        ("--micro-batch-size", positive_int, 1, None),
+        ("--batch-size", positive_int, 8, "samples per optimizer step"),
+        ("--micro-batch-size", positive_int, 1, "samples per forward/backward"),
         ("--seq-len", positive_int, None, "default: the model's"),
-        ("--dtype", ["fp32", "bf16", "fp16"], "bf16", None),
-        ("--compress", list(CODECS), "none", None),
+        ("--dtype", ["fp32", "bf16", "fp16"], "bf16", "compute dtype"),
+        ("--compress", list(CODECS), "none", "cut-layer codec"),
         (
             "--pipeline",
             nonneg_int,
             0,
             "micro-batches in flight beyond the first (0: lockstep)",
         ),
-        ("--eod-reset", "store_true", None, None),
+        (
+            "--eod-reset",
+            "store_true",
+            None,
+            "count the EOD-reset attention masks in the estimate",
+        ),
         (
             "--shape",
             ["u", "two-way"],
@@ -408,7 +413,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
         ("--out", None, REQUIRED, "run folder"),
         ("--cut", None, "u:1,1", "u:FRONT,BACK blocks kept by A (see plan)"),
-        ("--mode", ["local", "grpc"], "local", None),
+        ("--mode", ["local", "grpc"], "local", "local: both parties in this process"),
         ("--peer", validate.host_port, None, "compute party HOST:PORT (grpc)"),
         (
             "--spawn-backbone",
@@ -423,7 +428,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "none",
             "cut-layer codec for activations and gradients",
         ),
-        ("--connect-timeout", positive_float, 60.0, None),
+        ("--connect-timeout", positive_float, 60.0, "seconds to reach the peer"),
     )
     t.add_argument(
         "--recv-timeout",
@@ -460,8 +465,13 @@ def register(sub: argparse._SubParsersAction) -> None:
             "the compute party's blocks (default: --method); lora keeps its "
             "copy of the base unchanged and its checkpoints small",
         ),
-        ("--lora-rank", positive_int, 8, None),
-        ("--lora-alpha", positive_float, 16.0, None),
+        ("--lora-rank", positive_int, 8, "rank of the LoRA adapters"),
+        (
+            "--lora-alpha",
+            positive_float,
+            16.0,
+            "LoRA scale alpha (delta = alpha/rank BA)",
+        ),
         (
             "--dp-forward-clip",
             positive_float,
@@ -505,6 +515,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_train_args(t)
     # A split run's seed is secret unless given (see split.train.secret_seed).
     t.set_defaults(seed=None)
+    add_config_flag(t, "split-train")
 
     v = add_command(ssub, "serve", cmd_serve, "serve as the compute party over gRPC")
     add_flags(
@@ -513,8 +524,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("--model", None, REQUIRED, model_help),
         ("--cut", None, REQUIRED, "u:FRONT,BACK (as the data party's)"),
         ("--out", None, None, "checkpoint root (none: cannot checkpoint)"),
-        ("--device", validate.device, "auto", None),
-        ("--keep-checkpoints", positive_int, 2, None),
+        ("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ..."),
+        ("--keep-checkpoints", positive_int, 2, "checkpoints kept per run"),
         (
             "--init-from",
             None,
@@ -542,6 +553,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "wait forever)",
     )
     _add_link_args(v, server=True)
+    add_config_flag(v, "split-serve")
 
     e = add_command(ssub, "eval", cmd_eval, "evaluate a split run through the link")
     add_flags(

@@ -51,7 +51,7 @@ from aisyn.split.party import (
 from aisyn.split.session import SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import dp
-from aisyn.train.engine import Engine, Regime
+from aisyn.train.engine import Engine, Regime, check_resume_target, finished_summary
 from aisyn.train.finetune import SFTBatches, sft_eval_loss, supervised_loss_sum
 from aisyn.train.loop import (
     TrainConfig,
@@ -230,12 +230,19 @@ def split_train(
         # A's own file: the compute party is never told the defence.
         "cut_defence": defence.to_dict(),
     }
+    a_steps = ckpt.complete_steps(run.checkpoints) if resume else []
+    if a_steps:
+        run.check_same_model(config)
+        if not check_resume_target(a_steps[-1], cfg.steps, run):
+            # Before the folder is rewritten or a session opened: nothing to train.
+            state = ckpt.read_state(ckpt.step_folder(run.checkpoints, a_steps[-1]))
+            done = finished_summary(run, state)
+            return {**done, "bytes_sent_per_step": 0, "bytes_received_per_step": 0}
     run.create(config, resume=resume)
     run.copy_tokenizer(Path(data_dirs[0]) / tok["file"])
 
     state = PartyState(mcfg, partition, DATA_PARTY, cfg, device, method=method)
     source.start(device)
-    a_steps = ckpt.complete_steps(run.checkpoints) if resume else []
     hello = proto.hello(
         purpose="train",
         run_id=run_id,
@@ -303,7 +310,6 @@ def _train_loop(
     if saved is not None:
         engine.load_state_dict(saved)
         regime.load_state_dict(saved)
-        run.truncate_metrics(start_step)
         if a_steps and start_step < a_steps[-1]:
             log.warning(
                 "the compute party has no checkpoint of step %d; both resume from "
@@ -314,6 +320,8 @@ def _train_loop(
         log.info("resumed from %s (step %d)", folder, start_step)
     elif base is not None:  # a fresh start; B did the same (the hello says so)
         log.info("initialised from %s", base.file)
+    # From step 0 too: a killed attempt's rows must not stay ahead of the rerun's.
+    run.truncate_metrics(start_step)
     summary = engine.run(regime, range(start_step, cfg.steps))
     steps_run = cfg.steps - start_step
     del summary["records"]

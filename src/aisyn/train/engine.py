@@ -23,12 +23,44 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from aisyn.train.run import RunDir
+from aisyn.train.run import PLOT, RunDir
 
 if TYPE_CHECKING:
     from aisyn.train.loop import TrainConfig
 
 log = logging.getLogger("aisyn.train")
+
+
+def check_resume_target(done: int, total: int, run: RunDir) -> bool:
+    """Whether a resumed run has steps left: ``done`` steps are checkpointed,
+    ``--steps`` asks for ``total``. False (and says so) when there is nothing
+    to do; a ``total`` below ``done`` is refused (ValueError), as running
+    ``range(done, total)`` would train nothing and report a NaN loss."""
+    if done > total:
+        raise ValueError(
+            f"--steps {total} is below the {done} steps {run.path} has already "
+            f"trained; give --steps above {done} to continue it"
+        )
+    if done == total:
+        log.info("%s: already at step %d, nothing to do", run.path, done)
+        return False
+    return True
+
+
+def finished_summary(run: RunDir, state: dict) -> dict:
+    """The summary of a run resumed at its last step (nothing trained): its
+    last logged loss, tokens and time from the checkpoint's ``state``."""
+    losses = [r["loss"] for r in run.read_metrics() if "loss" in r]
+    plot = run.path / PLOT
+    return {
+        "run": str(run.path),
+        "steps": int(state["step"]),
+        "tokens": int(state.get("tokens", 0)),
+        "final_loss": losses[-1] if losses else math.nan,
+        "elapsed_s": float(state.get("elapsed_s", 0.0)),
+        "plot": str(plot) if plot.is_file() else None,
+        "records": [],
+    }
 
 
 class Regime:

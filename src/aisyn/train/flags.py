@@ -39,10 +39,15 @@ def add_train_args(
             "final learning rate of the cosine decay (default lr/10)",
         ),
         ("--warmup", nonneg_int, 20, "linear warm-up steps"),
-        ("--weight-decay", nonneg_float, 0.1, None),
+        (
+            "--weight-decay",
+            nonneg_float,
+            0.1,
+            "AdamW weight decay (not on biases and norms)",
+        ),
         ("--grad-clip", nonneg_float, 1.0, "clip the global gradient L2 norm (0: off)"),
-        ("--seed", nonneg_int, 1234, None),
-        ("--log-every", positive_int, 10, None),
+        ("--seed", nonneg_int, 1234, "seed of the initial weights and the data order"),
+        ("--log-every", positive_int, 10, "log and record metrics every N steps"),
         (
             "--ckpt-every",
             nonneg_int,

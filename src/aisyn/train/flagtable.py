@@ -5,10 +5,78 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import sys
 from typing import Any
+
+from aisyn.train.flagfile import CONFIG_FLAG, apply_config, config_path, shipped_configs
 
 #: a row's default that makes its flag required
 REQUIRED = object()
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option with its default, where it has one worth
+    showing: not for a required flag, a switch (False) or an unset value
+    (None, whose meaning the help text says), nor twice."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        default = action.default
+        if (
+            text is None
+            or text == argparse.SUPPRESS
+            or not action.option_strings
+            or action.required
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or "%(default)" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of ``aisyn`` and of every subcommand under it (argparse makes
+    subparsers of their parent's class): all show their defaults in ``--help``;
+    one that ``add_config_flag`` gave a table takes its defaults from
+    ``--config``."""
+
+    #: the ``--config`` table of this command (None: no ``--config`` here)
+    config_table: str | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.config_table is not None:
+            argv = sys.argv[1:] if args is None else list(args)
+            try:
+                apply_config(self, self.config_table, argv)
+            except (ValueError, OSError) as e:
+                self.error(str(e))
+        return super().parse_known_args(args, namespace)
+
+
+def add_config_flag(parser: argparse.ArgumentParser, table: str) -> None:
+    """``--config NAME``: this command's defaults from ``[table]`` of a TOML
+    file or a shipped configuration (``train.flagfile``)."""
+    parser.config_table = table
+    names = ", ".join(n for n in shipped_configs() if table in _tables_of(n))
+    parser.add_argument(
+        CONFIG_FLAG,
+        default=None,
+        metavar="NAME",
+        help=f"defaults from [{table}] of a TOML file or a shipped configuration "
+        f"({names}); flags given still win",
+    )
+
+
+def _tables_of(name: str) -> set[str]:
+    import tomllib
+
+    return set(tomllib.loads(config_path(name).read_text(encoding="utf-8")))
 
 
 def add_flags(container: argparse._ActionsContainer, *rows: tuple) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ from aisyn.model.families import (
 from aisyn.model.hf import read_hf_folder
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import distributed
-from aisyn.train.engine import Engine, Regime
+from aisyn.train.engine import Engine, Regime, check_resume_target, finished_summary
 from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
 from aisyn.train.run import RunDir
 from aisyn.train.sampler import BatchSampler
@@ -114,6 +114,33 @@ class TrainConfig:
     def from_dict(cls, d: dict) -> TrainConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def per_rank_micro_batches(cfg: TrainConfig, world: int) -> TrainConfig:
+    """``cfg`` for ``world`` data-parallel ranks, each taking an equal share
+    of every batch; ValueError, naming the flag to change, if it cannot.
+
+    Without ``--micro-batch-size`` a rank's micro-batch is its whole share
+    (no accumulation), so the defaults work at any world size that divides
+    ``--batch-size``.
+    """
+    if world <= 1:
+        return cfg
+    if cfg.batch_size % world:
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} does not split into {world} ranks: "
+            f"give a --batch-size that is a multiple of {world}"
+        )
+    share = cfg.batch_size // world
+    if cfg.micro_batch_size is None:
+        return replace(cfg, micro_batch_size=share)
+    if share % cfg.micro_batch_size:
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} over {world} ranks gives each "
+            f"{share} samples, which --micro-batch-size {cfg.micro_batch_size} "
+            f"does not divide: give a --micro-batch-size that divides {share}"
+        )
+    return cfg
 
 
 def model_config_for(
@@ -288,19 +315,16 @@ def train(
     if init_from is None and isinstance(model_config, str | Path):
         if hf_folder(model_config) is not None:
             init_from = model_config  # a pretrained folder brings its weights
-    world = distributed.world_size()
-    if cfg.batch_size % (world * cfg.micro):
-        raise ValueError(
-            f"batch_size {cfg.batch_size} must split into {world} ranks x "
-            f"micro-batches of {cfg.micro}"
-        )
+    cfg = per_rank_micro_batches(cfg, distributed.world_size())
+    run = RunDir(out)
+    last = ckpt.latest(run.checkpoints) if resume else None
+    state = ckpt.read_state(last) if last is not None else {}
     ctx, device = distributed.setup(resolve_device(cfg.device))
     check_fits(
         whole_model_bytes(mcfg, cfg.micro, sources[0].seq_len, compute_dtype(device)),
         device,
         f"training with micro-batches of {cfg.micro}",
     )
-    run = RunDir(out)
     config = {
         "kind": "train",
         "model": mcfg.to_dict(),
@@ -310,6 +334,13 @@ def train(
         "seq_len": sources[0].seq_len,
         "init_from": str(init_from) if init_from else None,
     }
+    # Checked before the folder is rewritten or the model built: a resume
+    # with nothing left to do neither trains nor touches the run.
+    if last is not None:
+        run.check_same_model(config)
+        if not check_resume_target(state["step"], cfg.steps, run):
+            distributed.teardown(ctx)
+            return finished_summary(run, state)
     if ctx.is_main:
         run.create(config, resume=resume)
         run.copy_tokenizer(sources[0].data_dir / sources[0].tokenizer_info["file"])
@@ -340,8 +371,7 @@ def train(
         tensorboard=tensorboard,
     )
     start_step = 0
-    if resume and (last := ckpt.latest(run.checkpoints)) is not None:
-        state = ckpt.read_state(last)
+    if last is not None:
         ckpt.load_weights(model, ckpt.read_tensors(last / ckpt.MODEL_FILE), str(last))
         opt_t = ckpt.read_tensors(last / ckpt.OPTIM_FILE)
         ckpt.load_optimizer_tensors(optimizer, dict(named), opt_t, str(last))
@@ -349,11 +379,13 @@ def train(
         engine.load_state_dict(state)
         regime.load_state_dict(state)
         start_step = state["step"]
-        if ctx.is_main:
-            run.truncate_metrics(start_step)
         log.info("resumed from %s (step %d)", last, start_step)
     elif resume:
         log.info("%s: no checkpoint yet; starting from step 0", run.path)
+    if resume and ctx.is_main:
+        # Also from step 0: the killed attempt's rows would otherwise stay
+        # in front of the rerun's (steps 1, 2, 1, 2, 3, ...).
+        run.truncate_metrics(start_step)
 
     model.train()
     try:

@@ -49,14 +49,18 @@ class RunDir:
                 "or choose another --out"
             )
         if resume and has_run:
-            old = self.read_config()
-            if "model" in config and old.get("model") != config["model"]:
-                raise ValueError(
-                    f"{self.path}: --resume with a different model than the run "
-                    f"was started with ({old.get('model')} vs {config['model']})"
-                )
+            self.check_same_model(config)
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / CONFIG, config)
+
+    def check_same_model(self, config: dict) -> None:
+        """Refuse to resume this run with another model than it was started with."""
+        old = self.read_config()
+        if "model" in config and old.get("model") != config["model"]:
+            raise ValueError(
+                f"{self.path}: --resume with a different model than the run "
+                f"was started with ({old.get('model')} vs {config['model']})"
+            )
 
     def read_config(self) -> dict:
         path = self.path / CONFIG
