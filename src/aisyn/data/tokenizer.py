@@ -20,7 +20,6 @@ cached on disk, keyed by the text they came from.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -33,6 +32,7 @@ from typing import TypeAlias
 import sentencepiece as spm
 
 from aisyn.data.cache import cache_dir
+from aisyn.validate import read_json
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,7 @@ def _read_json_beside(path: Path, name: str) -> dict:
     f = path.parent / name
     if not f.is_file():
         return {}
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{f}: not valid JSON ({e})".splitlines()[0]) from None
+    data = read_json(f, error=TokenizerError, kind=None)
     return data if isinstance(data, dict) else {}
 
 

@@ -9,7 +9,6 @@ through a family's own module, so adding a family touches only ``model/``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeAlias
@@ -29,6 +28,7 @@ from aisyn.model.hf import (
     read_hf_config,
 )
 from aisyn.model.pangu import CONFIGS, PanguAlpha, PanguConfig
+from aisyn.validate import read_json
 
 ModelConfig: TypeAlias = PanguConfig | HFConfig
 PRESETS: dict[str, dict] = {**CONFIGS, **HF_CONFIGS}
@@ -72,12 +72,7 @@ def load_config(name_or_path: str | Path, **overrides) -> ModelConfig:
             f"model config {name!r} is neither a preset ({', '.join(PRESETS)}), "
             "nor hf:DIR (a Hugging Face model folder), nor an existing JSON file"
         )
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a valid JSON model config ({e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: a model config must be a JSON object")
+    d = read_json(path)
     d = d.get("model", d)
     try:
         return config_from_dict({**d, **overrides})

@@ -56,11 +56,8 @@ class PanguConfig(ConfigDict):
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by "
-                f"num_heads {self.num_heads}; pick heads that divide it"
-            )
+        # Sizes first: a zero count would fail the divisibility check below
+        # with a ZeroDivisionError that names nothing.
         if self.num_layers < 1:
             raise ValueError(
                 f"num_layers must be >= 1 (the top query layer), got {self.num_layers}"
@@ -68,8 +65,19 @@ class PanguConfig(ConfigDict):
         for name in ("vocab_size", "hidden_size", "num_heads", "ffn_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_heads {self.num_heads}; pick heads that divide it"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        # A LayerNorm with eps <= 0 divides by zero on a constant row (NaN
+        # logits, nothing said); a non-positive init std draws nothing sane.
+        for name in ("layer_norm_eps", "init_std"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
 
     @property
     def head_dim(self) -> int:

@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from aisyn.model.pangu import PanguConfig
+from aisyn.validate import json_field, read_json
 
 MODEL_TYPE = "gpt_pangu"
 # In the order the port's ``save_pretrained`` prefers them.
@@ -48,50 +49,52 @@ def is_port_folder(path: str | Path) -> bool:
     if not config.is_file():
         return False
     try:
-        return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        c = read_json(config)
+    except ValueError:
         return False
+    return c.get("model_type") == MODEL_TYPE
 
 
 def folder_config(
     folder: str | Path, error: type[ValueError], kind: str = "a model folder"
-) -> tuple[Path, object]:
-    """(path, parsed JSON) of a model folder's ``config.json``; ``error`` with
-    one line if it is missing or not JSON."""
+) -> tuple[Path, dict]:
+    """(path, parsed JSON object) of a model folder's ``config.json``; ``error``
+    with one line if it is missing, not JSON, too large or too deep."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise error(f"{folder}: no config.json; not {kind}")
-    try:
-        return path, json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
+    return path, read_json(path, error=error)
 
 
 def read_port_config(folder: str | Path) -> PanguConfig:
     """Our ``PanguConfig`` of the port's ``config.json``."""
     path, c = folder_config(folder, PortError)
-    if not isinstance(c, dict) or c.get("model_type") != MODEL_TYPE:
-        found = c.get("model_type") if isinstance(c, dict) else None
+    if c.get("model_type") != MODEL_TYPE:
         raise PortError(
-            f"{path}: model_type {found!r}, not the PanGu-α port's {MODEL_TYPE!r}"
+            f"{path}: model_type {c.get('model_type')!r:.40}, not the PanGu-α "
+            f"port's {MODEL_TYPE!r}"
         )
-    if c.get("activation_function", "gelu") != "gelu":
-        raise PortError(f"{path}: activation {c['activation_function']!r}, not gelu")
-    if not c.get("scale_attn_weights", True):
+
+    def get(key: str, kind, default):
+        return json_field(c, key, kind, default, str(path), error=PortError)
+
+    activation = get("activation_function", str, "gelu")
+    if activation != "gelu":
+        raise PortError(f"{path}: activation {activation!r:.40}, not gelu")
+    if not get("scale_attn_weights", bool, True):
         raise PortError(f"{path}: unscaled attention is not PanGu-α's")
-    hidden = c.get("hidden_size", 2560)
+    hidden = get("hidden_size", int, 2560)
+    fields = {
+        "vocab_size": get("vocab_size", int, 40000),
+        "hidden_size": hidden,
+        "num_layers": get("num_layers", int, 32),
+        "num_heads": get("num_heads", int, 32),
+        "ffn_size": get("intermediate_size", int, 4 * hidden),
+        "seq_len": get("max_position_embeddings", int, 1024),
+        "layer_norm_eps": get("layer_norm_epsilon", (int, float), 1e-5),
+    }
     try:
-        return PanguConfig.from_dict(
-            {
-                "vocab_size": c.get("vocab_size", 40000),
-                "hidden_size": hidden,
-                "num_layers": c.get("num_layers", 32),
-                "num_heads": c.get("num_heads", 32),
-                "ffn_size": c.get("intermediate_size") or 4 * hidden,
-                "seq_len": c.get("max_position_embeddings", 1024),
-                "layer_norm_eps": c.get("layer_norm_epsilon", 1e-5),
-            }
-        )
+        return PanguConfig.from_dict(fields)
     except (TypeError, ValueError) as e:
         raise PortError(f"{path}: {e}") from None
 
@@ -144,15 +147,16 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
 
 
 def _shard_index(path: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-        shards = set(weight_map.values())
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise PortError(f"{path}: bad shard index ({e!r})") from None
-    for shard in shards:
+    index = read_json(path, error=PortError)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise PortError(f"{path}: bad shard index (no weight_map object)")
+    for name, shard in weight_map.items():
         if not isinstance(shard, str) or Path(shard).name != shard:
             # the index names files beside it, no paths
-            raise PortError(f"{path}: shard {shard!r} is not a file name")
+            raise PortError(
+                f"{path}: shard {shard!r:.60} of {name!r:.60} is not a file name"
+            )
     return weight_map
 
 
