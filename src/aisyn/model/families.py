@@ -16,6 +16,7 @@ from typing import TypeAlias
 import torch
 from torch.overrides import TorchFunctionMode
 
+from aisyn.model.capacity import check_buildable
 from aisyn.model.causal_lm import CausalLM
 from aisyn.model.hf import (
     FAMILIES as HF_FAMILIES,
@@ -116,7 +117,9 @@ def build_model(
     """Build a model; ``device="meta"`` sizes any preset without allocating it."""
     cfg = load_config(config) if isinstance(config, str) else config
     cls = model_class(cfg)
-    if device is not None and torch.device(device).type == "meta":
+    meta = device is not None and torch.device(device).type == "meta"
+    check_buildable(cfg, meta=meta)  # before a module exists
+    if meta:
         with torch.device("meta"), _SkipMetaInit():
             return cls(cfg)
     model = cls(cfg, seed=seed or 0)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from aisyn.model.capacity import check_against_weights
 from aisyn.model.causal_lm import (
     GPTLM,
     CausalLM,
@@ -174,6 +175,23 @@ class HFConfig(ConfigDict):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         mlp = 2 * h * f if self.family == "gpt2" else 3 * h * f
         return 2 * h * q + 2 * h * kv + mlp
+
+    def parameter_count(self) -> int:
+        """Parameters of the model (a tied head once), by arithmetic: what
+        ``capacity`` weighs before anything is built, for any size."""
+        h, f, V = self.hidden_size, self.ffn_size, self.vocab_size
+        if self.family == "gpt2":
+            # c_attn, c_proj, ln_1 + ln_2, c_fc and c_proj with biases
+            layer = 4 * (h * h + h) + 4 * h + 2 * h * f + f + h
+            return V * h + self.seq_len * h + 2 * h + self.num_layers * layer
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv_bias = self.attention_bias or self.family == "qwen2"
+        attn = 2 * h * q + 2 * h * kv + (q + 2 * kv) * qkv_bias
+        attn += h * self.attention_bias  # o_proj's bias
+        mlp = 3 * h * f + (2 * f + h) * self.mlp_bias
+        layer = attn + mlp + 2 * h  # and two RMSNorm gains
+        head = 0 if self.tie_embeddings else V * h
+        return V * h + head + h + self.num_layers * layer
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
@@ -503,12 +521,40 @@ def config_to_hf(cfg: HFConfig) -> dict:
 
 
 def read_hf_config(folder: str | Path) -> HFConfig:
-    from aisyn.model.port import folder_config
+    """The config of a ``save_pretrained`` folder, checked against the shapes
+    its weights hold (from their headers) when it has weights."""
+    from aisyn.model.port import PortError, folder_config, stored_shapes
 
     path, c = folder_config(folder, HFError, "a Hugging Face model folder")
-    if not isinstance(c, dict):
-        raise HFError(f"{path}: a model config must be a JSON object")
-    return config_from_hf(c, path)
+    cfg = config_from_hf(c, path)
+    try:
+        shapes = stored_shapes(folder)
+        if shapes is not None:
+            ours = _our_shapes(shapes, cfg)
+            layers = "n_layer" if cfg.family == "gpt2" else "num_hidden_layers"
+            check_against_weights(cfg, ours, str(folder), layers)
+    except PortError as e:
+        raise HFError(str(e)) from None
+    except ValueError as e:
+        if isinstance(e, HFError):
+            raise
+        raise HFError(str(e)) from None
+    return cfg
+
+
+def _our_shapes(
+    shapes: dict[str, tuple[int, ...]], cfg: HFConfig
+) -> dict[str, tuple[int, ...]]:
+    """Stored shapes under our names and in our layout (``hf_state_dict``'s
+    renaming, for shapes alone)."""
+    if cfg.family != "gpt2":
+        return shapes
+    out = {}
+    for name, shape in shapes.items():
+        if not name.startswith(("transformer.", "lm_head.")):
+            name = "transformer." + name
+        out[name] = shape[::-1] if name.endswith(_CONV1D) else shape
+    return out
 
 
 def hf_state_dict(

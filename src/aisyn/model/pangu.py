@@ -107,6 +107,20 @@ class PanguConfig(ConfigDict):
         h, f = self.hidden_size, self.ffn_size
         return 4 * h * h + 2 * h * f
 
+    def parameter_count(self) -> int:
+        """Parameters of the model (the tied head once), by arithmetic: what
+        ``capacity`` weighs before anything is built, for any size."""
+        h, f = self.hidden_size, self.ffn_size
+        # q/k/v/c with biases, ln_1 + ln_2, c_fc and c_proj with biases
+        layer = 4 * (h * h + h) + 4 * h + 2 * h * f + f + h
+        # wte (= head), wpe, wqe, ln_f
+        return (
+            self.vocab_size * h
+            + 2 * self.seq_len * h
+            + 2 * h
+            + (self.num_layers * layer)
+        )
+
     @property
     def layout(self) -> Layout:
         top = self.num_layers - 1

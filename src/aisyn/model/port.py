@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from aisyn.model.capacity import check_against_weights
 from aisyn.model.pangu import PanguConfig
 from aisyn.validate import json_field, read_json
 
@@ -99,13 +100,15 @@ def read_port_config(folder: str | Path) -> PanguConfig:
         raise PortError(f"{path}: {e}") from None
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
+def _read_file(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of one weight file; ``mmap`` maps a ``.bin`` instead of
+    reading it (its shapes are then known without its data)."""
     if not path.is_file():
         raise PortError(f"{path}: weight file missing")
     try:
         if path.suffix == ".safetensors":
             return load_file(str(path))
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
+        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (
         SafetensorError,
         pickle.UnpicklingError,
@@ -144,6 +147,40 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
             return {k: folder / name for k in f.keys()}
     except (SafetensorError, OSError) as e:
         raise PortError(f"{folder / name}: unreadable weights ({e})") from None
+
+
+def stored_shapes(folder: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """Every stored tensor's shape (name as stored), from the weight files'
+    headers (a ``.bin`` is memory-mapped, not read); None if the folder holds
+    no weights. What a config is checked against before anything is built."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    name = next((f for f in WEIGHT_FILES if (folder / f).is_file()), None)
+    if name is None:
+        return None
+    files = [name]
+    if name.endswith(".index.json"):
+        files = sorted(set(_shard_index(folder / name).values()))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        path = folder / file
+        if not path.name.endswith(".safetensors"):
+            try:
+                tensors = _read_file(path, mmap=True)
+            except PortError:  # a legacy (non-zip) .bin cannot be mapped
+                tensors = _read_file(path)
+            shapes.update((k, tuple(v.shape)) for k, v in tensors.items())
+            continue
+        if not path.is_file():
+            raise PortError(f"{path}: weight file missing")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise PortError(f"{path}: unreadable weights ({e})") from None
+    return shapes
 
 
 def _shard_index(path: Path) -> dict[str, str]:
@@ -188,12 +225,17 @@ def port_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The port's tensors minus its buffers, checked, named as ``PanguAlpha``'s."""
     out = {}
-    causal = torch.ones(cfg.seq_len, cfg.seq_len).tril().bool()
+    causal = None  # built once a mask has the config's size, never before
+    size = (cfg.seq_len, cfg.seq_len)
     for name, t in tensors.items():
         if name.endswith(".attn.masked_bias"):
             continue  # the port's fill value for masked scores; we use -inf
         if name.endswith(".attn.bias") and t.dim() == 4:
-            if t.shape[-2:] != causal.shape or not torch.equal(t[0, 0].bool(), causal):
+            if tuple(t.shape[-2:]) != size:
+                raise PortError(f"{source}: {name} is not a causal mask of this size")
+            if causal is None:
+                causal = torch.ones(size, dtype=torch.bool).tril()
+            if not torch.equal(t[0, 0].bool(), causal):
                 raise PortError(f"{source}: {name} is not a causal mask of this size")
             continue
         out[name] = t
@@ -210,6 +252,17 @@ def read_port(folder: str | Path) -> tuple[PanguConfig, dict[str, torch.Tensor]]
     dict with ``train.checkpoint.load_weights``, which checks every name and
     shape."""
     cfg = read_port_config(folder)
+    shapes = stored_shapes(folder)
+    if shapes is None:
+        raise PortError(
+            f"{folder}: no weights (expected one of {', '.join(WEIGHT_FILES)})"
+        )
+    try:
+        check_against_weights(cfg, shapes, str(folder), "num_layers")
+    except PortError:
+        raise
+    except ValueError as e:
+        raise PortError(str(e)) from None
     return cfg, port_state_dict(read_folder_tensors(folder), cfg, str(folder))
 
 
