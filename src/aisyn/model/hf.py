@@ -592,14 +592,15 @@ def read_hf_folder(folder: str | Path) -> tuple[HFConfig, dict[str, torch.Tensor
     """(config, state dict for our model) of a ``save_pretrained`` folder; load
     the state dict with ``train.checkpoint.load_weights``, which checks every
     name and shape."""
-    from aisyn.model.port import PortError, read_folder_tensors
+    from aisyn.model.port import PortError, check_weight_values, read_folder_tensors
 
     cfg = read_hf_config(folder)
     try:
-        tensors = read_folder_tensors(folder)
+        state = hf_state_dict(read_folder_tensors(folder), cfg, str(folder))
+        check_weight_values(state, str(folder))
     except PortError as e:
         raise HFError(str(e)) from None
-    return cfg, hf_state_dict(tensors, cfg, str(folder))
+    return cfg, state
 
 
 def stored_name(name: str, cfg: HFConfig, stored: set[str]) -> str:
@@ -627,7 +628,7 @@ def read_hf_tensors(
     """
     from safetensors import SafetensorError, safe_open
 
-    from aisyn.model.port import PortError, weight_files
+    from aisyn.model.port import PortError, check_weight_values, weight_files
 
     folder = Path(folder)
     cfg = read_hf_config(folder)
@@ -666,8 +667,11 @@ def read_hf_tensors(
                 if read:
                     t = f.get_tensor(key)
                     out[name] = t.t().contiguous() if conv else t
+        check_weight_values(out, str(folder))
     except (SafetensorError, OSError) as e:
         raise HFError(f"{folder}: unreadable weights ({e})") from None
+    except PortError as e:
+        raise HFError(str(e)) from None
     return out
 
 

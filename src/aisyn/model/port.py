@@ -220,6 +220,23 @@ def read_folder_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def check_weight_values(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """``PortError`` naming the first tensor that is not floating point (an
+    int64 "weight" would be cast silently on load) or holds NaN or inf (a
+    model that runs, prints garbage and exits 0). One pass per tensor."""
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            raise PortError(
+                f"{source}: {name} is {str(t.dtype).removeprefix('torch.')}, "
+                "not floating-point weights"
+            )
+        if not bool(torch.isfinite(t).all()):
+            raise PortError(
+                f"{source}: {name} holds non-finite values (NaN or inf); "
+                "the weights are corrupt"
+            )
+
+
 def port_state_dict(
     tensors: dict[str, torch.Tensor], cfg: PanguConfig, source: str
 ) -> dict[str, torch.Tensor]:
@@ -263,7 +280,9 @@ def read_port(folder: str | Path) -> tuple[PanguConfig, dict[str, torch.Tensor]]
         raise
     except ValueError as e:
         raise PortError(str(e)) from None
-    return cfg, port_state_dict(read_folder_tensors(folder), cfg, str(folder))
+    state = port_state_dict(read_folder_tensors(folder), cfg, str(folder))
+    check_weight_values(state, str(folder))
+    return cfg, state
 
 
 def port_config(cfg: PanguConfig) -> dict:
