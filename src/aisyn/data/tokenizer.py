@@ -42,6 +42,27 @@ EOD_PIECE, PAD_PIECE = "<eod>", "<pad>"
 DEFAULT_TOKENIZER = "zh8k"  # shipped in aisyn/assets, trained on news + reviews
 
 
+def check_text(text: str, what: str = "text") -> str:
+    """``text`` if it is encodable as UTF-8, else ``TokenizerError`` naming the
+    first bad character. Python keeps a command-line argument's undecodable
+    bytes as lone surrogates (U+DC80..U+DCFF for bytes 0x80..0xff), which
+    both tokenizer libraries reject with an error that names nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = (
+            f"byte 0x{code - 0xDC00:02x}"
+            if 0xDC80 <= code <= 0xDCFF
+            else (f"U+{code:04X}")
+        )
+        raise TokenizerError(
+            f"{what} is not valid UTF-8 text ({byte} at character {e.start}); "
+            "pass UTF-8 text"
+        ) from None
+    return text
+
+
 def _jieba():
     import jieba
 
@@ -141,7 +162,7 @@ class PanguTokenizer:
         }
 
     def encode(self, text: str) -> list[int]:
-        return self.sp.encode(segment(text))
+        return self.sp.encode(segment(check_text(text)))
 
     def encode_segmented(self, segmented: Sequence[str]) -> list[list[int]]:
         """Batch-encode already segmented documents (SentencePiece runs threaded)."""
@@ -278,7 +299,7 @@ class HFTokenizer:
         }
 
     def encode(self, text: str) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=False).ids
+        return self.tk.encode(check_text(text), add_special_tokens=False).ids
 
     def encode_segmented(self, texts: Sequence[str]) -> list[list[int]]:
         """Batch-encode plain texts (no pre-segmentation; ``tokenizers`` runs
@@ -368,6 +389,35 @@ def open_tokenizer(path: str | Path, info: dict | None = None) -> Tokenizer:
     )
 
 
+# SentencePiece's refusals of a vocabulary size, as its trainer words them.
+_TOO_SMALL = re.compile(
+    r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)"
+)
+_TOO_LARGE = re.compile(r"Vocabulary size too high \((\d+)\)\. .*<= (\d+)")
+
+
+def _train_sentencepiece(vocab_size: int, **options) -> None:
+    """``SentencePieceTrainer.train``, its vocabulary-size refusals (a raw
+    RuntimeError with C++ source lines) turned into one line with the size
+    that works."""
+    try:
+        spm.SentencePieceTrainer.train(vocab_size=vocab_size, **options)
+    except RuntimeError as e:
+        if m := _TOO_SMALL.search(str(e)):
+            raise TokenizerError(
+                f"vocab size {vocab_size} is too small: the corpus's characters "
+                f"and the special pieces need at least {m.group(2)}; use "
+                f"--vocab-size {m.group(2)} or more"
+            ) from None
+        if m := _TOO_LARGE.search(str(e)):
+            raise TokenizerError(
+                f"vocab size {vocab_size} is too large for this corpus: it yields "
+                f"at most {m.group(2)} pieces; use --vocab-size {m.group(2)} or "
+                "less, or a larger corpus"
+            ) from None
+        raise
+
+
 def train_tokenizer(
     texts: Sequence[str],
     vocab_size: int,
@@ -390,10 +440,10 @@ def train_tokenizer(
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.txt"
         corpus.write_text("\n".join(segmented), encoding="utf-8")
-        spm.SentencePieceTrainer.train(
+        _train_sentencepiece(
+            vocab_size,
             input=str(corpus),
             model_prefix=str(Path(tmp) / "sp"),
-            vocab_size=vocab_size,
             model_type="unigram",
             character_coverage=0.9995,
             byte_fallback=True,
