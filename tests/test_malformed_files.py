@@ -256,6 +256,11 @@ MODEL_FILE_CASES = [
         "num_layers 10000000 is more than any model has",
     ),
     ("hidden-2e40", json.dumps(dict(hidden_size=2**40, num_heads=1)), "hidden_size"),
+    (
+        "parameters-1e20",
+        json.dumps(dict(hidden_size=2**30, num_heads=1, ffn_size=2**30)),
+        "parameters is larger than any (1.13e+15 at most); lower num_layers",
+    ),
     ("heads-zero", json.dumps(dict(num_heads=0)), "num_heads must be positive"),
     ("eps-negative", json.dumps(dict(layer_norm_eps=-1.0)), "layer_norm_eps must"),
 ]

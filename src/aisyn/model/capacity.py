@@ -26,7 +26,10 @@ MAX_LAYERS = 4096
 #: A dimension beyond int32 is no model's, and products of two would overflow
 #: the 64-bit element counts torch keeps even for meta tensors.
 MAX_DIM = 2**31 - 1
-_DIMS = ("vocab_size", "hidden_size", "num_heads", "ffn_size", "seq_len")
+_DIMS = ("vocab_size", "hidden_size", "num_heads", "head_dim", "ffn_size", "seq_len")
+#: 5 000 times the largest preset (200B); also keeps every tensor's element
+#: count, which the total bounds, far inside int64.
+MAX_PARAMETERS = 2**50
 
 
 def _meminfo_available() -> float | None:
@@ -126,9 +129,15 @@ def check_buildable(cfg, *, meta: bool) -> None:
             f"({MAX_LAYERS} at most); building them would take minutes and GBs "
             "before anything runs"
         )
+    params = cfg.parameter_count()
+    if params > MAX_PARAMETERS:
+        field = _largest_term(cfg)
+        raise ValueError(
+            f"a model of {params:.3g} parameters is larger than any "
+            f"({MAX_PARAMETERS:.3g} at most); lower {field} ({getattr(cfg, field)})"
+        )
     if meta or memory_check_skipped():
         return
-    params = cfg.parameter_count()
     needed = params * torch.empty((), dtype=torch.get_default_dtype()).element_size()
     free = available_bytes(torch.device("cpu"))
     if free is None or needed <= free:
@@ -161,7 +170,7 @@ def check_against_weights(
     prefix = re.escape(lay.block.partition("{i}")[0])
     pattern = re.compile(prefix + r"(\d+)\.")
     held = {int(m.group(1)) for n in shapes if (m := pattern.match(n))}
-    if held and len(held) != cfg.num_layers:
+    if len(held) != cfg.num_layers:
         raise ValueError(
             f"{source}: config.json says {layers_field} {cfg.num_layers}, but the "
             f"weights hold {len(held)} layers"
