@@ -119,7 +119,7 @@ HF_CASES = [
     ("config-list", lambda d: (d / "config.json").write_text("[1]"), "JSON object"),
     (
         "config-huge",
-        lambda d: (d / "config.json").write_bytes(b" " * (65 * 2**20)),
+        lambda d: (d / "config.json").write_bytes(b" " * (17 * 2**20)),
         "larger than any JSON file",
     ),
     ("rope-scaling-list", lambda d: _config(d, rope_scaling=[1]), "rope_scaling must"),
@@ -327,3 +327,20 @@ def test_a_cpu_allocation_failure_is_out_of_memory_not_a_traceback(monkeypatch, 
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("aisyn: error: out of memory")
+
+
+def test_the_json_reader_counts_nesting_not_brackets_in_strings(tmp_path):
+    from aisyn.validate import MAX_JSON_DEPTH, parse_json, read_json
+
+    inside = '{"a": "' + "[[[[{{{{" * 40 + '\\"", "b": ["中[文"]}'
+    assert parse_json(inside, "x")["b"] == ["中[文"]
+    deepest = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert parse_json(deepest, "x") is not None
+    with pytest.raises(ValueError, match="x: nested deeper than 32 levels"):
+        parse_json("[" + deepest + "]", "x")
+    path = tmp_path / "c.json"
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}')  # a BOM, as some editors write
+    assert read_json(path) == {"a": 1}
+    path.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(ValueError, match="c.json: not valid JSON"):
+        read_json(path)
