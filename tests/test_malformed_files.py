@@ -344,3 +344,20 @@ def test_the_json_reader_counts_nesting_not_brackets_in_strings(tmp_path):
     path.write_bytes(b'{"a": "\xff"}')
     with pytest.raises(ValueError, match="c.json: not valid JSON"):
         read_json(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (DEEP, "corrupt run config: "),
+        ("[1, 2]", "must be a JSON object, got list"),
+    ],
+)
+def test_a_broken_run_config_is_one_line(text, expected, tmp_path, capsys):
+    """A base run may come from another organisation: its config.json is read
+    with the same bounds."""
+    (tmp_path / "config.json").write_text(text)
+    code, err = _run(["generate", "--run", str(tmp_path), "--prompt", "x"], capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], err
