@@ -462,8 +462,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# How torch's CPU allocator (a plain RuntimeError) and numpy word a failed
+# allocation; CUDA's is torch.OutOfMemoryError.
+_ALLOCATION_FAILED = (
+    "can't allocate memory",
+    "Unable to allocate",
+    "not enough memory",
+)
+
+
 def _out_of_memory(e: BaseException) -> bool:
     if isinstance(e, MemoryError):
+        return True
+    if isinstance(e, RuntimeError) and any(s in str(e) for s in _ALLOCATION_FAILED):
         return True
     torch = sys.modules.get("torch")  # only loaded if the command used it
     oom = getattr(torch, "OutOfMemoryError", None)

@@ -17,7 +17,9 @@ raise the former.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -296,3 +298,138 @@ def check_resumable(out: str | Path) -> None:
             f"--resume: nothing to resume in {out} (no config.json); "
             "drop --resume to start a new run there"
         )
+
+
+# --- JSON files from elsewhere --------------------------------------------------------
+
+#: Larger than any config, index or tokenizer settings file a model ships with
+#: (a 1 000-shard index is ~100 KB) by far, and small enough that parsing the
+#: worst (millions of empty objects) stays within a few hundred MB.
+MAX_JSON_BYTES = 16 * 2**20
+#: Deeper than any of those files nests (tokenizer_config.json: 4 levels);
+#: a deeper one is an attack on the parser, not a config.
+MAX_JSON_DEPTH = 32
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+# A JSON string: brackets inside one do not nest.
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of JSON ``text`` nest, read off the
+    text before it is parsed (so a hostile file builds nothing): strings
+    dropped, then the running count of open brackets, vectorised. (UTF-8
+    bytes of non-ASCII characters are >= 0x80, never a bracket.)"""
+    import numpy as np
+
+    raw = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8"), dtype=np.uint8)
+    opens = (raw == ord("[")) | (raw == ord("{"))
+    closes = (raw == ord("]")) | (raw == ord("}"))
+    if not opens.any():
+        return 0
+    return int(np.cumsum(opens.astype(np.int64) - closes).max())
+
+
+def parse_json(
+    text: str | bytes,
+    where: str,
+    *,
+    error: type[ValueError] = ValueError,
+    max_depth: int = MAX_JSON_DEPTH,
+) -> object:
+    """The JSON value of ``text`` (a file's content, or one line of a .jsonl),
+    or ``error("WHERE: why")`` in one line: not JSON, nested deeper than
+    ``max_depth``, or a non-finite number (NaN, Infinity, 1e400), which no
+    setting here means."""
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8-sig")
+        if json_depth(text) > max_depth:
+            raise error(f"{where}: nested deeper than {max_depth} levels")
+        return json.loads(
+            text, parse_constant=_refuse_constant, parse_float=_finite_float
+        )
+    except RecursionError:  # unreachable past the depth check; kept as a guard
+        raise error(f"{where}: nested deeper than {max_depth} levels") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ones
+        if isinstance(e, error) and str(e).startswith(f"{where}: nested"):
+            raise
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise error(f"{where}: not valid JSON ({first})") from None
+
+
+def read_json(
+    path: str | Path,
+    *,
+    error: type[ValueError] = ValueError,
+    kind: type | None = dict,
+    max_bytes: int = MAX_JSON_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+) -> object:
+    """The JSON value of a file that came from elsewhere (a model folder's
+    ``config.json``, a shard index, ``tokenizer_config.json``, ``--model
+    FILE``), bounded before it is read: at most ``max_bytes``, nested at most
+    ``max_depth`` deep, of type ``kind`` (None: any); ``error`` with one line
+    naming the file otherwise. The one reader of every such file, so that
+    none of them can be made to exhaust the parser."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise error(
+                f"{path}: {size} bytes; larger than any JSON file of this kind "
+                f"({max_bytes // 2**20} MiB at most)"
+            )
+        data = path.read_bytes()
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    value = parse_json(data, str(path), error=error, max_depth=max_depth)
+    if kind is not None and not isinstance(value, kind):
+        name = {dict: "a JSON object", list: "a JSON array"}.get(kind, kind.__name__)
+        raise error(f"{path}: must be {name}, got {type(value).__name__}")
+    return value
+
+
+def json_field(
+    obj: dict,
+    key: str,
+    kind: type | tuple[type, ...],
+    default: object,
+    where: str,
+    *,
+    error: type[ValueError] = ValueError,
+) -> object:
+    """``obj[key]`` (``default`` if absent or null) if it is of ``kind``;
+    ``error("WHERE: KEY must be ...")`` otherwise. bool is not an int here:
+    ``"num_heads": true`` is a mistake, not 1."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        ok = False
+    else:
+        ok = isinstance(value, kinds)
+    if not ok:
+        names = {
+            int: "an integer",
+            float: "a number",
+            str: "a string",
+            dict: "a JSON object",
+            list: "a JSON array",
+            bool: "true or false",
+        }
+        want = " or ".join(names.get(k, k.__name__) for k in kinds)
+        raise error(f"{where}: {key} must be {want}, got {value!r:.60}")
+    return value

@@ -68,6 +68,9 @@ def test_bad_corpus_files_get_clear_errors(tmp_path):
     bad.write_text('{"text": "ok"}\n{"txt": 1}\n')
     with pytest.raises(CorpusError, match=r"bad.jsonl:2: expected a JSON object"):
         load_corpus(bad)
+    bad.write_text('{"text": "ok"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(CorpusError, match=r"bad.jsonl:2: nested deeper than 32"):
+        load_corpus(bad)
     latin = tmp_path / "latin.txt"
     latin.write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(CorpusError, match="not UTF-8"):

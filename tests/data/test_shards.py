@@ -1,4 +1,5 @@
 import json
+import re
 import shutil
 
 import numpy as np
@@ -33,10 +34,51 @@ def test_prepared_shards_hold_the_documents(news_data, news_corpus, tokenizer):
 
 
 def test_mismatched_tokenizer_or_seq_len_is_refused(news_data):
-    with pytest.raises(ShardError, match="made with tokenizer"):
+    """The refusal says which `aisyn prepare` re-makes the folder."""
+    with pytest.raises(ShardError, match="made with tokenizer") as e:
         TokenShards.open(news_data, "train", tokenizer_sha256="0" * 64)
-    with pytest.raises(ShardError, match="seq_len 32, expected 64"):
+    assert "re-run `aisyn prepare --corpus news --out NEW_DIR --seq-len 32 " in str(
+        e.value
+    )
+    assert "--tokenizer T` with T the model's tokenizer" in str(e.value)
+    with pytest.raises(ShardError, match="seq_len 32, expected 64") as e:
         TokenShards.open(news_data, "train", seq_len=64)
+    assert "`aisyn prepare --corpus news --out NEW_DIR --seq-len 64`" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda m: m.pop("splits"), "corrupt manifest (bad or missing 'splits')"),
+        (lambda m: m.update(tokenizer=[1]), "corrupt manifest"),
+        (lambda m: m.update(dtype="<f8"), "shard dtype float64 is not prepare's"),
+        (
+            lambda m: m["splits"]["train"]["shards"][0].update(file="../x.bin"),
+            "shard '../x.bin' is not a file name",
+        ),
+        (lambda m: m.update(x="[" * 100_000), None),  # a long string is fine
+    ],
+)
+def test_a_corrupt_manifest_is_one_line(tmp_path, news_data, change, expected):
+    copy = tmp_path / "copy"
+    shutil.copytree(news_data, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    sha = manifest["tokenizer"]["sha256"]  # checked, so the tokenizer entry is read
+    change(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    if expected is None:
+        assert len(TokenShards.open(copy, "train", verify=False)) > 0
+        return
+    with pytest.raises(ShardError, match=re.escape(expected)):
+        TokenShards.open(copy, "train", tokenizer_sha256=sha, verify=False)
+
+
+def test_a_deeply_nested_manifest_is_one_line(tmp_path, news_data):
+    copy = tmp_path / "copy"
+    shutil.copytree(news_data, copy)
+    (copy / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ShardError, match="nested deeper than 32 levels"):
+        TokenShards.open(copy, "train")
 
 
 def test_open_many_checks_agreement(tmp_path, news_data, news_corpus, tokenizer):

@@ -48,6 +48,26 @@ def test_train_a_small_tokenizer(tmp_path, news_corpus):
         train_tokenizer(texts, 3000, tmp_path / "t.model")
 
 
+def test_a_vocabulary_too_small_or_large_for_the_corpus_is_one_line(tmp_path):
+    """SentencePiece refused with a raw RuntimeError quoting its C++ source."""
+    texts = [f"国务院总理今天在北京会见了来访的外国代表团。{i}" for i in range(50)]
+    with pytest.raises(TokenizerError, match=r"too small: .* need at least \d+; use"):
+        train_tokenizer(texts, 20, tmp_path / "small.model")
+    with pytest.raises(TokenizerError, match=r"too large .* at most \d+ pieces"):
+        train_tokenizer(texts, 100_000, tmp_path / "large.model")
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_text_that_is_not_utf8_is_one_line(tokenizer):
+    from aisyn.data.tokenizer import check_text
+
+    with pytest.raises(TokenizerError, match=r"not valid UTF-8 text \(byte 0xfe at"):
+        tokenizer.encode("ab\udcfe")
+    with pytest.raises(TokenizerError, match=r"--prompt .* \(U\+D800 at character 0"):
+        check_text("\ud800", "--prompt")
+    assert check_text("本报 ok") == "本报 ok"
+
+
 def test_missing_or_corrupt_tokenizer(tmp_path):
     with pytest.raises(TokenizerError, match="tokenizer model not found"):
         PanguTokenizer(tmp_path / "none.model")

@@ -131,6 +131,9 @@ def test_cloze_file_round_trip_and_errors(tmp_path):
     )
     with pytest.raises(ClozeError, match="answer is not among the candidates"):
         read_items(bad)
+    bad.write_text(ITEM.to_json() + "\n" + "[" * 100_000 + "\n")
+    with pytest.raises(ClozeError, match=r"bad.jsonl:2: nested deeper than 32"):
+        read_items(bad)
 
 
 def test_prompt_keeps_the_blank_when_truncated():

@@ -102,6 +102,31 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert (rows > -math.inf).sum(1).tolist() == [2, 2]
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=1e-45),  # logits / T overflowed to +-inf: NaN softmax
+        dict(temperature=1.0, top_p=1e-300),  # p rounds to 0 in float32
+        dict(temperature=1e-45, top_p=1e-300, top_k=3),
+    ],
+)
+def test_extreme_valid_sampling_values_pick_the_top_token(model, kwargs):
+    """Values that pass validation sample (not crash with "probability tensor
+    contains inf/nan"): both limits leave only the most likely token."""
+    greedy = generate(model, PROMPT, 12)
+    assert generate(model, PROMPT, 12, seed=4, **kwargs) == greedy
+
+
+def test_non_finite_logits_are_refused_not_sampled():
+    from aisyn.model.generate import next_token
+
+    logits = torch.zeros(10)
+    logits[3] = float("nan")
+    for sampling in (Sampling(), Sampling(temperature=1.0)):
+        with pytest.raises(FloatingPointError, match="logits are not finite"):
+            next_token(logits, sampling, torch.Generator().manual_seed(0))
+
+
 def test_top_k_keeps_exactly_k_even_with_ties():
     logits = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0])
     kept = top_k_filter(logits, 2) > -math.inf
@@ -247,3 +272,15 @@ def test_cli_bad_flags_fail_while_parsing(flag, value, capsys):
         )
     assert e.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_cli_refuses_a_prompt_with_undecodable_bytes(trained_run, capsys):
+    """A shell passes bytes that are not UTF-8 as lone surrogates; SentencePiece
+    rejected them with a pybind11 cast error naming nothing."""
+    from aisyn.cli import main
+
+    argv = ["generate", "--run", str(trained_run), "--prompt", "本报\udcff北京"]
+    assert main([*argv, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--prompt is not valid UTF-8 text (byte 0xff at character 2)" in err

@@ -131,7 +131,7 @@ def test_bad_configs_are_refused(tmp_path):
     with pytest.raises(ValueError, match="cfg.json.*not divisible"):
         load_config(bad)
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match="not a valid JSON"):
+    with pytest.raises(ValueError, match="not valid JSON"):
         load_config(bad)
     with pytest.raises(ValueError, match="neither a preset"):
         load_config("huge")

@@ -29,6 +29,8 @@ NAN = float("nan")
 SAMPLINGS = {
     "greedy": Sampling(),
     "sampled": Sampling(temperature=1.3, top_k=200, top_p=0.95, seed=5),
+    # valid values that crashed sampling ("probability tensor contains nan")
+    "extreme": Sampling(temperature=1e-45, top_p=1e-300, seed=5),
 }
 
 

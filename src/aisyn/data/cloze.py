@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from aisyn.data.cache import cache_dir
 from aisyn.data.corpora import Corpus, Document
+from aisyn.validate import parse_json
 
 NUM_CANDIDATES = 10
 _NOUN_WORD = re.compile(r"[\u4e00-\u9fff]{2,}")  # two or more CJK characters
@@ -240,8 +241,11 @@ def read_items(path: str | Path) -> list[ClozeItem]:
         if not line.strip():
             continue
         try:
-            items.append(ClozeItem.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, ValueError, TypeError, AttributeError) as e:
+            value = parse_json(line, f"{path}:{lineno}", error=ClozeError)
+            items.append(ClozeItem.from_dict(value))
+        except ClozeError:
+            raise
+        except (ValueError, TypeError, AttributeError) as e:
             raise ClozeError(f"{path}:{lineno}: malformed cloze item ({e})") from None
     if not items:
         raise ClozeError(f"{path}: no cloze items")

@@ -16,10 +16,11 @@ document never leaks between train and test, whatever order files are read in.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from aisyn.validate import parse_json
 
 SPLITS = ("train", "valid", "test")
 SPLIT_RULE = (
@@ -143,9 +144,11 @@ def load_jsonl(path: Path) -> Corpus:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = parse_json(line, f"{path}:{lineno}", error=CorpusError)
             doc = obj["text"]
-        except (json.JSONDecodeError, TypeError, KeyError):
+        except CorpusError:
+            raise
+        except (TypeError, KeyError):
             raise CorpusError(
                 f'{path}:{lineno}: expected a JSON object with a "text" field'
             ) from None

@@ -15,6 +15,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from aisyn.validate import read_json
+
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.model"
 
@@ -79,11 +81,9 @@ def read_manifest(
     if not path.is_file():
         raise error(f"{path}: no manifest; not a folder made by `aisyn {command}`")
     try:
-        m = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path}: corrupt manifest ({e})") from None
-    if not isinstance(m, dict):
-        raise error(f"{path}: corrupt manifest")
+        m = read_json(path, error=error)
+    except ValueError as e:
+        raise error(f"corrupt manifest: {e}") from None
     if m.get("format") != fmt:
         raise error(
             f"{path}: format {m.get('format')!r}, not {fmt!r} (`aisyn {command}`)"

@@ -142,23 +142,51 @@ class TokenShards(PreparedSplit):
     ) -> TokenShards:
         data_dir = Path(data_dir)
         m = read_manifest(data_dir)
+        try:
+            return cls._open(data_dir, m, split, tokenizer_sha256, seq_len, verify)
+        except (KeyError, TypeError, AttributeError) as e:
+            # a manifest from elsewhere (or edited) that lacks what prepare writes
+            raise ShardError(
+                f"{data_dir / folder.MANIFEST}: corrupt manifest (bad or missing {e})"
+            ) from None
+
+    @classmethod
+    def _open(
+        cls,
+        data_dir: Path,
+        m: dict,
+        split: str,
+        tokenizer_sha256: str | None,
+        seq_len: int | None,
+        verify: bool,
+    ) -> TokenShards:
         if split not in m["splits"]:
             raise ShardError(f"{data_dir}: no {split!r} split in manifest")
+        # What re-making the folder takes: its own corpus, the other settings.
+        redo = f"aisyn prepare --corpus {m.get('corpus', 'CORPUS')} --out NEW_DIR"
         if tokenizer_sha256 and m["tokenizer"]["sha256"] != tokenizer_sha256:
             raise ShardError(
                 f"{data_dir}: shards were made with tokenizer "
-                f"{m['tokenizer']['sha256'][:12]}, not {tokenizer_sha256[:12]}; "
-                "re-run `aisyn prepare` with the same tokenizer"
+                f"{m['tokenizer']['sha256'][:12]}, not {tokenizer_sha256[:12]} (the "
+                f"model's); re-run `{redo} --seq-len {m['seq_len']} --tokenizer T` "
+                "with T the model's tokenizer (its run folder's tokenizer file)"
             )
         if seq_len is not None and m["seq_len"] != seq_len:
             raise ShardError(
                 f"{data_dir}: shards have seq_len {m['seq_len']}, expected {seq_len}; "
-                "re-run `aisyn prepare --seq-len`"
+                f"re-run `{redo} --seq-len {seq_len}` with the tokenizer they were "
+                "made with"
             )
         dtype = np.dtype(m["dtype"])
+        if dtype not in (np.dtype("<u2"), np.dtype("<u4")):
+            raise ShardError(f"{data_dir}: shard dtype {dtype} is not prepare's")
         arrays = []
         for shard in m["splits"][split]["shards"]:
-            path = data_dir / shard["file"]
+            name = shard["file"]
+            if not isinstance(name, str) or Path(name).name != name:
+                # the manifest names files in its folder, no paths
+                raise ShardError(f"{data_dir}: shard {name!r:.60} is not a file name")
+            path = data_dir / name
             if not path.is_file():
                 raise ShardError(f"{path}: shard file missing")
             expect = shard["samples"] * m["sample_len"] * dtype.itemsize

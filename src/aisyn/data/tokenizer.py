@@ -20,7 +20,6 @@ cached on disk, keyed by the text they came from.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -33,6 +32,7 @@ from typing import TypeAlias
 import sentencepiece as spm
 
 from aisyn.data.cache import cache_dir
+from aisyn.validate import read_json
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,27 @@ SPACE, NEWLINE = "\u2582", "\u2583"
 _TO_SYMBOLS = str.maketrans({" ": SPACE, "\n": NEWLINE})
 EOD_PIECE, PAD_PIECE = "<eod>", "<pad>"
 DEFAULT_TOKENIZER = "zh8k"  # shipped in aisyn/assets, trained on news + reviews
+
+
+def check_text(text: str, what: str = "text") -> str:
+    """``text`` if it is encodable as UTF-8, else ``TokenizerError`` naming the
+    first bad character. Python keeps a command-line argument's undecodable
+    bytes as lone surrogates (U+DC80..U+DCFF for bytes 0x80..0xff), which
+    both tokenizer libraries reject with an error that names nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = (
+            f"byte 0x{code - 0xDC00:02x}"
+            if 0xDC80 <= code <= 0xDCFF
+            else (f"U+{code:04X}")
+        )
+        raise TokenizerError(
+            f"{what} is not valid UTF-8 text ({byte} at character {e.start}); "
+            "pass UTF-8 text"
+        ) from None
+    return text
 
 
 def _jieba():
@@ -141,7 +162,7 @@ class PanguTokenizer:
         }
 
     def encode(self, text: str) -> list[int]:
-        return self.sp.encode(segment(text))
+        return self.sp.encode(segment(check_text(text)))
 
     def encode_segmented(self, segmented: Sequence[str]) -> list[list[int]]:
         """Batch-encode already segmented documents (SentencePiece runs threaded)."""
@@ -167,10 +188,7 @@ def _read_json_beside(path: Path, name: str) -> dict:
     f = path.parent / name
     if not f.is_file():
         return {}
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{f}: not valid JSON ({e})".splitlines()[0]) from None
+    data = read_json(f, error=TokenizerError, kind=None)
     return data if isinstance(data, dict) else {}
 
 
@@ -281,7 +299,7 @@ class HFTokenizer:
         }
 
     def encode(self, text: str) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=False).ids
+        return self.tk.encode(check_text(text), add_special_tokens=False).ids
 
     def encode_segmented(self, texts: Sequence[str]) -> list[list[int]]:
         """Batch-encode plain texts (no pre-segmentation; ``tokenizers`` runs
@@ -371,6 +389,35 @@ def open_tokenizer(path: str | Path, info: dict | None = None) -> Tokenizer:
     )
 
 
+# SentencePiece's refusals of a vocabulary size, as its trainer words them.
+_TOO_SMALL = re.compile(
+    r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)"
+)
+_TOO_LARGE = re.compile(r"Vocabulary size too high \((\d+)\)\. .*<= (\d+)")
+
+
+def _train_sentencepiece(vocab_size: int, **options) -> None:
+    """``SentencePieceTrainer.train``, its vocabulary-size refusals (a raw
+    RuntimeError with C++ source lines) turned into one line with the size
+    that works."""
+    try:
+        spm.SentencePieceTrainer.train(vocab_size=vocab_size, **options)
+    except RuntimeError as e:
+        if m := _TOO_SMALL.search(str(e)):
+            raise TokenizerError(
+                f"vocab size {vocab_size} is too small: the corpus's characters "
+                f"and the special pieces need at least {m.group(2)}; use "
+                f"--vocab-size {m.group(2)} or more"
+            ) from None
+        if m := _TOO_LARGE.search(str(e)):
+            raise TokenizerError(
+                f"vocab size {vocab_size} is too large for this corpus: it yields "
+                f"at most {m.group(2)} pieces; use --vocab-size {m.group(2)} or "
+                "less, or a larger corpus"
+            ) from None
+        raise
+
+
 def train_tokenizer(
     texts: Sequence[str],
     vocab_size: int,
@@ -393,10 +440,10 @@ def train_tokenizer(
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.txt"
         corpus.write_text("\n".join(segmented), encoding="utf-8")
-        spm.SentencePieceTrainer.train(
+        _train_sentencepiece(
+            vocab_size,
             input=str(corpus),
             model_prefix=str(Path(tmp) / "sp"),
-            vocab_size=vocab_size,
             model_type="unigram",
             character_coverage=0.9995,
             byte_fallback=True,

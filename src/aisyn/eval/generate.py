@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from aisyn.data.detokenizer import IncrementalDetokenizer
-from aisyn.data.tokenizer import Tokenizer, load_tokenizer, open_tokenizer
+from aisyn.data.tokenizer import (
+    Tokenizer,
+    check_text,
+    load_tokenizer,
+    open_tokenizer,
+)
 from aisyn.model.causal_lm import CausalLM
 from aisyn.model.generate import (
     Decoder,
@@ -49,6 +54,7 @@ class Generator:
     pretrained: bool = False
 
     def prompt_ids(self, prompt: str) -> list[int]:
+        check_text(prompt, "--prompt")
         if self.pretrained:
             ids = self.tokenizer.tk.encode(prompt, add_special_tokens=True).ids
             if not ids:
@@ -164,7 +170,7 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str, eod_reset: bool) -> list[int]:
     prompt is given one to start a document; with it, a document starts at
     position 0 and attends to nothing before it, so it gets none.
     """
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode(check_text(prompt, "--prompt"))
     if not eod_reset:
         ids = [tokenizer.eod_id, *ids]
     if not ids:

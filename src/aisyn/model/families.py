@@ -9,7 +9,6 @@ through a family's own module, so adding a family touches only ``model/``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeAlias
@@ -17,6 +16,7 @@ from typing import TypeAlias
 import torch
 from torch.overrides import TorchFunctionMode
 
+from aisyn.model.capacity import check_buildable
 from aisyn.model.causal_lm import CausalLM
 from aisyn.model.hf import (
     FAMILIES as HF_FAMILIES,
@@ -29,6 +29,7 @@ from aisyn.model.hf import (
     read_hf_config,
 )
 from aisyn.model.pangu import CONFIGS, PanguAlpha, PanguConfig
+from aisyn.validate import read_json
 
 ModelConfig: TypeAlias = PanguConfig | HFConfig
 PRESETS: dict[str, dict] = {**CONFIGS, **HF_CONFIGS}
@@ -72,12 +73,7 @@ def load_config(name_or_path: str | Path, **overrides) -> ModelConfig:
             f"model config {name!r} is neither a preset ({', '.join(PRESETS)}), "
             "nor hf:DIR (a Hugging Face model folder), nor an existing JSON file"
         )
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a valid JSON model config ({e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: a model config must be a JSON object")
+    d = read_json(path)
     d = d.get("model", d)
     try:
         return config_from_dict({**d, **overrides})
@@ -121,7 +117,9 @@ def build_model(
     """Build a model; ``device="meta"`` sizes any preset without allocating it."""
     cfg = load_config(config) if isinstance(config, str) else config
     cls = model_class(cfg)
-    if device is not None and torch.device(device).type == "meta":
+    meta = device is not None and torch.device(device).type == "meta"
+    check_buildable(cfg, meta=meta)  # before a module exists
+    if meta:
         with torch.device("meta"), _SkipMetaInit():
             return cls(cfg)
     model = cls(cfg, seed=seed or 0)

@@ -83,6 +83,10 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     probs = torch.softmax(sorted_logits.float(), dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     drop_sorted = mass_before >= p
+    # The most likely token stays whatever p is: a p below float32's range
+    # (1e-300) compares as 0 with the first token's mass_before, 0, and would
+    # drop every token.
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, -math.inf)
 
@@ -91,9 +95,19 @@ def next_token(
     logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
 ) -> int:
     """The next token for one row of logits (V,)."""
+    if not bool(torch.isfinite(logits).all()):
+        # NaN logits sample garbage (or make multinomial raise): say what is
+        # wrong instead of printing what it picked.
+        raise FloatingPointError(
+            "the model's logits are not finite (NaN or inf): its weights or "
+            "its inputs are broken"
+        )
     if sampling.greedy:
         return int(torch.argmax(logits))
-    scaled = logits.float() / sampling.temperature
+    # Shifted so the largest is 0 before dividing: a tiny temperature (1e-45)
+    # then sends the others to -inf, not every logit to +-inf (NaN softmax).
+    logits = logits.float()
+    scaled = (logits - logits.max()) / sampling.temperature
     scaled = top_p_filter(top_k_filter(scaled, sampling.top_k), sampling.top_p)
     # Sampled on the CPU: one generator, the same draws whatever the device.
     probs = torch.softmax(scaled, dim=-1).cpu()

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from aisyn.model.capacity import check_against_weights
 from aisyn.model.causal_lm import (
     GPTLM,
     CausalLM,
@@ -46,6 +47,7 @@ from aisyn.model.causal_lm import (
     check_positions,
     seeded_init,
 )
+from aisyn.validate import json_field
 
 FAMILIES = ("gpt2", "llama", "qwen2")
 ACTIVATIONS = {
@@ -104,6 +106,10 @@ class HFConfig(ConfigDict):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("num_kv_heads", "head_dim"):  # 0: derived below
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         if self.num_kv_heads == 0:
             self.num_kv_heads = self.num_heads
         if self.head_dim == 0:
@@ -169,6 +175,23 @@ class HFConfig(ConfigDict):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         mlp = 2 * h * f if self.family == "gpt2" else 3 * h * f
         return 2 * h * q + 2 * h * kv + mlp
+
+    def parameter_count(self) -> int:
+        """Parameters of the model (a tied head once), by arithmetic: what
+        ``capacity`` weighs before anything is built, for any size."""
+        h, f, V = self.hidden_size, self.ffn_size, self.vocab_size
+        if self.family == "gpt2":
+            # c_attn, c_proj, ln_1 + ln_2, c_fc and c_proj with biases
+            layer = 4 * (h * h + h) + 4 * h + 2 * h * f + f + h
+            return V * h + self.seq_len * h + 2 * h + self.num_layers * layer
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv_bias = self.attention_bias or self.family == "qwen2"
+        attn = 2 * h * q + 2 * h * kv + (q + 2 * kv) * qkv_bias
+        attn += h * self.attention_bias  # o_proj's bias
+        mlp = 3 * h * f + (2 * f + h) * self.mlp_bias
+        layer = attn + mlp + 2 * h  # and two RMSNorm gains
+        head = 0 if self.tie_embeddings else V * h
+        return V * h + head + h + self.num_layers * layer
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
@@ -367,23 +390,35 @@ _CONV1D = (
 
 
 def _rope_theta(c: dict, path: Path) -> float:
-    params = c.get("rope_parameters") or {}
-    for where in (params, c.get("rope_scaling") or {}):
-        kind = where.get("rope_type") or where.get("type") or "default"
+    where = str(path)
+    params = json_field(c, "rope_parameters", dict, {}, where, error=HFError)
+    scaling = json_field(c, "rope_scaling", dict, {}, where, error=HFError)
+    for section in (params, scaling):
+        kind = section.get("rope_type") or section.get("type") or "default"
         if kind != "default":
-            raise HFError(f"{path}: rope type {kind!r} is not supported (only default)")
-    return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+            raise HFError(
+                f"{path}: rope type {kind!r:.40} is not supported (only default)"
+            )
+    theta = json_field(c, "rope_theta", (int, float), 10000.0, where, error=HFError)
+    return json_field(params, "rope_theta", (int, float), theta, where, error=HFError)
 
 
 def config_from_hf(c: dict, path: Path) -> HFConfig:
-    """Our ``HFConfig`` of a ``config.json`` as transformers writes it."""
+    """Our ``HFConfig`` of a ``config.json`` as transformers writes it; every
+    field read is type-checked first (a list where a number belongs fails
+    with the field's name, not an AttributeError)."""
     family = c.get("model_type")
     if family not in FAMILIES:
         raise HFError(
-            f"{path}: model_type {family!r} is not supported; supported: "
+            f"{path}: model_type {family!r:.40} is not supported; supported: "
             f"{', '.join(FAMILIES)} (and PanGu-α: gpt_pangu, through "
             "aisyn convert --from pangu-port)"
         )
+
+    def get(key: str, kind, default):
+        return json_field(c, key, kind, default, str(path), error=HFError)
+
+    number = (int, float)
     try:
         if family == "gpt2":
             for flag in (
@@ -391,48 +426,48 @@ def config_from_hf(c: dict, path: Path) -> HFConfig:
                 "reorder_and_upcast_attn",
                 "add_cross_attention",
             ):
-                if c.get(flag):
+                if get(flag, bool, False):
                     raise HFError(f"{path}: GPT-2 with {flag} is not supported")
-            if not c.get("scale_attn_weights", True):
+            if not get("scale_attn_weights", bool, True):
                 raise HFError(
                     f"{path}: GPT-2 without scale_attn_weights is not supported"
                 )
-            h = c.get("n_embd", 768)
+            h = get("n_embd", int, 768)
             return HFConfig(
                 family="gpt2",
-                vocab_size=c.get("vocab_size", 50257),
+                vocab_size=get("vocab_size", int, 50257),
                 hidden_size=h,
-                num_layers=c.get("n_layer", 12),
-                num_heads=c.get("n_head", 12),
-                ffn_size=c.get("n_inner") or 4 * h,
-                seq_len=c.get("n_positions", 1024),
-                norm_eps=c.get("layer_norm_epsilon", 1e-5),
-                activation=c.get("activation_function", "gelu_new"),
+                num_layers=get("n_layer", int, 12),
+                num_heads=get("n_head", int, 12),
+                ffn_size=get("n_inner", int, 4 * h),
+                seq_len=get("n_positions", int, 1024),
+                norm_eps=get("layer_norm_epsilon", number, 1e-5),
+                activation=get("activation_function", str, "gelu_new"),
                 tie_embeddings=True,
-                init_std=c.get("initializer_range", 0.02),
+                init_std=get("initializer_range", number, 0.02),
             )
-        if c.get("use_sliding_window"):
+        if get("use_sliding_window", bool, False):
             raise HFError(f"{path}: sliding-window attention is not supported")
-        if c.get("pretraining_tp", 1) != 1:
+        if get("pretraining_tp", int, 1) != 1:
             raise HFError(f"{path}: pretraining_tp != 1 is not supported")
-        heads = c.get("num_attention_heads", 32)
+        heads = get("num_attention_heads", int, 32)
         return HFConfig(
             family=family,
-            vocab_size=c.get("vocab_size", 32000),
-            hidden_size=c.get("hidden_size", 4096),
-            num_layers=c.get("num_hidden_layers", 32),
+            vocab_size=get("vocab_size", int, 32000),
+            hidden_size=get("hidden_size", int, 4096),
+            num_layers=get("num_hidden_layers", int, 32),
             num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or 0,
-            ffn_size=c.get("intermediate_size", 11008),
-            seq_len=c.get("max_position_embeddings", 2048),
-            norm_eps=c.get("rms_norm_eps", 1e-6),
+            num_kv_heads=get("num_key_value_heads", int, heads),
+            head_dim=get("head_dim", int, 0),
+            ffn_size=get("intermediate_size", int, 11008),
+            seq_len=get("max_position_embeddings", int, 2048),
+            norm_eps=get("rms_norm_eps", number, 1e-6),
             rope_theta=_rope_theta(c, path),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=bool(c.get("attention_bias", False)) and family == "llama",
-            mlp_bias=bool(c.get("mlp_bias", False)),
-            activation=c.get("hidden_act", "silu"),
-            init_std=c.get("initializer_range", 0.02),
+            tie_embeddings=get("tie_word_embeddings", bool, False),
+            attention_bias=get("attention_bias", bool, False) and family == "llama",
+            mlp_bias=get("mlp_bias", bool, False),
+            activation=get("hidden_act", str, "silu"),
+            init_std=get("initializer_range", number, 0.02),
         )
     except (TypeError, ValueError) as e:
         if isinstance(e, HFError):
@@ -486,12 +521,40 @@ def config_to_hf(cfg: HFConfig) -> dict:
 
 
 def read_hf_config(folder: str | Path) -> HFConfig:
-    from aisyn.model.port import folder_config
+    """The config of a ``save_pretrained`` folder, checked against the shapes
+    its weights hold (from their headers) when it has weights."""
+    from aisyn.model.port import PortError, folder_config, stored_shapes
 
     path, c = folder_config(folder, HFError, "a Hugging Face model folder")
-    if not isinstance(c, dict):
-        raise HFError(f"{path}: a model config must be a JSON object")
-    return config_from_hf(c, path)
+    cfg = config_from_hf(c, path)
+    try:
+        shapes = stored_shapes(folder)
+        if shapes is not None:
+            ours = _our_shapes(shapes, cfg)
+            layers = "n_layer" if cfg.family == "gpt2" else "num_hidden_layers"
+            check_against_weights(cfg, ours, str(folder), layers)
+    except PortError as e:
+        raise HFError(str(e)) from None
+    except ValueError as e:
+        if isinstance(e, HFError):
+            raise
+        raise HFError(str(e)) from None
+    return cfg
+
+
+def _our_shapes(
+    shapes: dict[str, tuple[int, ...]], cfg: HFConfig
+) -> dict[str, tuple[int, ...]]:
+    """Stored shapes under our names and in our layout (``hf_state_dict``'s
+    renaming, for shapes alone)."""
+    if cfg.family != "gpt2":
+        return shapes
+    out = {}
+    for name, shape in shapes.items():
+        if not name.startswith(("transformer.", "lm_head.")):
+            name = "transformer." + name
+        out[name] = shape[::-1] if name.endswith(_CONV1D) else shape
+    return out
 
 
 def hf_state_dict(
@@ -529,14 +592,15 @@ def read_hf_folder(folder: str | Path) -> tuple[HFConfig, dict[str, torch.Tensor
     """(config, state dict for our model) of a ``save_pretrained`` folder; load
     the state dict with ``train.checkpoint.load_weights``, which checks every
     name and shape."""
-    from aisyn.model.port import PortError, read_folder_tensors
+    from aisyn.model.port import PortError, check_weight_values, read_folder_tensors
 
     cfg = read_hf_config(folder)
     try:
-        tensors = read_folder_tensors(folder)
+        state = hf_state_dict(read_folder_tensors(folder), cfg, str(folder))
+        check_weight_values(state, str(folder))
     except PortError as e:
         raise HFError(str(e)) from None
-    return cfg, hf_state_dict(tensors, cfg, str(folder))
+    return cfg, state
 
 
 def stored_name(name: str, cfg: HFConfig, stored: set[str]) -> str:
@@ -564,7 +628,7 @@ def read_hf_tensors(
     """
     from safetensors import SafetensorError, safe_open
 
-    from aisyn.model.port import PortError, weight_files
+    from aisyn.model.port import PortError, check_weight_values, weight_files
 
     folder = Path(folder)
     cfg = read_hf_config(folder)
@@ -603,8 +667,11 @@ def read_hf_tensors(
                 if read:
                     t = f.get_tensor(key)
                     out[name] = t.t().contiguous() if conv else t
+        check_weight_values(out, str(folder))
     except (SafetensorError, OSError) as e:
         raise HFError(f"{folder}: unreadable weights ({e})") from None
+    except PortError as e:
+        raise HFError(str(e)) from None
     return out
 
 

@@ -66,11 +66,8 @@ class PanguConfig(ConfigDict):
                 f"activation must be one of {', '.join(ACTIVATIONS)}, got "
                 f"{self.activation!r}"
             )
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by "
-                f"num_heads {self.num_heads}; pick heads that divide it"
-            )
+        # Sizes first: a zero count would fail the divisibility check below
+        # with a ZeroDivisionError that names nothing.
         if self.num_layers < 1:
             raise ValueError(
                 f"num_layers must be >= 1 (the top query layer), got {self.num_layers}"
@@ -78,8 +75,19 @@ class PanguConfig(ConfigDict):
         for name in ("vocab_size", "hidden_size", "num_heads", "ffn_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_heads {self.num_heads}; pick heads that divide it"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        # A LayerNorm with eps <= 0 divides by zero on a constant row (NaN
+        # logits, nothing said); a non-positive init std draws nothing sane.
+        for name in ("layer_norm_eps", "init_std"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
 
     def to_dict(self) -> dict:
         # The default activation is left out, so that the config (and every
@@ -117,6 +125,20 @@ class PanguConfig(ConfigDict):
         """Weights of one block's matrix products (planner's FLOP count)."""
         h, f = self.hidden_size, self.ffn_size
         return 4 * h * h + 2 * h * f
+
+    def parameter_count(self) -> int:
+        """Parameters of the model (the tied head once), by arithmetic: what
+        ``capacity`` weighs before anything is built, for any size."""
+        h, f = self.hidden_size, self.ffn_size
+        # q/k/v/c with biases, ln_1 + ln_2, c_fc and c_proj with biases
+        layer = 4 * (h * h + h) + 4 * h + 2 * h * f + f + h
+        # wte (= head), wpe, wqe, ln_f
+        return (
+            self.vocab_size * h
+            + 2 * self.seq_len * h
+            + 2 * h
+            + (self.num_layers * layer)
+        )
 
     @property
     def layout(self) -> Layout:

@@ -27,7 +27,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from aisyn.model.capacity import check_against_weights
 from aisyn.model.pangu import PanguConfig
+from aisyn.validate import json_field, read_json
 
 MODEL_TYPE = "gpt_pangu"
 #: the port's activation_function (transformers' ACT2FN names) -> ours;
@@ -52,65 +54,68 @@ def is_port_folder(path: str | Path) -> bool:
     if not config.is_file():
         return False
     try:
-        return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        c = read_json(config)
+    except ValueError:
         return False
+    return c.get("model_type") == MODEL_TYPE
 
 
 def folder_config(
     folder: str | Path, error: type[ValueError], kind: str = "a model folder"
-) -> tuple[Path, object]:
-    """(path, parsed JSON) of a model folder's ``config.json``; ``error`` with
-    one line if it is missing or not JSON."""
+) -> tuple[Path, dict]:
+    """(path, parsed JSON object) of a model folder's ``config.json``; ``error``
+    with one line if it is missing, not JSON, too large or too deep."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise error(f"{folder}: no config.json; not {kind}")
-    try:
-        return path, json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
+    return path, read_json(path, error=error)
 
 
 def read_port_config(folder: str | Path) -> PanguConfig:
     """Our ``PanguConfig`` of the port's ``config.json``."""
     path, c = folder_config(folder, PortError)
-    if not isinstance(c, dict) or c.get("model_type") != MODEL_TYPE:
-        found = c.get("model_type") if isinstance(c, dict) else None
+    if c.get("model_type") != MODEL_TYPE:
         raise PortError(
-            f"{path}: model_type {found!r}, not the PanGu-α port's {MODEL_TYPE!r}"
+            f"{path}: model_type {c.get('model_type')!r:.40}, not the PanGu-α "
+            f"port's {MODEL_TYPE!r}"
         )
-    act = c.get("activation_function", "gelu")
-    if not isinstance(act, str) or act not in PORT_ACTIVATIONS:
+
+    def get(key: str, kind, default):
+        return json_field(c, key, kind, default, str(path), error=PortError)
+
+    act = get("activation_function", str, "gelu")
+    if act not in PORT_ACTIVATIONS:
         raise PortError(
-            f"{path}: activation {act!r}, not one of {', '.join(PORT_ACTIVATIONS)}"
+            f"{path}: activation {act!r:.40}, not one of {', '.join(PORT_ACTIVATIONS)}"
         )
-    if not c.get("scale_attn_weights", True):
+    if not get("scale_attn_weights", bool, True):
         raise PortError(f"{path}: unscaled attention is not PanGu-α's")
-    hidden = c.get("hidden_size", 2560)
+    hidden = get("hidden_size", int, 2560)
+    fields = {
+        "vocab_size": get("vocab_size", int, 40000),
+        "hidden_size": hidden,
+        "num_layers": get("num_layers", int, 32),
+        "num_heads": get("num_heads", int, 32),
+        "ffn_size": get("intermediate_size", int, 4 * hidden),
+        "seq_len": get("max_position_embeddings", int, 1024),
+        "layer_norm_eps": get("layer_norm_epsilon", (int, float), 1e-5),
+        "activation": PORT_ACTIVATIONS[act],
+    }
     try:
-        return PanguConfig.from_dict(
-            {
-                "vocab_size": c.get("vocab_size", 40000),
-                "hidden_size": hidden,
-                "num_layers": c.get("num_layers", 32),
-                "num_heads": c.get("num_heads", 32),
-                "ffn_size": c.get("intermediate_size") or 4 * hidden,
-                "seq_len": c.get("max_position_embeddings", 1024),
-                "layer_norm_eps": c.get("layer_norm_epsilon", 1e-5),
-                "activation": PORT_ACTIVATIONS[act],
-            }
-        )
+        return PanguConfig.from_dict(fields)
     except (TypeError, ValueError) as e:
         raise PortError(f"{path}: {e}") from None
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
+def _read_file(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of one weight file; ``mmap`` maps a ``.bin`` instead of
+    reading it (its shapes are then known without its data)."""
     if not path.is_file():
         raise PortError(f"{path}: weight file missing")
     try:
         if path.suffix == ".safetensors":
             return load_file(str(path))
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
+        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (
         SafetensorError,
         pickle.UnpicklingError,
@@ -151,16 +156,51 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
         raise PortError(f"{folder / name}: unreadable weights ({e})") from None
 
 
+def stored_shapes(folder: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """Every stored tensor's shape (name as stored), from the weight files'
+    headers (a ``.bin`` is memory-mapped, not read); None if the folder holds
+    no weights. What a config is checked against before anything is built."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    name = next((f for f in WEIGHT_FILES if (folder / f).is_file()), None)
+    if name is None:
+        return None
+    files = [name]
+    if name.endswith(".index.json"):
+        files = sorted(set(_shard_index(folder / name).values()))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        path = folder / file
+        if not path.name.endswith(".safetensors"):
+            try:
+                tensors = _read_file(path, mmap=True)
+            except PortError:  # a legacy (non-zip) .bin cannot be mapped
+                tensors = _read_file(path)
+            shapes.update((k, tuple(v.shape)) for k, v in tensors.items())
+            continue
+        if not path.is_file():
+            raise PortError(f"{path}: weight file missing")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise PortError(f"{path}: unreadable weights ({e})") from None
+    return shapes
+
+
 def _shard_index(path: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-        shards = set(weight_map.values())
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise PortError(f"{path}: bad shard index ({e!r})") from None
-    for shard in shards:
+    index = read_json(path, error=PortError)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise PortError(f"{path}: bad shard index (no weight_map object)")
+    for name, shard in weight_map.items():
         if not isinstance(shard, str) or Path(shard).name != shard:
             # the index names files beside it, no paths
-            raise PortError(f"{path}: shard {shard!r} is not a file name")
+            raise PortError(
+                f"{path}: shard {shard!r:.60} of {name!r:.60} is not a file name"
+            )
     return weight_map
 
 
@@ -187,17 +227,39 @@ def read_folder_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def check_weight_values(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """``PortError`` naming the first tensor that is not floating point (an
+    int64 "weight" would be cast silently on load) or holds NaN or inf (a
+    model that runs, prints garbage and exits 0). One pass per tensor."""
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            raise PortError(
+                f"{source}: {name} is {str(t.dtype).removeprefix('torch.')}, "
+                "not floating-point weights"
+            )
+        if not bool(torch.isfinite(t).all()):
+            raise PortError(
+                f"{source}: {name} holds non-finite values (NaN or inf); "
+                "the weights are corrupt"
+            )
+
+
 def port_state_dict(
     tensors: dict[str, torch.Tensor], cfg: PanguConfig, source: str
 ) -> dict[str, torch.Tensor]:
     """The port's tensors minus its buffers, checked, named as ``PanguAlpha``'s."""
     out = {}
-    causal = torch.ones(cfg.seq_len, cfg.seq_len).tril().bool()
+    causal = None  # built once a mask has the config's size, never before
+    size = (cfg.seq_len, cfg.seq_len)
     for name, t in tensors.items():
         if name.endswith(".attn.masked_bias"):
             continue  # the port's fill value for masked scores; we use -inf
         if name.endswith(".attn.bias") and t.dim() == 4:
-            if t.shape[-2:] != causal.shape or not torch.equal(t[0, 0].bool(), causal):
+            if tuple(t.shape[-2:]) != size:
+                raise PortError(f"{source}: {name} is not a causal mask of this size")
+            if causal is None:
+                causal = torch.ones(size, dtype=torch.bool).tril()
+            if not torch.equal(t[0, 0].bool(), causal):
                 raise PortError(f"{source}: {name} is not a causal mask of this size")
             continue
         out[name] = t
@@ -214,7 +276,20 @@ def read_port(folder: str | Path) -> tuple[PanguConfig, dict[str, torch.Tensor]]
     dict with ``train.checkpoint.load_weights``, which checks every name and
     shape."""
     cfg = read_port_config(folder)
-    return cfg, port_state_dict(read_folder_tensors(folder), cfg, str(folder))
+    shapes = stored_shapes(folder)
+    if shapes is None:
+        raise PortError(
+            f"{folder}: no weights (expected one of {', '.join(WEIGHT_FILES)})"
+        )
+    try:
+        check_against_weights(cfg, shapes, str(folder), "num_layers")
+    except PortError:
+        raise
+    except ValueError as e:
+        raise PortError(str(e)) from None
+    state = port_state_dict(read_folder_tensors(folder), cfg, str(folder))
+    check_weight_values(state, str(folder))
+    return cfg, state
 
 
 def port_config(cfg: PanguConfig) -> dict:

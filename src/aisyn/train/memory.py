@@ -13,11 +13,14 @@ available memory is misreported.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
+from aisyn.model.capacity import (  # noqa: F401  (cgroup_available: re-exported)
+    SKIP_ENV,
+    available_bytes,
+    cgroup_available,
+    memory_check_skipped,
+)
 from aisyn.model.families import ModelConfig, build_model
 from aisyn.model.plan import (
     DTYPE_BYTES,
@@ -28,8 +31,6 @@ from aisyn.model.plan import (
     party_load,
 )
 from aisyn.model.segments import Partition
-
-SKIP_ENV = "AISYN_SKIP_MEMORY_CHECK"
 
 
 def compute_dtype(device: torch.device) -> str:
@@ -90,75 +91,10 @@ def party_bytes(
     return party_load(sizes, cfg, partition, party, workload).memory_bytes
 
 
-def _meminfo_available() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-#: (limit, usage, stat file, its page-cache key) of cgroup v2, then v1
-_CGROUP_FILES = (
-    ("memory.max", "memory.current", "memory.stat", "file"),
-    (
-        "memory/memory.limit_in_bytes",
-        "memory/memory.usage_in_bytes",
-        "memory/memory.stat",
-        "total_cache",
-    ),
-)
-
-
-def cgroup_available(root: Path = Path("/sys/fs/cgroup")) -> float | None:
-    """Room left under this process's cgroup memory limit; None without one.
-
-    Usage counts the page cache, which the kernel drops before it kills
-    anything, so it is left out (as MemAvailable leaves it out).
-    """
-    for limit_file, usage_file, stat_file, cache_key in _CGROUP_FILES:
-        try:
-            limit_text = (root / limit_file).read_text().strip()
-            if limit_text == "max":  # v2: no limit
-                return None
-            limit = float(limit_text)
-            if limit >= 2**60:  # v1: no limit
-                return None
-            usage = float((root / usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        cache = 0.0
-        try:
-            for line in (root / stat_file).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == cache_key:
-                    cache = float(value)
-        except (OSError, ValueError):
-            pass
-        return max(0.0, limit - max(0.0, usage - cache))
-    return None
-
-
-def available_bytes(device: torch.device) -> float | None:
-    """Free memory for a run on ``device``; None where it cannot be told."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return float(free)
-    if device.type != "cpu":
-        return None
-    known = [b for b in (_meminfo_available(), cgroup_available()) if b is not None]
-    return min(known) if known else None
-
-
 def check_fits(needed: float, device: torch.device, what: str) -> None:
     """Raise ``ValueError`` if ``needed`` bytes exceed what ``device`` has free
     (no check when that is unknown or the user turned it off)."""
-    if os.environ.get(SKIP_ENV, "") not in ("", "0"):
+    if memory_check_skipped():
         return
     free = available_bytes(device)
     if free is None or needed <= free:

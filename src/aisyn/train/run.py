@@ -17,6 +17,8 @@ import os
 import shutil
 from pathlib import Path
 
+from aisyn.validate import read_json
+
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
@@ -66,10 +68,10 @@ class RunDir:
         path = self.path / CONFIG
         if not path.is_file():
             raise FileNotFoundError(f"{self.path}: not a run folder (no {CONFIG})")
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: corrupt ({e})") from None
+        try:  # a base run may come from another organisation: bounded
+            return read_json(path)
+        except ValueError as e:
+            raise ValueError(f"corrupt run config: {e}") from None
 
     def copy_tokenizer(self, src: Path) -> None:
         dst = self.path / TOKENIZER
