@@ -456,11 +456,14 @@ def test_port_export_keeps_the_activation(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["activation_function"] == "quick_gelu"  # x * sigmoid(1.702 x)
     assert read_port_config(tmp_path) == fast
-    for bad in ("relu", ["gelu"]):
+    for bad, why in (
+        ("relu", "not one of gelu, quick_gelu"),
+        (["gelu"], "activation_function must be a string"),
+    ):
         (tmp_path / "config.json").write_text(
             json.dumps({**config, "activation_function": bad})
         )
-        with pytest.raises(PortError, match="not one of gelu, quick_gelu"):
+        with pytest.raises(PortError, match=why):
             read_port_config(tmp_path)
 
 
