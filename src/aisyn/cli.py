@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     from aisyn.eval.flags import add_eval_args, add_generate_args
     from aisyn.train.flags import add_train_args
     from aisyn.train.flagtable import REQUIRED, add_command, add_flags
-    from aisyn.validate import nonneg_int, positive_int
+    from aisyn.validate import positive_int
 
     p = argparse.ArgumentParser(
         prog="aisyn",
@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
             "items per document (each blanks a different noun)",
         ),
         ("--max-docs", positive_int, None, None),
-        ("--seed", nonneg_int, 0, None),
+        ("--seed", validate.seed, 0, None),
     )
 
     for name in EXTENSIONS:

@@ -334,5 +334,5 @@ def register(sub) -> None:
     pt.add_argument("--data", action="append", required=True, help="SFT folder")
     pt.add_argument("--parts", type=validate.positive_int, default=2)
     pt.add_argument("--out", required=True, help="folder for part0, part1, ...")
-    pt.add_argument("--seed", type=validate.nonneg_int, default=0)
+    pt.add_argument("--seed", type=validate.seed, default=0)
     pt.set_defaults(func=cmd_partition)

@@ -41,7 +41,7 @@ def add_train_args(
         ("--warmup", nonneg_int, 20, "linear warm-up steps"),
         ("--weight-decay", nonneg_float, 0.1, None),
         ("--grad-clip", nonneg_float, 1.0, "clip the global gradient L2 norm (0: off)"),
-        ("--seed", nonneg_int, 1234, None),
+        ("--seed", validate.seed, 1234, None),
         ("--log-every", positive_int, 10, None),
         (
             "--ckpt-every",
