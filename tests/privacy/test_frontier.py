@@ -154,3 +154,51 @@ def test_a_point_names_and_builds_its_defence():
     assert (
         defence_for(Point("embedding-dp", embedding_eps=5.0), clips).embedding_dp == 5
     )
+
+
+def test_a_preset_refuses_the_flags_it_would_ignore(tmp_path, capsys):
+    out = tmp_path / "o"
+    argv = ["privacy", "audit", "--preset", "ci", "--out", str(out)]
+    argv += ["--base", "b", "--public", "p", "--samples", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "aisyn: error: --preset ci measures on the comparison's own base, data and "
+        "settings; drop --base, --public, --samples (or --preset, to audit your own)"
+    )
+    assert not out.exists()
+
+
+def test_calibrate_refuses_a_cut_split_training_refuses(base, capsys):
+    argv = ["privacy", "calibrate", "--base", str(base), "--cut", "two-way:1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "aisyn: error: --cut two-way:1: split training needs a U-shape cut "
+        "(u:FRONT,BACK) so that labels and the loss stay with the data party"
+    )
+
+
+def test_calibrate_without_public_shards_reads_the_built_in_public_text(base, capsys):
+    """The same rows `split train --defence recommended` calibrates on, and
+    the bounds printed exactly (the flags then give that run)."""
+    from aisyn.data.tokenizer import open_tokenizer
+    from aisyn.privacy.frontier import calibrate
+    from aisyn.train.dp_calibration import public_rows
+    from aisyn.train.loop import load_run_model
+    from aisyn.train.run import TOKENIZER, RunDir
+
+    argv = ["privacy", "calibrate", "--base", str(base), "--batch-size", "4"]
+    assert main([*argv, "--samples", "16"]) in (0, None)
+    flags = capsys.readouterr().out.split()
+    values = dict(zip(flags[::2], flags[1::2], strict=True))
+    model, config = load_run_model(base)
+    tok = open_tokenizer(RunDir(base).path / TOKENIZER, config["tokenizer"])
+    rows = public_rows(tok, 32, 16)
+    clips = calibrate(model.eval().requires_grad_(False), rows, "u:1,1", 4)
+    assert values["--dp-forward-clip"] == repr(clips.forward)
+    assert values["--dp-backward-clip"] == repr(clips.backward)
+    assert (values["--dp-forward-noise"], values["--dp-backward-noise"]) == (
+        "0.1",
+        "0.3",
+    )
