@@ -393,3 +393,20 @@ def test_a_named_defence_with_contradicting_flags_writes_nothing(
         "aisyn: error: --defence recommended and --dp-backward-noise contradict"
     )
     assert not out.exists()
+
+
+def test_a_resumed_recommended_run_keeps_the_bounds_it_started_with(tmp_path):
+    """Its budget spans the run: resuming reads the recorded bounds instead of
+    calibrating again (the weights have moved), and refuses another defence."""
+    from aisyn.split.defence import recorded_defence
+    from aisyn.train.run import RunDir
+
+    started = dp.recommended_defence(0.9, 0.08, delta=1e-6)
+    RunDir(tmp_path / "run").create({"cut_defence": started.to_dict()}, resume=False)
+    assert recorded_defence(dp.Recommended(1e-6), tmp_path / "run") == started
+    with pytest.raises(ValueError, match="not --defence recommended") as e:
+        recorded_defence(dp.Recommended(), tmp_path / "run")  # another delta
+    assert "\n" not in str(e.value)
+    RunDir(tmp_path / "open").create({"cut_defence": None}, resume=False)
+    with pytest.raises(ValueError, match="trained with cut defence none"):
+        recorded_defence(dp.Recommended(), tmp_path / "open")
