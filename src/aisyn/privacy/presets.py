@@ -322,7 +322,7 @@ def frontier_figure(rows: list[dict]):
         ax.minorticks_off()
         ax.set_xlim(NO_NOISE_X / 2, top * 2)
         ax.set_xlabel(
-            f"noise multiplier σ on the {direction} direction "
+            f"noise multiplier σ on the {direction} direction\n"
             "(0: no Gaussian noise on it; log scale)"
         )
         ax.set_ylabel("tokens recovered, best attack (%)")
