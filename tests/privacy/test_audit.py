@@ -6,7 +6,7 @@ import csv
 import json
 
 import matplotlib.pyplot as plt
-from test_plots import check_recovery_figure
+from test_privacy_plots import check_recovery_figure
 
 from aisyn.cli import main
 from aisyn.privacy.audit import AuditSettings, audit, recovery_figure

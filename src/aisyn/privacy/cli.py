@@ -17,7 +17,8 @@ def cmd_audit(args) -> None:
     instead measures everything on the comparison's base and data: every cut
     undefended, and each defence of `aisyn split train` at several strengths
     (recovery, loss cost, epsilon: frontier.md/.csv/.png, with the
-    recommended default)."""
+    recommended default), and refuses the flags that would choose other
+    inputs or sizes."""
 
     from aisyn.privacy.audit import AuditSettings, audit
 
@@ -106,7 +107,8 @@ def cmd_calibrate(args) -> None:
     if args.public is None:
         tok = open_tokenizer(Path(args.base) / TOKENIZER, config["tokenizer"])
         seq_len = args.seq_len or config.get("seq_len") or model.config.seq_len
-        rows = public_rows(tok, seq_len, args.samples)
+        # at least one batch, as split train --defence recommended takes
+        rows = public_rows(tok, seq_len, max(args.samples, args.batch_size))
     else:
         public = TokenShards.open(
             args.public, "train", tokenizer_sha256=config["tokenizer"]["sha256"]

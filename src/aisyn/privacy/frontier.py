@@ -88,13 +88,6 @@ class Point:
         return "none"
 
 
-#: The recommended default as a frontier point: ``train.dp.RECOMMENDED``, the
-#: one home of its numbers (``split train --defence recommended`` runs it).
-RECOMMENDED = Point(
-    "gaussian", forward=dp.RECOMMENDED.forward, backward=dp.RECOMMENDED.backward
-)
-
-
 def defence_for(point: Point, clips: Clips) -> dp.CutDefence:
     if point.family == "gaussian":
         return dp.CutDefence(

@@ -16,7 +16,7 @@ from aisyn.split.transport import (
     parse_timeout,
 )
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
-from aisyn.train.dp import DEFENCES
+from aisyn.train.dp import DEFENCES, RECOMMENDED
 from aisyn.validate import (
     nonneg_float,
     nonneg_int,
@@ -472,9 +472,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "--defence",
             list(DEFENCES),
             None,
-            "recommended: noise on both directions (σ 0.1 on the activations, "
-            "0.3 on the gradient), clipping bounds calibrated on built-in public "
-            "text at the start; none (the default): B can read most of the text "
+            "recommended: noise on both directions (σ "
+            f"{RECOMMENDED.forward:g} on the activations, {RECOMMENDED.backward:g} "
+            "on the gradient), clipping bounds calibrated on built-in public text "
+            "at the start; none (the default): B can read most of the text "
             "(docs/privacy.md); instead of the --dp-* flags",
         ),
         (

@@ -25,7 +25,7 @@ import torch
 from aisyn.data.tokenizer import open_tokenizer
 from aisyn.model.families import ModelConfig, build_model
 from aisyn.train import dp
-from aisyn.train.dp_calibration import calibrate, public_rows
+from aisyn.train.dp_calibration import CALIBRATION_ROWS, calibrate, public_rows
 from aisyn.train.loop import TrainConfig, load_model_checkpoint
 from aisyn.train.memory import check_fits, whole_model_bytes
 from aisyn.train.run import RunDir
@@ -60,19 +60,28 @@ def calibrated_defence(
     """``RECOMMENDED`` noise at bounds measured on public text at ``cut``,
     with the model the run starts from, in steps of the run's batch size, on
     rows of the run's ``seq_len``."""
-    check_fits(
-        whole_model_bytes(mcfg, cfg.micro, seq_len, "fp32", trains_all_weights=False),
-        device,
-        "calibrating --defence recommended (the whole model, as the run starts)",
-    )
-    rows = public_rows(open_tokenizer(tokenizer_file, tokenizer_info), seq_len)
+    rows_at_once = _rows_at_once(mcfg, cfg, seq_len, device)
+    tokenizer = open_tokenizer(tokenizer_file, tokenizer_info)
+    rows = public_rows(tokenizer, seq_len, max(CALIBRATION_ROWS, cfg.batch_size))
+    if len(rows) < cfg.batch_size:
+        raise ValueError(
+            f"--defence recommended: the built-in public text makes {len(rows)} "
+            f"rows of {seq_len + 1} tokens, less than one batch of "
+            f"{cfg.batch_size}; calibrate on your own public text (aisyn privacy "
+            "calibrate --public) and give the --dp-* flags"
+        )
     if init_from is None:
         model = build_model(mcfg, seed=cfg.seed)
     else:
         model = build_model(mcfg, device="meta")
-        load_model_checkpoint(model, init_from)
+        try:
+            load_model_checkpoint(model, init_from)
+        except ValueError as e:  # e.g. a base that holds A's tensors only
+            raise ValueError(
+                f"--defence recommended calibrates on the whole base model: {e}"
+            ) from None
     model = model.to(device).eval().requires_grad_(False)
-    clips = calibrate(model, rows.to(device), cut, cfg.batch_size, cfg.micro)
+    clips = calibrate(model, rows.to(device), cut, cfg.batch_size, rows_at_once)
     del model
     defence = dp.recommended_defence(clips.forward, clips.backward, request.delta)
     log.info(
@@ -86,3 +95,22 @@ def calibrated_defence(
         dp.RECOMMENDED.backward,
     )
     return defence
+
+
+def _rows_at_once(
+    mcfg: ModelConfig, cfg: TrainConfig, seq_len: int, device: torch.device
+) -> int:
+    """A whole batch per pass where the whole (frozen) model and its
+    activations fit (fewer, larger passes are faster), else a micro-batch;
+    ValueError if not even that fits."""
+    what = "calibrating --defence recommended (the whole model, as the run starts)"
+
+    def need(rows: int) -> float:
+        return whole_model_bytes(mcfg, rows, seq_len, "fp32", trains_all_weights=False)
+
+    try:
+        check_fits(need(cfg.batch_size), device, what)
+        return cfg.batch_size
+    except ValueError:
+        check_fits(need(cfg.micro), device, what)
+        return cfg.micro

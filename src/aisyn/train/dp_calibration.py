@@ -111,7 +111,7 @@ def calibrate(
 ) -> Clips:
     """The median row norms of ``public`` rows (N, T+1) sent at ``cut`` in
     steps of ``batch`` rows (a remainder short of a batch is left out), run
-    ``micro`` rows at a time (memory only: the numbers are the same)."""
+    ``micro`` rows at a time (for memory; the same numbers up to rounding)."""
     partition = split_partition(cut, model)
     micro = micro or batch
     acts, grads = [], []
