@@ -4,6 +4,7 @@ input."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -202,3 +203,33 @@ def test_calibrate_without_public_shards_reads_the_built_in_public_text(base, ca
         "0.1",
         "0.3",
     )
+
+
+@pytest.mark.slow  # two calibrations and a run: ~35 s on the loaded 2-core box
+def test_defence_recommended_from_a_base_runs_the_flags_calibrate_prints(
+    tmp_path, base, news_data, capsys
+):
+    """From a public base, `split train --defence recommended` calibrates on
+    the whole base (B's blocks too) and the built-in public text: exactly the
+    bounds `privacy calibrate --base` prints for the same batch size."""
+    from aisyn.train import dp
+    from aisyn.train.loop import load_run_model
+
+    argv = ["privacy", "calibrate", "--base", str(base), "--batch-size", "4"]
+    assert main(argv) in (0, None)
+    flags = capsys.readouterr().out.split()
+    printed = dict(zip(flags[::2], flags[1::2], strict=True))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(load_run_model(base)[0].config.to_dict()))
+    out = tmp_path / "run"
+    argv = ["split", "train", "--model", str(model), "--data", str(news_data)]
+    argv += ["--init-from", str(base), "--out", str(out), "--defence", "recommended"]
+    argv += ["--steps", "1", "--batch-size", "4", "--device", "cpu", "--quiet"]
+    assert main(argv) in (0, None)
+    config = json.loads((out / "config.json").read_text())
+    used = dp.CutDefence.from_dict(config["cut_defence"])
+    assert repr(used.forward.clip) == printed["--dp-forward-clip"]
+    assert repr(used.backward.clip) == printed["--dp-backward-clip"]
+    assert f"{used.forward.noise:g}" == printed["--dp-forward-noise"]
+    assert f"{used.backward.noise:g}" == printed["--dp-backward-noise"]
+    assert config["init_from"] is not None
