@@ -37,6 +37,7 @@ from aisyn.experiments.presets import get_preset
 from aisyn.privacy.audit import AuditSettings, audit
 from aisyn.privacy.frontier import Point, frontier, recommended
 from aisyn.train.loop import TrainConfig, evaluate_loss, load_run_model
+from aisyn.validate import MAX_SEED
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
         lr=p.lr,
         warmup_steps=p.warmup,
         log_every=max(1, p.train_steps // 20),
-        seed=seed + 1,
+        seed=(seed + 1) % (MAX_SEED + 1),  # another stream; --seed MAX_SEED too
         device="cpu",
     )
     results = frontier(
