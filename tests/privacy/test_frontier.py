@@ -205,17 +205,20 @@ def test_calibrate_without_public_shards_reads_the_built_in_public_text(base, ca
     )
 
 
-@pytest.mark.slow  # two calibrations and a run: ~35 s on the loaded 2-core box
 def test_defence_recommended_from_a_base_runs_the_flags_calibrate_prints(
-    tmp_path, base, news_data, capsys
+    tmp_path, base, news_data, capsys, monkeypatch
 ):
     """From a public base, `split train --defence recommended` calibrates on
     the whole base (B's blocks too) and the built-in public text: exactly the
-    bounds `privacy calibrate --base` prints for the same batch size."""
+    bounds `privacy calibrate --base` prints for the same batch size (and, to
+    keep this fast, the same 16 rows instead of 256)."""
+    import aisyn.split.defence
     from aisyn.train import dp
     from aisyn.train.loop import load_run_model
 
+    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)
     argv = ["privacy", "calibrate", "--base", str(base), "--batch-size", "4"]
+    argv += ["--samples", "16"]
     assert main(argv) in (0, None)
     flags = capsys.readouterr().out.split()
     printed = dict(zip(flags[::2], flags[1::2], strict=True))

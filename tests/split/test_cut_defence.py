@@ -303,11 +303,15 @@ def _warnings(caplog) -> list[str]:
 
 
 def test_defence_recommended_is_the_run_of_the_equivalent_flags(
-    tmp_path, news_data, split_config, caplog
+    tmp_path, news_data, split_config, caplog, monkeypatch
 ):
     """--defence recommended calibrates at the run's start (the seeded init)
     on the built-in public text, as train.dp_calibration does for `privacy
     calibrate`, and then runs exactly what the printed --dp-* flags run."""
+    import aisyn.split.defence
+
+    # 16 public rows instead of 256: two calibration steps keep the test fast
+    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)
     from aisyn.data.tokenizer import open_tokenizer
     from aisyn.model.families import build_model
     from aisyn.train.dp_calibration import calibrate, public_rows
@@ -327,8 +331,8 @@ def test_defence_recommended_is_the_run_of_the_equivalent_flags(
         dp.RECOMMENDED.backward,
     )
     tok = json.loads((news_data / "manifest.json").read_text())["tokenizer"]
-    rows = public_rows(open_tokenizer(news_data / tok["file"], tok), 32)
-    assert rows.shape == (256, 33)
+    rows = public_rows(open_tokenizer(news_data / tok["file"], tok), 32, 16)
+    assert rows.shape == (16, 33)
     start = (
         build_model(split_config, seed=train_cfg().seed).eval().requires_grad_(False)
     )
@@ -337,7 +341,7 @@ def test_defence_recommended_is_the_run_of_the_equivalent_flags(
     # the user is told what it turned on, and no undefended warning
     messages = [r.getMessage() for r in caplog.records]
     assert any(
-        m.startswith("cut defence: recommended")
+        m.startswith("cut defence: recommended, calibrated on 16 rows")
         and f"--dp-forward-clip {clips.forward!r}" in m
         for m in messages
     )
