@@ -280,6 +280,8 @@ def test_a_named_defence_is_the_request_it_names():
     assert dp.defence_from_flags(named="recommended") == dp.Recommended()
     # δ only changes where ε is reported: it may join the recommended defence
     assert dp.defence_from_flags(named="recommended", delta=1e-6).delta == 1e-6
+    with pytest.raises(ValueError, match="delta must be positive"):
+        dp.Recommended(0.0)
     assert dp.defence_from_flags(named="none") == dp.CutDefence()
     assert dp.defence_from_flags() == dp.CutDefence()
 

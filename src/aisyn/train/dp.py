@@ -59,8 +59,9 @@ RECOMMENDED = NoiseMultipliers(forward=0.1, backward=0.3)
 
 #: What an undefended run gives away, in the same measurement (the default cut
 #: u:1,1, a compute party that knows the base): the best attack's share of A's
-#: input tokens and of its labels recovered.
-UNDEFENDED_RECOVERY = NoiseMultipliers(forward=0.68, backward=0.96)
+#: input tokens, and of its labels, recovered.
+UNDEFENDED_INPUTS_RECOVERED = 0.68
+UNDEFENDED_LABELS_RECOVERED = 0.96
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,9 @@ class Recommended:
     #: noise on both directions, whatever the bounds come to
     active = True
 
+    def __post_init__(self) -> None:
+        check_number("delta", self.delta, low=0, high=1, low_open=True, high_open=True)
+
     def matches(self, defence: CutDefence) -> bool:
         """``defence`` is this request's, whatever its calibrated bounds."""
         return (
@@ -163,8 +167,8 @@ def undefended_warning() -> str:
     """The one line an undefended split run starts with."""
     return (
         "no cut defence: in docs/privacy.md's audit a compute party that knows "
-        f"the base recovers {UNDEFENDED_RECOVERY.forward:.0%} of the input tokens "
-        f"and {UNDEFENDED_RECOVERY.backward:.0%} of the labels from what crosses; "
+        f"the base recovers {UNDEFENDED_INPUTS_RECOVERED:.0%} of the input tokens "
+        f"and {UNDEFENDED_LABELS_RECOVERED:.0%} of the labels from what crosses; "
         "--defence recommended adds noise that takes both to the guessing rate "
         f"(σ {RECOMMENDED.forward:g} on the activations, {RECOMMENDED.backward:g} "
         "on the gradient, clipping bounds calibrated on public text)"
