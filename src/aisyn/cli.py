@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_flag,
         add_flags,
     )
-    from aisyn.validate import nonneg_int, positive_int
+    from aisyn.validate import positive_int
 
     p = Parser(
         prog="aisyn",
@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
             "items per document (each blanks a different noun)",
         ),
         ("--max-docs", positive_int, None, "use only the first N documents"),
-        ("--seed", nonneg_int, 0, "seed of the blanks and candidates"),
+        ("--seed", validate.seed, 0, "seed of the blanks and candidates"),
     )
 
     for name in EXTENSIONS:

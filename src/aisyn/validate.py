@@ -45,11 +45,16 @@ def number_problem(
         return f"must be a finite number, got {value}"
     if low is not None and (value <= low if low_open else value < low):
         if low == 0 and low_open:
-            return f"must be positive, got {value:g}"
-        return f"must be {'>' if low_open else '>='} {low:g}, got {value:g}"
+            return f"must be positive, got {_show(value)}"
+        return f"must be {'>' if low_open else '>='} {_show(low)}, got {_show(value)}"
     if high is not None and (value >= high if high_open else value > high):
-        return f"must be {'<' if high_open else '<='} {high:g}, got {value:g}"
+        return f"must be {'<' if high_open else '<='} {_show(high)}, got {_show(value)}"
     return None
+
+
+def _show(value: float) -> str:
+    """Integers in full (a seed of 2**64 is not "1.84467e+19"), floats short."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def check_number(name: str, value: float, **bounds) -> None:
@@ -60,11 +65,26 @@ def check_number(name: str, value: float, **bounds) -> None:
         raise ValueError(f"{name} {problem}")
 
 
-def check_int(name: str, value: int, low: int | None = None) -> None:
-    """An integer setting (bools and floats refused), at least ``low``."""
+def check_int(
+    name: str, value: int, low: int | None = None, high: int | None = None
+) -> None:
+    """An integer setting (bools and floats refused), in ``[low, high]``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    check_number(name, value, low=low)
+    check_number(name, value, low=low, high=high)
+
+
+#: The largest seed any command takes. Seeds reach torch generators, which
+#: take at most 2**64 - 1 ("Overflow when unpacking long long" beyond), after
+#: small offsets (the epoch, +1); a split run's secret seed is 63-bit.
+MAX_SEED = 2**63 - 1
+#: ``validate.number_problem`` keywords of a seed
+SEED_RANGE = {"low": 0, "high": MAX_SEED}
+
+
+def check_seed(name: str, value: int) -> None:
+    """A seed from a config file or a peer: an integer in 0..MAX_SEED."""
+    check_int(name, value, **SEED_RANGE)
 
 
 # --- argparse types -------------------------------------------------------------------
@@ -129,6 +149,8 @@ open_probability = number_type(
 positive_probability = number_type(
     float, "positive_probability", low=0, low_open=True, high=1
 )
+#: every command's ``--seed``
+seed = number_type(int, "seed", **SEED_RANGE)
 
 
 # --- addresses ------------------------------------------------------------------------

@@ -5,8 +5,11 @@ from __future__ import annotations
 import csv
 import json
 
+import matplotlib.pyplot as plt
+from test_privacy_plots import check_recovery_figure
+
 from aisyn.cli import main
-from aisyn.privacy.audit import AuditSettings, audit
+from aisyn.privacy.audit import AuditSettings, audit, recovery_figure
 
 
 def test_an_embedding_only_cut_gives_the_text_away(
@@ -39,6 +42,12 @@ def test_an_embedding_only_cut_gives_the_text_away(
     assert in_context["recovery"] > in_context["frequent_token"]
     for f in ("audit.md", "audit.csv", "audit.json", "recovery.png"):
         assert (tmp_path / "out" / f).is_file()
+    # the plot shows these numbers, each series under its own label
+    fig = recovery_figure(report["rows"])
+    try:
+        check_recovery_figure(fig, report["rows"])
+    finally:
+        plt.close(fig)
     table = list(csv.DictReader((tmp_path / "out" / "audit.csv").open()))
     assert len(table) == 7 and table[0]["cut"] == "u:0,0"
     assert json.loads((tmp_path / "out" / "audit.json").read_text())["rows"]

@@ -4,6 +4,7 @@ input."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -154,3 +155,84 @@ def test_a_point_names_and_builds_its_defence():
     assert (
         defence_for(Point("embedding-dp", embedding_eps=5.0), clips).embedding_dp == 5
     )
+
+
+def test_a_preset_refuses_the_flags_it_would_ignore(tmp_path, capsys):
+    out = tmp_path / "o"
+    argv = ["privacy", "audit", "--preset", "ci", "--out", str(out)]
+    argv += ["--base", "b", "--public", "p", "--samples", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "aisyn: error: --preset ci measures on the comparison's own base, data and "
+        "settings; drop --base, --public, --samples (or --preset, to audit your own)"
+    )
+    assert not out.exists()
+
+
+def test_calibrate_refuses_a_cut_split_training_refuses(base, capsys):
+    argv = ["privacy", "calibrate", "--base", str(base), "--cut", "two-way:1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "aisyn: error: --cut two-way:1: split training needs a U-shape cut "
+        "(u:FRONT,BACK) so that labels and the loss stay with the data party"
+    )
+
+
+def test_calibrate_without_public_shards_reads_the_built_in_public_text(base, capsys):
+    """The same rows `split train --defence recommended` calibrates on, and
+    the bounds printed exactly (the flags then give that run)."""
+    from aisyn.data.tokenizer import open_tokenizer
+    from aisyn.privacy.frontier import calibrate
+    from aisyn.train.dp_calibration import public_rows
+    from aisyn.train.loop import load_run_model
+    from aisyn.train.run import TOKENIZER, RunDir
+
+    argv = ["privacy", "calibrate", "--base", str(base), "--batch-size", "4"]
+    assert main([*argv, "--samples", "16"]) in (0, None)
+    flags = capsys.readouterr().out.split()
+    values = dict(zip(flags[::2], flags[1::2], strict=True))
+    model, config = load_run_model(base)
+    tok = open_tokenizer(RunDir(base).path / TOKENIZER, config["tokenizer"])
+    rows = public_rows(tok, 32, 16)
+    clips = calibrate(model.eval().requires_grad_(False), rows, "u:1,1", 4)
+    assert values["--dp-forward-clip"] == repr(clips.forward)
+    assert values["--dp-backward-clip"] == repr(clips.backward)
+    assert (values["--dp-forward-noise"], values["--dp-backward-noise"]) == (
+        "0.1",
+        "0.3",
+    )
+
+
+def test_defence_recommended_from_a_base_runs_the_flags_calibrate_prints(
+    tmp_path, base, news_data, capsys, monkeypatch
+):
+    """From a public base, `split train --defence recommended` calibrates on
+    the whole base (B's blocks too) and the built-in public text: exactly the
+    bounds `privacy calibrate --base` prints for the same batch size (and, to
+    keep this fast, the same 16 rows instead of 256)."""
+    import aisyn.split.defence
+    from aisyn.train import dp
+    from aisyn.train.loop import load_run_model
+
+    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)
+    argv = ["privacy", "calibrate", "--base", str(base), "--batch-size", "4"]
+    argv += ["--samples", "16"]
+    assert main(argv) in (0, None)
+    flags = capsys.readouterr().out.split()
+    printed = dict(zip(flags[::2], flags[1::2], strict=True))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(load_run_model(base)[0].config.to_dict()))
+    out = tmp_path / "run"
+    argv = ["split", "train", "--model", str(model), "--data", str(news_data)]
+    argv += ["--init-from", str(base), "--out", str(out), "--defence", "recommended"]
+    argv += ["--steps", "1", "--batch-size", "4", "--device", "cpu", "--quiet"]
+    assert main(argv) in (0, None)
+    config = json.loads((out / "config.json").read_text())
+    used = dp.CutDefence.from_dict(config["cut_defence"])
+    assert repr(used.forward.clip) == printed["--dp-forward-clip"]
+    assert repr(used.backward.clip) == printed["--dp-backward-clip"]
+    assert f"{used.forward.noise:g}" == printed["--dp-forward-noise"]
+    assert f"{used.backward.noise:g}" == printed["--dp-backward-noise"]
+    assert config["init_from"] is not None

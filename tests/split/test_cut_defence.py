@@ -5,6 +5,7 @@ exactly, the compute party is never told, and nonsense settings are refused."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -249,3 +250,169 @@ def test_noise_touches_only_what_b_adds_not_the_residual_stream(
     assert losses(tmp_path / "split") == pytest.approx(
         losses(tmp_path / "whole"), rel=1e-5
     )
+
+
+# --- split train --defence ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            {"named": "recommended", "forward_clip": 1.0},
+            "--defence recommended and --dp-forward-clip contradict each other",
+        ),
+        (
+            {"named": "recommended", "backward_noise": 0.3, "embedding_dp": 5.0},
+            "--defence recommended and --dp-backward-noise, --embedding-dp",
+        ),
+        ({"named": "none", "delta": 1e-6}, "--defence none and --dp-delta contradict"),
+        ({"named": "strong"}, "--defence strong: expected one of"),
+    ],
+)
+def test_a_named_defence_with_flags_that_change_it_is_refused(flags, message):
+    with pytest.raises(ValueError, match=message) as e:
+        dp.defence_from_flags(**flags)
+    assert "\n" not in str(e.value)
+
+
+def test_a_named_defence_is_the_request_it_names():
+    assert dp.defence_from_flags(named="recommended") == dp.Recommended()
+    # δ only changes where ε is reported: it may join the recommended defence
+    assert dp.defence_from_flags(named="recommended", delta=1e-6).delta == 1e-6
+    with pytest.raises(ValueError, match="delta must be positive"):
+        dp.Recommended(0.0)
+    assert dp.defence_from_flags(named="none") == dp.CutDefence()
+    assert dp.defence_from_flags() == dp.CutDefence()
+
+
+def _split_cli(tmp_path, news_data, split_config, out, *flags):
+    from aisyn.cli import main
+
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(split_config.to_dict()))
+    cfg = train_cfg()
+    argv = ["split", "train", "--model", str(model), "--data", str(news_data)]
+    argv += ["--out", str(out), "--cut", CUT, "--quiet", "--device", "cpu"]
+    argv += ["--steps", "4", "--batch-size", str(cfg.batch_size)]
+    argv += ["--micro-batch-size", str(cfg.micro_batch_size), "--lr", str(cfg.lr)]
+    argv += ["--warmup", "1", "--log-every", "1", "--seed", str(cfg.seed), *flags]
+    return main(argv)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_defence_recommended_is_the_run_of_the_equivalent_flags(
+    tmp_path, news_data, split_config, caplog, monkeypatch
+):
+    """--defence recommended calibrates at the run's start (the seeded init)
+    on the built-in public text, as train.dp_calibration does for `privacy
+    calibrate`, and then runs exactly what the printed --dp-* flags run."""
+    import aisyn.split.defence
+
+    # 16 public rows instead of 256: two calibration steps keep the test fast
+    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)
+    from aisyn.data.tokenizer import open_tokenizer
+    from aisyn.model.families import build_model
+    from aisyn.train.dp_calibration import calibrate, public_rows
+
+    caplog.set_level(logging.INFO)
+    # Execute: the named defence
+    named = tmp_path / "named"
+    assert _split_cli(
+        tmp_path, news_data, split_config, named, "--defence", "recommended"
+    ) in (0, None)
+    # Assert: the recommended noise, the bounds of the public text at the start
+    used = dp.CutDefence.from_dict(
+        json.loads((named / "config.json").read_text())["cut_defence"]
+    )
+    assert (used.forward.noise, used.backward.noise) == (
+        dp.RECOMMENDED.forward,
+        dp.RECOMMENDED.backward,
+    )
+    tok = json.loads((news_data / "manifest.json").read_text())["tokenizer"]
+    rows = public_rows(open_tokenizer(news_data / tok["file"], tok), 32, 16)
+    assert rows.shape == (16, 33)
+    start = (
+        build_model(split_config, seed=train_cfg().seed).eval().requires_grad_(False)
+    )
+    clips = calibrate(start, rows, CUT, train_cfg().batch_size)
+    assert (used.forward.clip, used.backward.clip) == (clips.forward, clips.backward)
+    # the user is told what it turned on, and no undefended warning
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        m.startswith("cut defence: recommended, calibrated on 16 rows")
+        and f"--dp-forward-clip {clips.forward!r}" in m
+        for m in messages
+    )
+    assert not any("no cut defence" in m for m in messages)
+    caplog.clear()
+    # Execute: the same defence spelled out
+    explicit = tmp_path / "explicit"
+    flags = ["--dp-forward-clip", repr(clips.forward), "--dp-forward-noise", "0.1"]
+    flags += ["--dp-backward-clip", repr(clips.backward), "--dp-backward-noise", "0.3"]
+    assert _split_cli(tmp_path, news_data, split_config, explicit, *flags) in (0, None)
+    # Assert: the same run, step for step, and the same budget
+    assert losses(explicit) == losses(named)
+    privacy = [json.loads((d / "privacy.json").read_text()) for d in (named, explicit)]
+    assert privacy[0] == privacy[1]
+    assert not any("no cut defence" in m for m in _warnings(caplog))
+
+
+def test_an_undefended_run_says_at_start_what_it_exposes(
+    tmp_path, news_data, split_config, caplog
+):
+    out = tmp_path / "open"
+    assert _split_cli(tmp_path, news_data, split_config, out, "--steps", "1") in (
+        0,
+        None,
+    )
+    warnings = _warnings(caplog)
+    [line] = [w for w in warnings if w.startswith("no cut defence")]
+    assert "\n" not in line
+    assert "68% of the input tokens and 96% of the labels" in line
+    assert "--defence recommended" in line
+    # its small seed is guessable: the warning says what that costs, noise too
+    [seed] = [w for w in warnings if w.startswith("--seed 11")]
+    assert "cut defence's noise, which is drawn from the seed" in seed
+
+
+def test_a_named_defence_with_contradicting_flags_writes_nothing(
+    tmp_path, news_data, split_config, capsys
+):
+    out = tmp_path / "run"
+    rc = _split_cli(
+        tmp_path,
+        news_data,
+        split_config,
+        out,
+        "--defence",
+        "recommended",
+        "--dp-backward-noise",
+        "1",
+    )
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(
+        "aisyn: error: --defence recommended and --dp-backward-noise contradict"
+    )
+    assert not out.exists()
+
+
+def test_a_resumed_recommended_run_keeps_the_bounds_it_started_with(tmp_path):
+    """Its budget spans the run: resuming reads the recorded bounds instead of
+    calibrating again (the weights have moved), and refuses another defence."""
+    from aisyn.split.defence import recorded_defence
+    from aisyn.train.run import RunDir
+
+    started = dp.recommended_defence(0.9, 0.08, delta=1e-6)
+    RunDir(tmp_path / "run").create({"cut_defence": started.to_dict()}, resume=False)
+    assert recorded_defence(dp.Recommended(1e-6), tmp_path / "run") == started
+    with pytest.raises(ValueError, match="not --defence recommended") as e:
+        recorded_defence(dp.Recommended(), tmp_path / "run")  # another delta
+    assert "\n" not in str(e.value)
+    RunDir(tmp_path / "open").create({"cut_defence": None}, resume=False)
+    with pytest.raises(ValueError, match="trained with cut defence none"):
+        recorded_defence(dp.Recommended(), tmp_path / "open")

@@ -402,3 +402,26 @@ def test_a_bad_lora_hello_is_refused(tmp_path, ft_config, base, lora, message):
     with pytest.raises(HandshakeError, match=message):
         party.negotiate(proto.encode_json(hello))
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_the_recommended_defence_is_refused_for_split_fine_tuning(
+    tmp_path, ft_config, base, sft_dir
+):
+    """Its bounds are calibrated on pre-training rows, whose gradient scale an
+    SFT loss (answer tokens only) does not share: refused, before any file."""
+    from aisyn.train import dp
+
+    with pytest.raises(ValueError, match="--defence recommended is calibrated") as e:
+        split_train(
+            ft_config,
+            [sft_dir],
+            tmp_path / "run",
+            ft_cfg(),
+            SplitOptions(cut=CUT, mode="local"),
+            sft=True,
+            init_from=base,
+            progress=False,
+            defence=dp.Recommended(),
+        )
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()

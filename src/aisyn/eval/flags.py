@@ -84,7 +84,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         ),
         (
             "--seed",
-            validate.nonneg_int,
+            validate.seed,
             None,
             "sampling seed (default: random, printed)",
         ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aisyn import validate
-from aisyn.validate import nonneg_int, positive_float, positive_int
+from aisyn.validate import positive_float, positive_int
 
 
 def cmd_compare(args) -> None:
@@ -182,7 +182,7 @@ def register(sub) -> None:
         ("--per-doc", positive_int, 5, "blanks per train document"),
         ("--test-per-doc", positive_int, 5, "blanks per test document"),
         ("--max-docs", positive_int, None, "use only the first N documents"),
-        ("--seed", nonneg_int, 0, "seed of the blanks and candidates"),
+        ("--seed", validate.seed, 0, "seed of the blanks and candidates"),
         ("--overwrite", "store_true", None, "replace an existing folder"),
     )
 

@@ -340,7 +340,5 @@ def register(sub) -> None:
         "--parts", type=validate.positive_int, default=2, help="IID parts to deal"
     )
     pt.add_argument("--out", required=True, help="folder for part0, part1, ...")
-    pt.add_argument(
-        "--seed", type=validate.nonneg_int, default=0, help="seed of the deal"
-    )
+    pt.add_argument("--seed", type=validate.seed, default=0, help="seed of the deal")
     pt.set_defaults(func=cmd_partition)

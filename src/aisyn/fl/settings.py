@@ -17,7 +17,7 @@ from pathlib import Path
 
 from aisyn.train.loop import TrainConfig
 from aisyn.train.lora import Method
-from aisyn.validate import check_number
+from aisyn.validate import SEED_RANGE, check_number
 
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm")
 # How the server combines the accepted updates (Flower's own strategies): "mean"
@@ -69,7 +69,7 @@ NUMBER_RANGES: dict[str, dict] = {
     "warmup": {"low": 0},
     "weight_decay": {"low": 0},
     "grad_clip": {"low": 0},
-    "seed": {"low": 0},
+    "seed": SEED_RANGE,
     "lora_rank": {"low": 1},
     "lora_alpha": {"low": 0, "low_open": True},
     "proximal_mu": {"low": 0},

@@ -29,26 +29,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aisyn.model.causal_lm import CausalLM
 
+# A's pieces, run as a split run runs them (one implementation, shared with
+# the calibration of the defences' clipping bounds).
+from aisyn.train.dp_calibration import back_logits, front
+
 
 def word_embedding(model: CausalLM) -> torch.Tensor:
     """The (V, C) word embedding (the first module of the embedding stage)."""
     return model.get_submodule(model.layout.embed[0]).weight
-
-
-def front(model: CausalLM, x: torch.Tensor, blocks: range) -> torch.Tensor:
-    """Hidden states after ``blocks``, from embedded inputs ``x`` (causal)."""
-    ctx = model.context(x.shape[1], None, None, x.device)
-    for i in blocks:
-        x = model.block(i, x, ctx)
-    return x
-
-
-def back_logits(model: CausalLM, h: torch.Tensor, blocks: range) -> torch.Tensor:
-    """Logits from B's output ``h`` through A's back ``blocks`` and head."""
-    ctx = model.context(h.shape[1], None, None, h.device)
-    for i in blocks:
-        h = model.block(i, h, ctx)
-    return model.logits(model.finish(h, ctx))
 
 
 def invert_activations(

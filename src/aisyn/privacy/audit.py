@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from aisyn.data.shards import TokenShards
 from aisyn.model.causal_lm import CausalLM
@@ -33,14 +32,13 @@ from aisyn.model.families import build_model
 from aisyn.model.segments import Partition, parse_partition
 from aisyn.privacy.attacks import (
     LearnedDecoder,
-    back_logits,
     context_decoder,
     frequent_token_rate,
-    front,
     infer_labels,
     invert_activations,
     recovery,
 )
+from aisyn.train.dp_calibration import blocks_of, cut_traffic
 from aisyn.train.loop import load_run_model
 
 log = logging.getLogger(__name__)
@@ -65,25 +63,10 @@ class Crossing:
     grad: torch.Tensor  # (B, T, C) gradient of the loss w.r.t. ``out`` (A -> B)
 
 
-def blocks_of(partition: Partition) -> tuple[range, range, range]:
-    """(A's front blocks, B's blocks, A's back blocks)."""
-    n = partition.num_blocks
-    back = partition.back or 0
-    return range(partition.front), partition.middle, range(n - back, n)
-
-
 def crossing(model: CausalLM, rows: torch.Tensor, partition: Partition) -> Crossing:
     """One step's traffic of a split run of ``model`` on ``rows`` (B, T+1)."""
-    inputs, labels = rows[:, :-1], rows[:, 1:]
-    first, middle, back = blocks_of(partition)
-    with torch.no_grad():
-        acts = front(model, model.embed(inputs), first)
-        out = front(model, acts, middle)
-    out = out.detach().requires_grad_(True)
-    logits = back_logits(model, out, back)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-    (grad,) = torch.autograd.grad(loss, out)
-    return Crossing(inputs, labels, acts, out.detach(), grad)
+    acts, out, grad = cut_traffic(model, rows, partition)
+    return Crossing(rows[:, :-1], rows[:, 1:], acts, out, grad)
 
 
 def public_pairs(
@@ -238,37 +221,62 @@ def write_report(out: Path, report: dict) -> None:
     plot(out / "recovery.png", rows)
 
 
-def plot(path: Path, rows: list[dict]) -> None:
+def series_name(r: dict) -> str:
+    """The legend entry of one attack's series: the row fields it plots."""
+    return f"{r['attack']}, B knows {r['B_knows']}, A {r['A_weights']}"
+
+
+def recovery_figure(rows: list[dict]):
+    """Recovery against the blocks A keeps on each side of B: one line per
+    attack, B's knowledge and A's weights, in each panel's own legend. A
+    series keeps its colour (attack and B's knowledge) in both panels; A's
+    fine-tuned weights are dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    kinds = sorted({(r["attack"], r["B_knows"]) for r in rows})
+    colour = {k: plt.cm.tab10(i % 10) for i, k in enumerate(kinds)}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.5), sharey=True)
     for ax, direction, key in (
         (axes[0], "forward", "front_blocks_on_A"),
         (axes[1], "backward", "back_blocks_on_A"),
     ):
-        series: dict[str, list[tuple[int, float]]] = {}
+        series: dict[str, list[dict]] = {}
         for r in rows:
             if r["direction"] == direction:
-                name = f"{r['attack']}, B knows {r['B_knows']}, A {r['A_weights']}"
-                series.setdefault(name, []).append((r[key], r["recovery"]))
-        for name, pts in sorted(series.items()):
-            pts.sort()
+                series.setdefault(series_name(r), []).append(r)
+        for name, rs in sorted(series.items()):
+            rs.sort(key=lambda r: r[key])
             ax.plot(
-                [p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=name
+                [r[key] for r in rs],
+                [100 * r["recovery"] for r in rs],
+                marker="o",
+                color=colour[(rs[0]["attack"], rs[0]["B_knows"])],
+                linestyle="-" if rs[0]["A_weights"].startswith("base") else "--",
+                label=name,
             )
         base = [100 * r["frequent_token"] for r in rows if r["direction"] == direction]
         if base:
             ax.axhline(max(base), color="grey", linestyle=":", label="frequent token")
+        xs = sorted({r[key] for r in rows if r["direction"] == direction})
+        ax.set_xticks(xs)
         ax.set_xlabel(
             f"blocks A keeps {'before' if direction == 'forward' else 'after'} B"
         )
         ax.set_title(f"{direction}: {'inputs' if direction == 'forward' else 'labels'}")
-        ax.set_ylim(0, 100)
+        ax.set_ylim(-2, 102)
+        # below the panel, where it covers no line
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     axes[0].set_ylabel("tokens recovered (%)")
-    axes[1].legend(fontsize=6)
     fig.tight_layout()
+    return fig
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = recovery_figure(rows)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aisyn.validate import nonneg_float, nonneg_int, positive_int
+from aisyn.validate import nonneg_float, positive_int, seed
 
 
 def cmd_audit(args) -> None:
@@ -17,12 +17,24 @@ def cmd_audit(args) -> None:
     instead measures everything on the comparison's base and data: every cut
     undefended, and each defence of `aisyn split train` at several strengths
     (recovery, loss cost, epsilon: frontier.md/.csv/.png, with the
-    recommended default)."""
+    recommended default), and refuses the flags that would choose other
+    inputs or sizes."""
 
     from aisyn.privacy.audit import AuditSettings, audit
 
     if args.preset:
         from aisyn.privacy.presets import run_preset
+
+        # The preset brings its own base, data, cuts and sizes: a flag it would
+        # silently ignore is refused instead.
+        ignored = [f for f in PRESET_IGNORES if getattr(args, f) is not None]
+        if ignored:
+            raise ValueError(
+                f"--preset {args.preset} measures on the comparison's own base, "
+                "data and settings; drop "
+                + ", ".join("--" + f.replace("_", "-") for f in ignored)
+                + " (or --preset, to audit your own)"
+            )
 
         report = run_preset(args.preset, args.out, seed=args.seed)
         print((Path(args.out) / "frontier.md").read_text())
@@ -44,9 +56,11 @@ def cmd_audit(args) -> None:
         args.cut or ["u:0,0", "u:1,1"],
         trained=args.trained,
         settings=AuditSettings(
-            samples=args.samples,
-            public_samples=args.public_samples,
-            steps=args.steps,
+            **{
+                f: getattr(args, f)
+                for f in ("samples", "public_samples", "steps")
+                if getattr(args, f) is not None
+            },
             seed=args.seed,
         ),
     )
@@ -54,29 +68,54 @@ def cmd_audit(args) -> None:
     print(f"{len(report['rows'])} measurements in {report['elapsed_s']:.0f} s")
 
 
+#: the flags of ``privacy audit`` that ``--preset`` replaces
+PRESET_IGNORES = (
+    "base",
+    "data",
+    "public",
+    "cut",
+    "trained",
+    "samples",
+    "public_samples",
+    "steps",
+)
+
+
 def cmd_calibrate(args) -> None:
     """Clipping bounds for `aisyn split train --dp-*`, from public text: the
     median row norm of the returned gradients (and of the activations) when
-    --base runs --public rows at --cut in batches of --batch-size (the
-    gradient scales with 1 / the tokens of a batch, so give the run's). Prints
-    the flags of the recommended default (docs/privacy.md): noise multipliers
+    --base runs public rows at --cut in batches of --batch-size (the gradient
+    scales with 1 / the tokens of a batch, so give the run's). Prints the
+    flags of the recommended default (docs/privacy.md): noise multipliers
     --forward-noise on the activations and --backward-noise on the gradient
-    (--forward-noise 0: the activations cross in the clear). Public text keeps
-    the bounds free of A's data, as the accounting assumes."""
+    (--forward-noise 0: the activations cross in the clear). The public text
+    is --public's train split, or by default the built-in public corpus that
+    `split train --defence recommended` calibrates on (so its flags are that
+    run's). Public text keeps the bounds free of A's data, as the accounting
+    assumes."""
     import torch
 
     from aisyn.data.shards import TokenShards
-    from aisyn.privacy.frontier import calibrate
+    from aisyn.data.tokenizer import open_tokenizer
+    from aisyn.train.dp_calibration import calibrate, public_rows, split_partition
     from aisyn.train.loop import load_run_model
+    from aisyn.train.run import TOKENIZER
 
     model, config = load_run_model(args.base)
     model.eval().requires_grad_(False)
-    public = TokenShards.open(
-        args.public, "train", tokenizer_sha256=config["tokenizer"]["sha256"]
-    )
-    g = torch.Generator().manual_seed(args.seed)
-    n = min(len(public), args.samples)
-    rows = public.batch(torch.randperm(len(public), generator=g)[:n])
+    split_partition(args.cut, model)  # a cut split training refuses: before reading
+    if args.public is None:
+        tok = open_tokenizer(Path(args.base) / TOKENIZER, config["tokenizer"])
+        seq_len = args.seq_len or config.get("seq_len") or model.config.seq_len
+        # at least one batch, as split train --defence recommended takes
+        rows = public_rows(tok, seq_len, max(args.samples, args.batch_size))
+    else:
+        public = TokenShards.open(
+            args.public, "train", tokenizer_sha256=config["tokenizer"]["sha256"]
+        )
+        g = torch.Generator().manual_seed(args.seed)
+        n = min(len(public), args.samples)
+        rows = public.batch(torch.randperm(len(public), generator=g)[:n])
     clips = calibrate(model, rows, args.cut, args.batch_size)
     flags = [f"--cut {args.cut}"]
     for side, clip, noise in (
@@ -84,12 +123,16 @@ def cmd_calibrate(args) -> None:
         ("backward", clips.backward, args.backward_noise),
     ):
         if noise:
-            flags += [f"--dp-{side}-clip {clip:.6g}", f"--dp-{side}-noise {noise:g}"]
+            # repr: the bound exactly, so the flags give the run that
+            # --defence recommended would
+            flags += [f"--dp-{side}-clip {clip!r}", f"--dp-{side}-noise {noise:g}"]
     print(" ".join(flags))
 
 
 def register(sub) -> None:
-    from aisyn.privacy.frontier import RECOMMENDED
+    from aisyn.privacy.audit import AuditSettings
+    from aisyn.train.dp import RECOMMENDED
+    from aisyn.train.dp_calibration import CALIBRATION_ROWS
     from aisyn.train.flagtable import REQUIRED, add_command, add_flags
 
     p = sub.add_parser("privacy", help="measure what crosses in split training")
@@ -110,10 +153,25 @@ def register(sub) -> None:
         ("--out", None, REQUIRED, "report folder (new)"),
         ("--cut", "append", None, "u:FRONT,BACK (repeat; default u:0,0 and u:1,1)"),
         ("--trained", None, None, "A's run fine-tuned from --base (late in training)"),
-        ("--samples", positive_int, 8, "rows of A's data attacked"),
-        ("--public-samples", positive_int, 256, "public rows B fits decoders on"),
-        ("--steps", positive_int, 200, "optimisation steps per white-box attack"),
-        ("--seed", nonneg_int, 0, "seed of the rows and attacks"),
+        (
+            "--samples",
+            positive_int,
+            None,
+            f"rows of A's data attacked (default {AuditSettings.samples})",
+        ),
+        (
+            "--public-samples",
+            positive_int,
+            None,
+            f"public rows B fits decoders on (default {AuditSettings.public_samples})",
+        ),
+        (
+            "--steps",
+            positive_int,
+            None,
+            f"optimisation steps per white-box attack (default {AuditSettings.steps})",
+        ),
+        ("--seed", seed, 0, "seed of the rows and attacks"),
     )
     c = add_command(
         psub, "calibrate", cmd_calibrate, "clipping bounds for the cut's DP defence"
@@ -126,10 +184,22 @@ def register(sub) -> None:
             REQUIRED,
             "the base model (run folder) both parties start from",
         ),
-        ("--public", None, REQUIRED, "public text (prepared shards; train split)"),
+        (
+            "--public",
+            None,
+            None,
+            "public text (prepared shards; train split); default: the built-in "
+            "public corpus, as split train --defence recommended",
+        ),
         ("--cut", None, "u:1,1", "the cut the run will use"),
         ("--batch-size", positive_int, 16, "the run's batch size"),
-        ("--samples", positive_int, 256, "public rows to measure"),
+        (
+            "--seq-len",
+            positive_int,
+            None,
+            "without --public: the run's sequence length (default: the base's)",
+        ),
+        ("--samples", positive_int, CALIBRATION_ROWS, "public rows to measure"),
         (
             "--forward-noise",
             nonneg_float,
@@ -142,5 +212,5 @@ def register(sub) -> None:
             RECOMMENDED.backward,
             "noise multiplier on the returned gradient (0: none)",
         ),
-        ("--seed", nonneg_int, 0, "seed of the rows measured"),
+        ("--seed", seed, 0, "seed of the rows measured"),
     )

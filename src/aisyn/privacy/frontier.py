@@ -39,12 +39,13 @@ from aisyn.privacy.attacks import (
     invert_activations,
     recovery,
 )
-from aisyn.privacy.audit import Crossing, blocks_of, crossing
+from aisyn.privacy.audit import Crossing, crossing
 from aisyn.split.evaluate import open_split_model
 from aisyn.split.merge import merge
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
 from aisyn.train import dp
+from aisyn.train.dp_calibration import Clips, blocks_of, calibrate
 from aisyn.train.loop import TrainConfig, evaluate_loss, load_run_model
 
 log = logging.getLogger(__name__)
@@ -85,33 +86,6 @@ class Point:
         if self.family == "blocks":
             return f"cut {self.cut}"
         return "none"
-
-
-#: The recommended default (docs/privacy.md, measured by the ``full`` preset):
-#: every attack at 8.3 % or less, below the frequent-token rate, for 0.056
-#: nats after 300 steps; ``aisyn privacy calibrate`` prints its flags.
-RECOMMENDED = Point("gaussian", forward=0.1, backward=0.3)
-
-
-@dataclass(frozen=True)
-class Clips:
-    """Clipping bounds: the median row norm of each direction on public text,
-    at the run's batch size (the gradient scales with 1 / tokens per batch)."""
-
-    forward: float
-    backward: float
-
-
-def calibrate(model: CausalLM, public: torch.Tensor, cut: str, batch: int) -> Clips:
-    partition = parse_partition(cut, model.config)
-    acts, grads = [], []
-    for i in range(0, len(public) - batch + 1, batch):
-        c = crossing(model, public[i : i + batch], partition)
-        acts.append(c.acts.flatten(1).norm(dim=1))
-        grads.append(c.grad.flatten(1).norm(dim=1))
-    if not acts:
-        raise ValueError(f"calibration needs at least {batch} public rows")
-    return Clips(float(torch.cat(acts).median()), float(torch.cat(grads).median()))
 
 
 def defence_for(point: Point, clips: Clips) -> dp.CutDefence:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from aisyn.experiments.presets import get_preset
 from aisyn.privacy.audit import AuditSettings, audit
 from aisyn.privacy.frontier import Point, frontier, recommended
 from aisyn.train.loop import TrainConfig, evaluate_loss, load_run_model
+from aisyn.validate import MAX_SEED
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +143,7 @@ def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
         lr=p.lr,
         warmup_steps=p.warmup,
         log_every=max(1, p.train_steps // 20),
-        seed=seed + 1,
+        seed=(seed + 1) % (MAX_SEED + 1),  # another stream; --seed MAX_SEED too
         device="cpu",
     )
     results = frontier(
@@ -274,11 +276,17 @@ def write_frontier(out: Path, report: dict) -> None:
     plot_frontier(out / "frontier.png", rows)
 
 
-def plot_frontier(path: Path, rows: list[dict]) -> None:
+#: where a direction without Gaussian noise (σ = 0) is drawn on the log axis;
+#: its tick says "0"
+NO_NOISE_X = 1e-3
+
+
+def frontier_figure(rows: list[dict]):
     """Recovery against the noise multiplier of each direction, a colour per
-    defence (o: early, s: late; defences without Gaussian noise on that
-    direction drawn at σ = 1e-3); and each point's loss cost, merged and
-    served split."""
+    defence (o: early, s: late; σ = 0 drawn at a tick "0" of its own), each
+    panel with its legend; and each point's loss cost, merged and served
+    split. Every series is labelled with its defence (a late one with a
+    leading "_", which keeps it out of the legend: its marker says it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -296,25 +304,35 @@ def plot_frontier(path: Path, rows: list[dict]) -> None:
     for ax, direction in zip(axes[:2], ("forward", "backward"), strict=True):
         mine = [r for r in rows if r["direction"] == direction]
         for r in mine:
+            early = r["A_weights"] == "base (early)"
             ax.scatter(
-                max(r[direction], 1e-3),
+                r[direction] or NO_NOISE_X,
                 100 * r["recovery"],
                 color=colour[r["defence"]],
-                marker="o" if r["A_weights"] == "base (early)" else "s",
-                label=r["defence"] if r["A_weights"] == "base (early)" else None,
+                marker="o" if early else "s",
+                label=r["defence"] if early else f"_{r['defence']} (late)",
             )
         freq = max(100 * r["frequent_token"] for r in mine)
         ax.axhline(freq, color="grey", linestyle=":", label="frequent token")
         ax.axhline(100 * MAX_RECOVERY, color="red", linestyle=":", label="target")
         ax.set_xscale("log")
-        ax.set_xlabel(f"noise multiplier σ on the {direction} direction")
+        sigmas = [r[direction] for r in mine if r[direction]]
+        top = max(sigmas, default=1.0)
+        ticks = [NO_NOISE_X] + [10.0**k for k in range(-2, 1 + int(math.log10(top)))]
+        ax.set_xticks(ticks, ["0"] + [f"{t:g}" for t in ticks[1:]])
+        ax.minorticks_off()
+        ax.set_xlim(NO_NOISE_X / 2, top * 2)
+        ax.set_xlabel(
+            f"noise multiplier σ on the {direction} direction\n"
+            "(0: no Gaussian noise on it; log scale)"
+        )
         ax.set_ylabel("tokens recovered, best attack (%)")
         ax.set_title(
             f"{direction} ({'inputs' if direction == 'forward' else 'labels'}); "
             "o early, s late"
         )
         ax.set_ylim(0, 100)
-    axes[0].legend(fontsize=7, loc="center right")
+        ax.legend(fontsize=6, loc="center right")
     ax = axes[2]
     costs: dict[str, tuple[float, float]] = {}
     for r in rows:
@@ -330,5 +348,12 @@ def plot_frontier(path: Path, rows: list[dict]) -> None:
     ax.set_xlabel("loss cost (nats, vs no defence)")
     ax.set_title("cost")
     ax.legend(fontsize=7)
+    return fig
+
+
+def plot_frontier(path: Path, rows: list[dict]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = frontier_figure(rows)
     fig.savefig(path, dpi=110)
     plt.close(fig)

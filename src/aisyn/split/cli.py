@@ -16,6 +16,7 @@ from aisyn.split.transport import (
     parse_timeout,
 )
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
+from aisyn.train.dp import DEFENCES, RECOMMENDED
 from aisyn.validate import (
     nonneg_float,
     nonneg_int,
@@ -147,7 +148,7 @@ def cmd_train(args) -> None:
 
     from aisyn.split.session import SplitOptions
     from aisyn.split.train import secret_seed, split_train
-    from aisyn.train.dp import defence_from_flags
+    from aisyn.train.dp import CutDefence, defence_from_flags, undefended_warning
     from aisyn.train.flags import train_config_from_args
     from aisyn.train.lora import Method
 
@@ -158,8 +159,9 @@ def cmd_train(args) -> None:
     elif args.seed < 2**32:
         log.warning(
             "--seed %d: a seed the compute party can guess lets it rebuild your "
-            "initial weights and invert what you send it; leave --seed out for a "
-            "secret random one (recorded in the run's config.json)",
+            "initial weights and invert what you send it, and remove a cut "
+            "defence's noise, which is drawn from the seed; leave --seed out for "
+            "a secret random one (recorded in the run's config.json)",
             args.seed,
         )
     if bool(args.data) == bool(args.sft):
@@ -174,7 +176,10 @@ def cmd_train(args) -> None:
         backward_noise=args.dp_backward_noise,
         delta=args.dp_delta,
         embedding_dp=args.embedding_dp,
+        named=args.defence,
     )
+    if not defence.active:
+        log.warning("%s", undefended_warning())
     peer = _settings(args, args.peer) if args.peer else None
     opts = SplitOptions(
         cut=args.cut,
@@ -208,14 +213,15 @@ def cmd_train(args) -> None:
     )
     if "privacy" in summary:
         eps = summary["privacy"]["dp_epsilon"]
+        used = CutDefence.from_dict(summary["privacy"]["defence"])  # calibrated
         print(
-            f"cut defence: {defence.describe()}; privacy budget ε = "
+            f"cut defence: {used.describe()}; privacy budget ε = "
             + (
                 f"{eps:.4g}"
                 if eps is not None
                 else "unbounded (a side sent without noise)"
             )
-            + f" at δ = {defence.delta:g} per training row "
+            + f" at δ = {used.delta:g} per training row "
             f"({summary['privacy']['releases_per_row']} pass(es) over the data; "
             "privacy.json)"
         )
@@ -471,6 +477,16 @@ def register(sub: argparse._SubParsersAction) -> None:
             positive_float,
             16.0,
             "LoRA scale alpha (delta = alpha/rank BA)",
+        ),
+        (
+            "--defence",
+            list(DEFENCES),
+            None,
+            "recommended: noise on both directions (σ "
+            f"{RECOMMENDED.forward:g} on the activations, {RECOMMENDED.backward:g} "
+            "on the gradient), clipping bounds calibrated on built-in public text "
+            "at the start; none (the default): B can read most of the text "
+            "(docs/privacy.md); instead of the --dp-* flags",
         ),
         (
             "--dp-forward-clip",

@@ -40,6 +40,7 @@ from aisyn.split.data_party import (
     SplitModel,
     lm_loss_per_micro_batch,
 )
+from aisyn.split.defence import calibrated_defence, recorded_defence
 from aisyn.split.party import (
     Base,
     PartyState,
@@ -98,13 +99,14 @@ def split_train(
     tensorboard: bool = False,
     method: Method | None = None,
     compute_method: Method | None = None,
-    defence: dp.CutDefence | None = None,
+    defence: dp.CutDefence | dp.Recommended | None = None,
 ) -> dict:
     """Train as the data party; returns a summary like ``train.loop.train``.
 
     ``defence``: clipping and noise on what A sends (``train.dp``); its
     privacy budget is in each metrics record (``dp_epsilon``), the summary
-    and the run's ``privacy.json``. B is not told.
+    and the run's ``privacy.json``. B is not told. ``dp.Recommended()``: the
+    recommended defence, calibrated here on public text (``split.defence``).
 
     ``method`` / ``compute_method``: full training or LoRA of the data party's
     / the compute party's blocks (default: full for both). A LoRA party keeps
@@ -187,6 +189,26 @@ def split_train(
     base = open_base(init_from, mcfg, partition, DATA_PARTY) if init_from else None
     run = RunDir(out)
     run_id = None
+    if isinstance(defence, dp.Recommended):
+        if sft:
+            raise ValueError(
+                "--defence recommended is calibrated for pre-training (--data); "
+                "for --sft give the --dp-* flags (docs/privacy.md)"
+            )
+        if resume and (run.path / "config.json").is_file():
+            defence = recorded_defence(defence, run.path)
+        else:
+            defence = calibrated_defence(
+                defence,
+                mcfg,
+                opts.cut,
+                tok,
+                Path(data_dirs[0]) / tok["file"],
+                source.seq_len,
+                cfg,
+                init_from,
+                device,
+            )
     defence = defence or dp.CutDefence()
     if resume and (run.path / "config.json").is_file():
         old = run.read_config()

@@ -46,7 +46,7 @@ def add_train_args(
             "AdamW weight decay (not on biases and norms)",
         ),
         ("--grad-clip", nonneg_float, 1.0, "clip the global gradient L2 norm (0: off)"),
-        ("--seed", nonneg_int, 1234, "seed of the initial weights and the data order"),
+        ("--seed", validate.seed, 1234, "seed of the initial weights and data order"),
         ("--log-every", positive_int, 10, "log and record metrics every N steps"),
         (
             "--ckpt-every",

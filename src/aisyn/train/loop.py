@@ -35,7 +35,7 @@ from aisyn.train.run import RunDir
 from aisyn.train.sampler import BatchSampler
 from aisyn.train.schedule import lr_at
 from aisyn.train.update import apply_update
-from aisyn.validate import check_device, check_int, check_number
+from aisyn.validate import check_device, check_int, check_number, check_seed
 
 log = logging.getLogger("aisyn.train")
 
@@ -79,7 +79,7 @@ class TrainConfig:
         check_number("weight_decay", self.weight_decay, low=0)
         check_number("grad_clip", self.grad_clip, low=0)
         check_int("warmup_steps", self.warmup_steps, low=0)
-        check_int("seed", self.seed, low=0)
+        check_seed("seed", self.seed)
         check_int("log_every", self.log_every, low=1)
         check_int("ckpt_every", self.ckpt_every, low=0)
         check_int("keep_checkpoints", self.keep_checkpoints, low=1)
