@@ -307,16 +307,29 @@ class _Rounds:
             self.gen_cache = None  # a generation left open ends with the session
 
     def _rounds(self) -> None:
-        from aisyn.link.errors import PeerLostError
+        from aisyn.link.errors import PeerClosedError, PeerLostError
 
         r = 0
         while True:
             try:
                 t = self.link.recv("ctl", step=r, shape=(7,), dtype=torch.int64)
+            except PeerClosedError:
+                # A said goodbye between rounds: the normal end of a session.
+                log.info(
+                    "session for run %s ended: the data party closed it after "
+                    "%d round(s)",
+                    self.session.run_id,
+                    r,
+                )
+                return
             except PeerLostError as e:
-                # Between rounds this is the normal end of a session (or A went
-                # away between steps): nothing is half done.
-                log.info("session %s ended: %s", self.session.run_id, e)
+                # A went away between rounds: nothing is half done, but it did
+                # not say goodbye, so say what happened.
+                log.warning(
+                    "session for run %s ended between rounds: %s",
+                    self.session.run_id,
+                    e,
+                )
                 return
             c = proto.Control.parse(t, self.party.cfg.seq_len)
             if c.op == proto.TRAIN:
