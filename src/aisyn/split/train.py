@@ -130,6 +130,7 @@ def split_train(
             f"--init-from {init_from}: no such base model (a run folder, "
             "checkpoint folder or .safetensors file)"
         )
+    check_pipeline(opts.window, cfg)
     method, compute_method = method or Method(), compute_method or Method()
     lora = method.name == "lora" or compute_method.name == "lora"
     if lora and resume and init_from is None and (Path(out) / "config.json").is_file():
@@ -271,6 +272,25 @@ def split_train(
             # knows it could subtract the noise, or rebuild A's init).
             dp.CutGuard(defence, cfg.seed) if defence.active else None,
         )
+
+
+def check_pipeline(window: int, cfg: TrainConfig) -> None:
+    """Refuse ``--pipeline`` where a step has one micro-batch: there would be
+    nothing to overlap, and the run would silently be lockstep."""
+    if not window or cfg.grad_accum >= 2:
+        return
+    b = cfg.batch_size
+    fix = (
+        f"set --micro-batch-size to a divisor of {b} below it, e.g. "
+        f"{max(d for d in range(1, b) if b % d == 0)}"
+        if b >= 2
+        else "set --batch-size to 2 or more and --micro-batch-size below it"
+    )
+    raise ValueError(
+        f"--pipeline {window} overlaps the micro-batches of a step, and a step of "
+        f"--batch-size {b} with --micro-batch-size {cfg.micro} has only one: "
+        f"{fix} (or leave out --pipeline)"
+    )
 
 
 def _train_loop(
