@@ -4,13 +4,16 @@ behind on either party, so the retry is not told "already holds a run"."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shlex
 from pathlib import Path
 
+import pytest
 from conftest import CUT
 from test_server_hardening import fresh_hello
 
+from aisyn.link.errors import HandshakeError
 from aisyn.model.segments import parse_partition
 from aisyn.split.session import open_local
 
@@ -91,3 +94,150 @@ def test_pipeline_with_one_micro_batch_is_refused_in_one_line(
     assert len(err) == 1 and err[0].startswith("aisyn: error: --pipeline 2"), err
     assert "--micro-batch-size to a divisor of 8 below it, e.g. 4" in err[0]
     assert not out.exists()  # refused before anything was written
+
+
+# --- both parties resolve a preset's vocabulary the same way ----------------------
+
+
+def data_tokenizer(data: Path) -> dict:
+    from aisyn.data.shards import open_many
+
+    return open_many([data], "train")[0].tokenizer_info
+
+
+def data_party_hello(argv: list[str], data: Path) -> dict:
+    """The hello ``aisyn split train ARGV`` sends for data prepared at ``data``
+    (its model config as split_train resolves it), built on the meta device."""
+    from aisyn.cli import build_parser
+    from aisyn.model.segments import COMPUTE_PARTY, init_seeds
+    from aisyn.split import protocol as proto
+    from aisyn.train.flags import train_config_from_args
+    from aisyn.train.loop import model_config_for
+
+    args = build_parser().parse_args(argv)
+    args.seed = 7
+    train = train_config_from_args(args)
+    tok = data_tokenizer(data)
+    mcfg = model_config_for(args.model, tok, 32)
+    partition = parse_partition(args.cut, mcfg)
+    return proto.hello(
+        purpose="train",
+        run_id="docs",
+        model=mcfg.to_dict(),
+        partition=partition.to_dict(),
+        train=train,
+        init_seeds=init_seeds(mcfg, partition, COMPUTE_PARTY, train.seed),
+    )
+
+
+def test_the_docs_serve_line_takes_the_docs_data_party(
+    tmp_path, news_data, monkeypatch
+):
+    """docs/split.md's two-machine lines, as written (`--model 2.6B`, the
+    shipped 8 000-piece tokenizer at A): B, a preset on the meta device here,
+    accepts A's hello instead of refusing "vocab_size differs"."""
+    from aisyn.cli import build_parser
+    from aisyn.link.certs import make_dev_certs
+    from aisyn.link.memory import IN_PROCESS
+    from aisyn.model.families import load_config
+    from aisyn.split import protocol as proto
+    from aisyn.split.compute_party import ComputeParty
+
+    monkeypatch.chdir(tmp_path)  # the lines' files, relative as written
+    certs = make_dev_certs(tmp_path / "certs")
+    for name, src in {
+        "a.pem": certs.client_cert,
+        "a.key": certs.client_key,
+        "b.pem": certs.server_cert,
+        "b.key": certs.server_key,
+        "ca.pem": certs.ca_cert,
+    }.items():
+        Path(name).write_bytes(src.read_bytes())
+    Path("token").write_text("docs-token")
+
+    serve = build_parser().parse_args(
+        docs_command("split.md", "aisyn split serve --listen 0.0.0.0:50051")
+    )
+    cfg = load_config(serve.model)
+    assert serve.model == "2.6B" and cfg.vocab_size == 40000
+    party = ComputeParty(cfg, parse_partition(serve.cut, cfg), tmp_path / "b")
+    hello = data_party_hello(
+        docs_command("split.md", "aisyn split train --mode grpc --peer"), news_data
+    )
+    assert hello["model"]["vocab_size"] == data_tokenizer(news_data)["vocab_size"]
+    reply, session = party.negotiate(proto.encode_json(hello), IN_PROCESS)
+    assert proto.parse_reply(reply)["start_step"] == 0
+    assert session.cfg.to_dict() == hello["model"]  # B's run records A's model
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_preset_vocabulary_at_b_trains_with_the_tokenizers_at_a(
+    tmp_path, split_config, news_data, token_file
+):
+    """Scaled down from the docs' lines (only sizes differ): both parties given
+    a config of the reference's 40 000 pieces, A's data of 8 000, over gRPC."""
+    from dataclasses import replace
+
+    from conftest import start_server, train_cfg
+
+    from aisyn.split.merge import merge
+    from aisyn.split.session import SplitOptions
+    from aisyn.split.train import split_train
+    from aisyn.split.transport import LinkSettings
+
+    preset = replace(split_config, vocab_size=40000)
+    listen = LinkSettings("127.0.0.1:0", token_file=str(token_file), insecure=True)
+    with start_server(preset, tmp_path / "b", listen) as server:
+        peer = LinkSettings(server.address, token_file=str(token_file), insecure=True)
+        out = tmp_path / "a"
+        split_train(
+            preset,
+            [news_data],
+            out,
+            train_cfg(steps=2, ckpt_every=2),
+            SplitOptions(cut=CUT, mode="grpc", peer=peer),
+            progress=False,
+        )
+    (b_run,) = (tmp_path / "b").iterdir()
+    vocab = data_tokenizer(news_data)["vocab_size"]
+    b_model = json.loads((b_run / "config.json").read_text())["model"]
+    assert b_model["vocab_size"] == vocab == 8000
+    merge(out, tmp_path / "b", tmp_path / "merged")  # the two records agree
+
+
+def test_a_base_fixes_the_compute_partys_vocabulary(tmp_path, split_config, news_data):
+    """`aisyn train --model PRESET` sizes the base to the tokenizer; B serving
+    `--model PRESET --init-from BASE` takes the base's vocabulary, not the
+    preset's, and accepts the data party starting from that base."""
+    from dataclasses import replace
+
+    from conftest import train_cfg
+
+    from aisyn.link.memory import IN_PROCESS
+    from aisyn.model.segments import DATA_PARTY
+    from aisyn.split import protocol as proto
+    from aisyn.split.compute_party import ComputeParty
+    from aisyn.split.party import open_base
+    from aisyn.train.loop import model_config_for, train
+
+    preset = replace(split_config, vocab_size=40000)
+    train(preset, [news_data], tmp_path / "base", train_cfg(steps=1), progress=False)
+    partition = parse_partition(CUT, preset)
+    party = ComputeParty(preset, partition, tmp_path / "b", init_from=tmp_path / "base")
+    assert party.cfg.vocab_size == 8000 and party.vocab_fixed
+    mcfg = model_config_for(preset, data_tokenizer(news_data), 32)
+    base = open_base(tmp_path / "base", mcfg, partition, DATA_PARTY)
+    hello = proto.hello(
+        purpose="train",
+        run_id="based",
+        model=mcfg.to_dict(),
+        partition=partition.to_dict(),
+        train=train_cfg(),
+        init=base.fingerprint,
+    )
+    reply, _ = party.negotiate(proto.encode_json(hello), IN_PROCESS)
+    assert proto.parse_reply(reply)["start_step"] == 0
+    # Any other vocabulary is refused: the base's embedding fixes it.
+    hello["model"] = {**hello["model"], "vocab_size": 9000}
+    with pytest.raises(HandshakeError, match=r"differs .* in \['vocab_size'\]"):
+        party.negotiate(proto.encode_json(hello), IN_PROCESS)

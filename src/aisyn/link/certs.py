@@ -79,6 +79,12 @@ class DevCerts:
             client_key=out / "client.key",
         )
 
+    def other_client(self, name: str) -> tuple[Path, Path]:
+        """(certificate, key) of client ``name`` minted with
+        ``make_dev_certs(..., more_clients=[name])``: another data party, say."""
+        folder = self.ca_cert.parent
+        return folder / f"client-{name}.pem", folder / f"client-{name}.key"
+
     def server_tls(self) -> TlsConfig:
         return TlsConfig.from_files(self.server_cert, self.server_key, self.ca_cert)
 
@@ -93,10 +99,12 @@ def make_dev_certs(
     hosts: Sequence[str] = ("127.0.0.1", "localhost"),
     *,
     days: int = 30,
+    more_clients: Sequence[str] = (),
 ) -> DevCerts:
     """Write a fresh CA, a server certificate valid for ``hosts`` and a client
-    certificate into ``out_dir``. Keys are P-256 (fast to generate, supported
-    by gRPC's BoringSSL) and written with mode 0600."""
+    certificate into ``out_dir``, and one more client certificate per name in
+    ``more_clients`` (``DevCerts.other_client``). Keys are P-256 (fast to
+    generate, supported by gRPC's BoringSSL) and written with mode 0600."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC)
@@ -145,6 +153,11 @@ def make_dev_certs(
     _write(paths.client_cert, client_cert.public_bytes(serialization.Encoding.PEM))
     _write(paths.server_key, _key_pem(server_key), private=True)
     _write(paths.client_key, _key_pem(client_key), private=True)
+    for name in more_clients:
+        cert, key = leaf(f"aisyn-client-{name}", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+        cert_path, key_path = paths.other_client(name)
+        _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+        _write(key_path, _key_pem(key), private=True)
     return paths
 
 

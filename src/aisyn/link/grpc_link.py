@@ -12,9 +12,12 @@ the session callback's own bugs included: the slot is always released.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import hmac
 import logging
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -440,10 +443,22 @@ class GrpcLinkServer(Service):
         if not hmac.compare_digest(value.removeprefix("Bearer ").encode(), self._token):
             raise AuthError("invalid token")
 
+    def _identity(self, context: grpc.ServicerContext) -> str:
+        """Who the client is, as the transport proves it: its certificate
+        under mutual TLS (every client shares the token, not its key), else
+        the token it passed (hashed: an identity may be stored on disk)."""
+        pem = context.auth_context().get("x509_pem_cert")
+        if pem:
+            der = ssl.PEM_cert_to_DER_cert(pem[0].decode("ascii"))
+            return "x509-sha256:" + hashlib.sha256(der).hexdigest()
+        digest = hashlib.sha256(b"aisyn-link\0" + self._token).hexdigest()
+        return "token-sha256:" + digest
+
     def _open(
         self, requests: Iterator[Inbound], context: grpc.ServicerContext
     ) -> _ServerLink:
         peer, nbytes = self._read_hello(requests, context)
+        peer = dataclasses.replace(peer, identity=self._identity(context))
         answer = self._answer(peer, context.peer())
         name = f"link[{self._role}<-{context.peer()}]"
         reply_frame = hello_frame(self._role, answer.reply)

@@ -64,7 +64,8 @@ class SplitServer:
         return self.server.address
 
     def _on_hello(self, peer: PeerHello) -> Accept:
-        reply, session = self.party.negotiate(peer.session)
+        # The identity is the link's (certificate or token), not the hello's.
+        reply, session = self.party.negotiate(peer.session, peer.identity)
         # The session travels with its own connection's link: two clients may
         # well send the same hello text.
         return Accept(reply, session)

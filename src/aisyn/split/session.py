@@ -109,9 +109,16 @@ def open_local(
     party = ComputeParty(
         cfg, partition, compute_root, device=device, init_from=init_from
     )
-    reply_text, session = party.negotiate(proto.encode_json(hello))
-    reply = proto.parse_reply(reply_text)
     link_a, link_b = memory_pair(codec, options=link_options(codec, recv_timeout_s))
+    try:
+        reply_text, session = party.negotiate(
+            proto.encode_json(hello), link_b.peer.identity
+        )
+        reply = proto.parse_reply(reply_text)
+    except BaseException:
+        link_a.close()
+        link_b.close()
+        raise
     errors: list[BaseException] = []
 
     def run_b() -> None:
