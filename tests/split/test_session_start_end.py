@@ -241,3 +241,77 @@ def test_a_base_fixes_the_compute_partys_vocabulary(tmp_path, split_config, news
     hello["model"] = {**hello["model"], "vocab_size": 9000}
     with pytest.raises(HandshakeError, match=r"differs .* in \['vocab_size'\]"):
         party.negotiate(proto.encode_json(hello), IN_PROCESS)
+
+
+# --- a refused or failed start leaves nothing behind ------------------------------
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_refused_start_leaves_no_run_folder_and_the_retry_works(
+    tmp_path, split_config, news_data, token_file
+):
+    from conftest import start_server, train_cfg
+
+    from aisyn.split.session import SplitOptions
+    from aisyn.split.train import split_train
+    from aisyn.split.transport import LinkSettings
+
+    listen = LinkSettings("127.0.0.1:0", token_file=str(token_file), insecure=True)
+    out = tmp_path / "a"
+    cfg = train_cfg(steps=2, ckpt_every=2)
+
+    def run(server, **kwargs) -> dict:
+        peer = LinkSettings(server.address, token_file=str(token_file), insecure=True)
+        opts = SplitOptions(cut=CUT, mode="grpc", peer=peer)
+        return split_train(
+            split_config, [news_data], out, cfg, opts, progress=False, **kwargs
+        )
+
+    with (
+        start_server(split_config, tmp_path / "wrong", listen, cut="u:1,2") as wrong,
+        start_server(split_config, tmp_path / "b", listen) as right,
+    ):
+        with pytest.raises(HandshakeError, match="cut .* differs"):
+            run(wrong)
+        assert not out.exists()
+        assert run(right)["steps"] == 2  # the same command, not "already holds"
+        before = snapshot(out)
+        cfg = train_cfg(steps=4, ckpt_every=2)  # a --resume with more steps
+        with pytest.raises(HandshakeError, match="cut .* differs"):
+            run(wrong, resume=True)
+        assert snapshot(out) == before  # its config.json as it was
+    assert not (tmp_path / "wrong").exists() or not any((tmp_path / "wrong").iterdir())
+
+
+def test_a_failed_first_save_leaves_no_folder_at_the_compute_party(
+    tmp_path, split_config, news_data, monkeypatch
+):
+    from conftest import train_cfg
+
+    from aisyn.split import compute_party
+    from aisyn.split.data_party import SplitError
+    from aisyn.split.session import COMPUTE_DIR, SplitOptions
+    from aisyn.split.train import split_train
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compute_party.ckpt, "save", disk_full)
+    out = tmp_path / "a"
+    with pytest.raises(SplitError, match="could not checkpoint step 2"):
+        split_train(
+            split_config,
+            [news_data],
+            out,
+            train_cfg(steps=2, ckpt_every=2),
+            SplitOptions(cut=CUT),
+            progress=False,
+        )
+    assert list((out / COMPUTE_DIR).iterdir()) == []

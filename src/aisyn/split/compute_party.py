@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import logging
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -592,6 +593,9 @@ class _Rounds:
             self.link.send_scalar("saved", -1.0, step=r)
             return
         t0 = time.perf_counter()
+        # A run's first save makes its folder; if that save fails, no folder
+        # is left to pass for a run (nor for one bound to this data party).
+        new_folder = not run.path.exists()
         try:
             if not (run.path / "config.json").is_file():
                 run.create(self.party.run_config(self.session), resume=False)
@@ -610,6 +614,8 @@ class _Rounds:
             )
         except (OSError, ckpt.CheckpointError) as e:
             log.error("checkpoint of step %d failed: %s", c.step, e)
+            if new_folder:
+                shutil.rmtree(run.path, ignore_errors=True)
             self.link.send_scalar("saved", -1.0, step=r)
             return
         log.info("saved %s (%.2f s)", folder, time.perf_counter() - t0)

@@ -11,8 +11,10 @@ both have exists, and ``--resume`` continues from it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,7 +50,7 @@ from aisyn.split.party import (
     place_weights,
     run_methods,
 )
-from aisyn.split.session import SplitOptions, open_session
+from aisyn.split.session import SPAWN_DIR, SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import dp
 from aisyn.train.engine import Engine, Regime
@@ -231,32 +233,42 @@ def split_train(
         # A's own file: the compute party is never told the defence.
         "cut_defence": defence.to_dict(),
     }
-    run.create(config, resume=resume)
-    run.copy_tokenizer(Path(data_dirs[0]) / tok["file"])
-
-    state = PartyState(mcfg, partition, DATA_PARTY, cfg, device, method=method)
-    source.start(device)
-    a_steps = ckpt.complete_steps(run.checkpoints) if resume else []
-    hello = proto.hello(
-        purpose="train",
-        run_id=run_id,
-        model=mcfg.to_dict(),
-        partition=partition.to_dict(),
-        train=cfg,
-        # B's own parameters' seeds, keyed by the run's seed: B learns nothing
-        # from them about A's parameters, which it could otherwise rebuild
-        # and invert the activations with.
-        init_seeds=(
-            None if base else init_seeds(mcfg, partition, COMPUTE_PARTY, cfg.seed)
-        ),
-        lora=compute_lora_hello(mcfg, partition, compute_method, cfg.seed),
-        resume=resume,
-        a_steps=a_steps,
-        codec=opts.codec,
-        init=base.fingerprint if base else None,
-    )
-    b_init = base.file if base else None
-    with open_session(run, mcfg, partition, hello, opts, cfg.device, b_init) as opened:
+    # A start that fails or is refused leaves the folder as it found it, so
+    # that the same command can be retried (not "already holds a run").
+    before = FolderBefore.take(run.path)
+    try:
+        run.create(config, resume=resume)
+        run.copy_tokenizer(Path(data_dirs[0]) / tok["file"])
+        state = PartyState(mcfg, partition, DATA_PARTY, cfg, device, method=method)
+        source.start(device)
+        a_steps = ckpt.complete_steps(run.checkpoints) if resume else []
+        hello = proto.hello(
+            purpose="train",
+            run_id=run_id,
+            model=mcfg.to_dict(),
+            partition=partition.to_dict(),
+            train=cfg,
+            # B's own parameters' seeds, keyed by the run's seed: B learns
+            # nothing from them about A's parameters, which it could otherwise
+            # rebuild and invert the activations with.
+            init_seeds=(
+                None if base else init_seeds(mcfg, partition, COMPUTE_PARTY, cfg.seed)
+            ),
+            lora=compute_lora_hello(mcfg, partition, compute_method, cfg.seed),
+            resume=resume,
+            a_steps=a_steps,
+            codec=opts.codec,
+            init=base.fingerprint if base else None,
+        )
+        b_init = base.file if base else None
+        session = contextlib.ExitStack()
+        opened = session.enter_context(
+            open_session(run, mcfg, partition, hello, opts, cfg.device, b_init)
+        )
+    except BaseException:
+        before.restore()
+        raise
+    with session:
         return _train_loop(
             run,
             opened,
@@ -272,6 +284,58 @@ def split_train(
             # knows it could subtract the noise, or rebuild A's init).
             dp.CutGuard(defence, cfg.seed) if defence.active else None,
         )
+
+
+@dataclass
+class FolderBefore:
+    """What a run folder held before a start wrote to it, to put it back if
+    the start fails: what the start added goes (a spawned compute party's log
+    stays, as the error names it), and a resumed run's config.json is put
+    back as it was."""
+
+    path: Path
+    existed: bool
+    names: frozenset[str]
+    config: bytes | None
+
+    @classmethod
+    def take(cls, path: Path) -> FolderBefore:
+        if not path.is_dir():
+            return cls(path, False, frozenset(), None)
+        config = path / "config.json"
+        return cls(
+            path,
+            True,
+            frozenset(p.name for p in path.iterdir()),
+            config.read_bytes() if config.is_file() else None,
+        )
+
+    def restore(self) -> None:
+        if not self.path.is_dir():
+            return
+        log_file = self.path / SPAWN_DIR / "server.log"
+        keep = log_file.read_bytes() if log_file.is_file() else None
+        for child in self.path.iterdir():
+            if child.name in self.names:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+        if self.config is not None:
+            write_bytes_atomic(self.path / "config.json", self.config)
+        if keep is not None:
+            log_file.parent.mkdir(exist_ok=True)
+            log_file.write_bytes(keep)
+            log.info("the spawned compute party's log is kept: %s", log_file)
+        elif not self.existed and not any(self.path.iterdir()):
+            self.path.rmdir()
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 def check_pipeline(window: int, cfg: TrainConfig) -> None:
