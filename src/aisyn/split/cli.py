@@ -10,6 +10,7 @@ import os
 from aisyn import validate
 from aisyn.link.codec import CODECS
 from aisyn.split.transport import (
+    COMPUTE_PARTY_HELLO_TIMEOUT_S,
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
     DATA_PARTY_RECV_TIMEOUT_S,
     link_options,
@@ -251,7 +252,9 @@ def cmd_serve(args) -> None:
         init_from=init_from,
     )
     options = link_options(recv_timeout_s=args.idle_timeout)
-    server = SplitServer(party, _settings(args, args.listen), options)
+    server = SplitServer(
+        party, _settings(args, args.listen), options, args.hello_timeout
+    )
     server.start(args.address_file)
     print(f"compute party listening on {server.address}", flush=True)
     try:
@@ -540,6 +543,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "this long, e.g. between steps while it writes its checkpoints or "
         "evaluates, so it cannot hold the server (default %(default)g; 0 or none: "
         "wait forever)",
+    )
+    v.add_argument(
+        "--hello-timeout",
+        type=_timeout,
+        default=COMPUTE_PARTY_HELLO_TIMEOUT_S,
+        metavar="SECONDS",
+        help="end a session whose data party sends no round this long after its "
+        "hello, so that a silent one holds the server briefly while others queue "
+        "(default %(default)g; raise it if the data party takes longer to load its "
+        "checkpoint; 0 or none: the idle timeout)",
     )
     _add_link_args(v, server=True)
 

@@ -306,8 +306,16 @@ class ComputeParty:
 
     # --- one session -------------------------------------------------------------
 
-    def serve_session(self, link: Link, session: Session) -> None:
-        """Run rounds until A closes the link (or it fails: raises LinkError)."""
+    def serve_session(
+        self,
+        link: Link,
+        session: Session,
+        *,
+        first_round_timeout_s: float | None = None,
+    ) -> None:
+        """Run rounds until A closes the link (or it fails: raises LinkError).
+        ``first_round_timeout_s`` bounds the wait for the first round (None:
+        the link's own receive timeout, as for every later one)."""
         method, lora_seeds = session.lora or (None, None)
         state = PartyState(
             session.cfg or self.cfg,
@@ -329,7 +337,7 @@ class ComputeParty:
             log.info("loaded %s", folder)
         elif self.base is not None and session.purpose == "train":
             log.info("initialised from %s", self.base.file)
-        server = _Rounds(self, state, link, session)
+        server = _Rounds(self, state, link, session, first_round_timeout_s)
         server.run()
 
 
@@ -421,9 +429,15 @@ class _Rounds:
     """B's side of the rounds of one session."""
 
     def __init__(
-        self, party: ComputeParty, state: PartyState, link: Link, session: Session
+        self,
+        party: ComputeParty,
+        state: PartyState,
+        link: Link,
+        session: Session,
+        first_round_timeout_s: float | None = None,
     ) -> None:
         self.party = party
+        self.first_round_timeout_s = first_round_timeout_s
         self.state = state
         self.link = link
         self.session = session
@@ -445,7 +459,14 @@ class _Rounds:
         r = 0
         while True:
             try:
-                t = self.link.recv("ctl", step=r, shape=(7,), dtype=torch.int64)
+                t = self.link.recv(
+                    "ctl",
+                    step=r,
+                    shape=(7,),
+                    dtype=torch.int64,
+                    # A hello and silence must not hold the server for long.
+                    timeout=self.first_round_timeout_s if r == 0 else None,
+                )
             except PeerClosedError:
                 # A said goodbye between rounds: the normal end of a session.
                 log.info(
