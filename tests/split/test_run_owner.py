@@ -170,3 +170,57 @@ def test_a_link_that_vouches_for_nobody_is_refused(tmp_path, split_config):
     party = ComputeParty(split_config, parse_partition(CUT, split_config), tmp_path)
     with pytest.raises(HandshakeError, match="does not identify the data party"):
         party.negotiate(proto.encode_json(fresh_hello(split_config)), "")
+
+
+# --- a spawned compute party keeps the data party's identity ----------------------
+
+
+def test_a_spawned_compute_partys_certificates_are_made_once_per_run(tmp_path):
+    from aisyn.split.session import run_dev_certs
+
+    first = run_dev_certs(tmp_path / "certs")
+    files = snapshot(tmp_path)
+    again = run_dev_certs(tmp_path / "certs")
+    assert again == first and snapshot(tmp_path) == files  # the same identity
+    first.client_cert.write_text("not a certificate")
+    remade = run_dev_certs(tmp_path / "certs")
+    assert remade.client_cert.read_bytes() != files["certs/client.pem"]
+
+
+@pytest.mark.slow
+def test_a_spawned_run_resumes_and_evaluates_under_its_binding(
+    tmp_path, split_config, news_data
+):
+    from aisyn.split.evaluate import evaluate_split_run
+
+    out = tmp_path / "a"
+    opts = SplitOptions(cut=CUT, mode="grpc", spawn_backbone=True)
+    for steps, resume in ((2, False), (4, True)):
+        summary = split_train(
+            split_config,
+            [news_data],
+            out,
+            train_cfg(steps=steps, ckpt_every=2),
+            opts,
+            resume=resume,
+            progress=False,
+        )
+        assert summary["steps"] == steps
+    res = evaluate_split_run(out, data_dir=news_data, device="cpu", max_items=4)
+    assert res["test"]["loss"] > 0
+
+
+def test_an_in_process_run_served_over_the_network_needs_its_operators_word(
+    tmp_path, split_config
+):
+    make_b_run(tmp_path, split_config, owner=IN_PROCESS)  # as --mode local binds
+    partition = parse_partition(CUT, split_config)
+    me = "x509-sha256:" + "cd" * 32
+    strict = ComputeParty(split_config, partition, tmp_path)
+    with pytest.raises(HandshakeError, match="made in-process"):
+        strict.negotiate(resume_hello(split_config), me)
+    assert strict.negotiate(resume_hello(split_config), IN_PROCESS)
+    told = ComputeParty(split_config, partition, tmp_path, accept_unbound=True)
+    assert (
+        json.loads(told.negotiate(resume_hello(split_config), me)[0])["start_step"] == 2
+    )

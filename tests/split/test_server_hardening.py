@@ -221,7 +221,7 @@ class FakeParty:
         reply = proto.encode_json(proto.reply(0, []))
         return reply, Session(h["purpose"], f"run{self.serial}", None, 0)
 
-    def serve_session(self, link, session: Session) -> None:
+    def serve_session(self, link, session: Session, **timeouts) -> None:
         self._count_server_links()
         self.served.append(int(session.run_id.removeprefix("run")))
         time.sleep(self.slow_s)

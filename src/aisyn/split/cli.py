@@ -250,6 +250,7 @@ def cmd_serve(args) -> None:
         device=args.device,
         keep_checkpoints=args.keep_checkpoints,
         init_from=init_from,
+        accept_unbound=args.accept_unbound_runs,
     )
     options = link_options(recv_timeout_s=args.idle_timeout)
     server = SplitServer(
@@ -532,6 +533,15 @@ def register(sub: argparse._SubParsersAction) -> None:
             positive_int,
             None,
             "exit after this many sessions (default: serve forever)",
+        ),
+        (
+            "--accept-unbound-runs",
+            "store_true",
+            None,
+            "let any data party continue a run bound to none over the network "
+            "(made before runs were bound to their data party, or in-process by "
+            "--mode local): for a compute party no one else can reach, as "
+            "--spawn-backbone starts",
         ),
     )
     v.add_argument(

@@ -94,7 +94,10 @@ class ComputeParty:
         device: str = "cpu",
         keep_checkpoints: int = 2,
         init_from: str | Path | None = None,
+        accept_unbound: bool = False,
     ) -> None:
+        """``accept_unbound``: a run made before runs were bound to their data
+        party is open to any (for a party only its own data party reaches)."""
         if not partition.is_u_shape:
             raise PartitionError(
                 f"cut {partition.spec}: split training needs a U-shape cut "
@@ -113,6 +116,7 @@ class ComputeParty:
         self.root = Path(root) if root is not None else None
         self.device = resolve_device(device)
         self.keep = keep_checkpoints
+        self.accept_unbound = accept_unbound
         self.own_parameters = partition.parameter_names(
             build_model(cfg, device="meta"), COMPUTE_PARTY
         )
@@ -177,7 +181,7 @@ class ComputeParty:
         run = self.run_dir(run_id)
         if run is not None:
             # First: a stranger learns nothing of another's run (not its steps).
-            check_owner(run, run_id, identity)
+            check_owner(run, run_id, identity, accept_unbound=self.accept_unbound)
         theirs = h.get("model")
         cfg = self.session_config(theirs)
         mine = cfg.to_dict()
@@ -347,14 +351,18 @@ OWNER = "owner"
 MAX_VOCAB = 1 << 24
 
 
-def check_owner(run: RunDir, run_id: str, identity: str) -> None:
+def check_owner(
+    run: RunDir, run_id: str, identity: str, *, accept_unbound: bool = False
+) -> None:
     """Refuse any data party but the one that created run ``run_id`` here.
 
     A run is bound to its creator's identity in its config.json (written with
-    its first checkpoint). A run folder from before runs were bound has none:
-    over the network it is refused -- whoever knew its id could otherwise
-    claim it -- and its operator binds it by hand; in-process (``--mode
-    local``, where nothing else can reach this party) it is accepted.
+    its first checkpoint). A run folder from before runs were bound has none,
+    and one made in-process (``--mode local``) names no network identity:
+    over the network either is refused -- whoever knew its id could otherwise
+    claim it -- unless ``accept_unbound`` (a compute party its data party
+    spawned, or an operator who says so), and its operator may bind it by
+    hand; in-process, where nothing else can reach this party, it is accepted.
     """
     config = run.path / "config.json"
     if config.is_file():
@@ -363,12 +371,17 @@ def check_owner(run: RunDir, run_id: str, identity: str) -> None:
         owner = None  # checkpoints without a record of whose they are
     else:
         return  # a new run: bound to ``identity`` when its folder is made
+    if owner == IN_PROCESS and identity != IN_PROCESS:
+        # Made by --mode local, now served over the network: the data party's
+        # network identity was never recorded, so this is no proof of it.
+        owner = None
     if owner is None:
-        if identity == IN_PROCESS:
+        if identity == IN_PROCESS or accept_unbound:
             return
         raise proto.ProtocolError(
-            f"run {run_id} has no data party bound to it (it was made before runs "
-            "were bound to the data party that created them); its compute party's "
+            f"run {run_id} has no data party bound to it over the network (it was "
+            "made in-process, or before runs were bound to their data party); its "
+            "compute party's "
             f'operator can bind it to you by adding "{OWNER}": "{identity}" to the '
             "run's config.json there"
         )

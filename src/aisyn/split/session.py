@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import secrets
@@ -208,18 +209,20 @@ def spawn_compute_party(
 ) -> SpawnedServer:
     """Start a compute party on 127.0.0.1 (free port) and wait until it listens.
 
-    Unless ``insecure``, it gets a fresh dev CA with server and client
-    certificates under ``workdir/certs`` and a random token (file mode 0600).
+    Unless ``insecure``, it gets a dev CA with server and client certificates
+    under ``workdir/certs``, and a random token (file mode 0600). Both are
+    made once per run and reused by every later spawn for it (``--resume``,
+    eval, generate): the compute party binds the run to the data party's
+    identity, which is that certificate (or, plaintext, that token).
     """
-    from aisyn.link.certs import make_dev_certs
-
     workdir.mkdir(parents=True, exist_ok=True)
     model_json = workdir / "model.json"
     write_json_atomic(model_json, cfg.to_dict())
     token_file = workdir / "token"
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32))
+    if not (token_file.is_file() and token_file.read_text().strip()):
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
     port_file = workdir / "address"
     port_file.unlink(missing_ok=True)
     args = [
@@ -242,6 +245,9 @@ def spawn_compute_party(
         str(token_file),
         "--device",
         device,
+        # Only this process can reach it: runs spawned before runs were bound
+        # to their data party are this data party's own.
+        "--accept-unbound-runs",
     ]
     if init_from:
         folder = hf_folder(init_from)
@@ -251,7 +257,7 @@ def spawn_compute_party(
         args.append("--insecure")
         tls: dict = {}
     else:
-        certs = make_dev_certs(workdir / "certs")
+        certs = run_dev_certs(workdir / "certs")
         args += [
             "--tls-cert",
             str(certs.server_cert),
@@ -278,6 +284,31 @@ def spawn_compute_party(
     )
     log.info("spawned compute party pid %d on %s", proc.pid, address)
     return SpawnedServer(proc, settings)
+
+
+def run_dev_certs(folder: Path):
+    """The dev certificates of a spawned compute party: those already in
+    ``folder`` while valid for another day, else new ones (valid 10 years:
+    the data party's identity must outlive the run)."""
+    from cryptography import x509
+
+    from aisyn.link.certs import DevCerts, make_dev_certs
+
+    certs = DevCerts.at(folder)
+    paths = (certs.ca_cert, certs.server_cert, certs.server_key)
+    if all(p.is_file() for p in (*paths, certs.client_cert, certs.client_key)):
+        soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=1)
+        try:
+            valid = all(
+                x509.load_pem_x509_certificate(p.read_bytes()).not_valid_after_utc
+                > soon
+                for p in (certs.ca_cert, certs.server_cert, certs.client_cert)
+            )
+        except ValueError:  # not a certificate any more: make new ones
+            valid = False
+        if valid:
+            return certs
+    return make_dev_certs(folder, days=3650)
 
 
 @contextlib.contextmanager
