@@ -86,7 +86,7 @@ def test_a_silent_reconnecting_party_does_not_lock_out_another(
             token_file=str(token_file),
         )
         t0 = time.monotonic()
-        # A connect timeout far below the idle timeout, as a user's 60 s is.
+        # A connect timeout far below the idle timeout (the default is 150 s).
         with open_grpc(
             honest,
             fresh_hello(split_config, "honest"),

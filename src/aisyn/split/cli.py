@@ -12,6 +12,7 @@ from aisyn.link.codec import CODECS
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
+    DATA_PARTY_CONNECT_TIMEOUT_S,
     DATA_PARTY_RECV_TIMEOUT_S,
     link_options,
     parse_timeout,
@@ -427,7 +428,13 @@ def register(sub: argparse._SubParsersAction) -> None:
             "none",
             "cut-layer codec for activations and gradients",
         ),
-        ("--connect-timeout", positive_float, 60.0, None),
+        (
+            "--connect-timeout",
+            positive_float,
+            DATA_PARTY_CONNECT_TIMEOUT_S,
+            "seconds to keep trying while the compute party is unreachable or "
+            "busy (queued, in order of arrival)",
+        ),
     )
     t.add_argument(
         "--recv-timeout",

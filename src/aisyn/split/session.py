@@ -32,6 +32,7 @@ from aisyn.procs import ChildProcess, child_env
 from aisyn.split import protocol as proto
 from aisyn.split.compute_party import ComputeParty
 from aisyn.split.transport import (
+    DATA_PARTY_CONNECT_TIMEOUT_S,
     DATA_PARTY_RECV_TIMEOUT_S,
     LinkSettings,
     link_options,
@@ -66,7 +67,7 @@ class SplitOptions:
     peer: LinkSettings | None = None  # grpc mode, unless spawning
     spawn_backbone: bool = False
     spawn_insecure: bool = False
-    connect_timeout_s: float = 60.0
+    connect_timeout_s: float = DATA_PARTY_CONNECT_TIMEOUT_S
     recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S  # None: forever
 
     def __post_init__(self) -> None:
@@ -155,7 +156,7 @@ def open_grpc(
     hello: dict,
     *,
     codec: str,
-    connect_timeout_s: float = 60.0,
+    connect_timeout_s: float = DATA_PARTY_CONNECT_TIMEOUT_S,
     recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S,
 ) -> Iterator[Opened]:
     from aisyn.link.grpc_link import connect

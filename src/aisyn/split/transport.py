@@ -34,6 +34,10 @@ COMPUTE_PARTY_IDLE_TIMEOUT_S = 1800.0
 #: hello and stays silent holds the one session slot for a minute, not for
 #: the idle timeout, while others queue.
 COMPUTE_PARTY_HELLO_TIMEOUT_S = 60.0
+#: How long the data party tries to open a session: past one hello timeout
+#: (and a queued party is let in next), so that a silent squatter cannot
+#: make it give up; a session busy training holds B longer, as it should.
+DATA_PARTY_CONNECT_TIMEOUT_S = 2 * COMPUTE_PARTY_HELLO_TIMEOUT_S + 30.0
 
 
 @dataclass(frozen=True)
