@@ -315,3 +315,30 @@ def test_a_failed_first_save_leaves_no_folder_at_the_compute_party(
             progress=False,
         )
     assert list((out / COMPUTE_DIR).iterdir()) == []
+
+
+# --- the quick start's lines, run as written (a tiny --steps) ---------------------
+
+
+def run_docs_line(starts: str, news_data: Path, tmp_path: Path) -> Path:
+    from aisyn.cli import main
+
+    argv = docs_command("split.md", starts)
+    out = tmp_path / "run"
+    argv = with_values(argv, data=str(news_data), out=str(out), steps="2")
+    assert main(argv) == 0
+    return out
+
+
+def test_the_quick_start_local_line_runs(tmp_path, news_data):
+    out = run_docs_line("aisyn split train --mode local", news_data, tmp_path)
+    assert (out / "checkpoints").is_dir()
+
+
+@pytest.mark.slow
+def test_the_quick_start_grpc_line_runs_pipelined(tmp_path, news_data):
+    out = run_docs_line(
+        "aisyn split train --mode grpc --spawn-backbone", news_data, tmp_path
+    )
+    split = json.loads((out / "config.json").read_text())["split"]
+    assert split["window"] == 2 and split["codec"] == "int8"
