@@ -226,8 +226,10 @@ def run_in_process(
     cfg, part, tcfg, batches, window, codec, warmup, paired=True
 ) -> Result:
     party = ComputeParty(cfg, part, None, device="cpu")
-    _, b_session = party.negotiate(proto.encode_json(hello(cfg, part, tcfg, codec)))
     link_a, link_b = memory_pair(codec, options=link_options(codec))
+    _, b_session = party.negotiate(
+        proto.encode_json(hello(cfg, part, tcfg, codec)), link_b.peer.identity
+    )
     errors: list[BaseException] = []
 
     def serve() -> None:

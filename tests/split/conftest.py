@@ -120,6 +120,7 @@ def start_server(
     settings,
     cut: str = CUT,
     init_from: Path | None = None,
+    accept_unbound: bool = False,
     **options,
 ) -> ServerThread:
     from aisyn.link.base import LinkOptions
@@ -128,7 +129,12 @@ def start_server(
     from aisyn.split.server import SplitServer
 
     party = ComputeParty(
-        cfg, parse_partition(cut, cfg), root, device="cpu", init_from=init_from
+        cfg,
+        parse_partition(cut, cfg),
+        root,
+        device="cpu",
+        init_from=init_from,
+        accept_unbound=accept_unbound,
     )
     opts = LinkOptions(keepalive_s=0.5, keepalive_timeout_s=1.0, **options)
     return ServerThread(SplitServer(party, settings, opts))

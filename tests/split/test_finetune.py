@@ -384,6 +384,7 @@ def test_lora_over_grpc_against_a_served_base(
 )
 def test_a_bad_lora_hello_is_refused(tmp_path, ft_config, base, lora, message):
     from aisyn.link.errors import HandshakeError
+    from aisyn.link.memory import IN_PROCESS
     from aisyn.model.segments import parse_partition
     from aisyn.split import protocol as proto
     from aisyn.split.compute_party import ComputeParty
@@ -400,7 +401,7 @@ def test_a_bad_lora_hello_is_refused(tmp_path, ft_config, base, lora, message):
         init=party.base.fingerprint,
     )
     with pytest.raises(HandshakeError, match=message):
-        party.negotiate(proto.encode_json(hello))
+        party.negotiate(proto.encode_json(hello), IN_PROCESS)
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 

@@ -13,7 +13,7 @@ import torch
 from conftest import CUT, train_cfg
 
 from aisyn.link.errors import LinkError, PeerAbortedError, SessionAbortedError
-from aisyn.link.memory import memory_pair
+from aisyn.link.memory import IN_PROCESS, memory_pair
 from aisyn.model.causal_lm import parameter_seed
 from aisyn.model.families import build_model
 from aisyn.model.pangu import PanguConfig
@@ -55,9 +55,9 @@ def spied_hellos(monkeypatch) -> list[str]:
     seen: list[str] = []
     negotiate = ComputeParty.negotiate
 
-    def spy(self, text: str):
+    def spy(self, text: str, identity: str):
         seen.append(text)
-        return negotiate(self, text)
+        return negotiate(self, text, identity)
 
     monkeypatch.setattr(ComputeParty, "negotiate", spy)
     return seen
@@ -133,11 +133,11 @@ def test_hello_with_fields_b_does_not_need_is_refused(tmp_path, split_config):
     )
     hello["train"]["seed"] = 11
     with pytest.raises(LinkError, match=r"unexpected \['seed'\]"):
-        party.negotiate(proto.encode_json(hello))
+        party.negotiate(proto.encode_json(hello), IN_PROCESS)
     del hello["train"]["seed"]
     hello["init_seeds"] = None
     with pytest.raises(LinkError, match="needs the init seeds"):
-        party.negotiate(proto.encode_json(hello))
+        party.negotiate(proto.encode_json(hello), IN_PROCESS)
     assert not (tmp_path / "b").exists()
 
 
@@ -256,7 +256,7 @@ def _drive_b(split_config: PanguConfig, tmp_path: Path, act_fn, sqnorm: float):
         train=cfg,
         init_seeds=init_seeds(split_config, part, COMPUTE_PARTY, 3),
     )
-    _, session = party.negotiate(proto.encode_json(hello))
+    _, session = party.negotiate(proto.encode_json(hello), IN_PROCESS)
     link_a, link_b = memory_pair("none")
     import threading
 
@@ -395,7 +395,7 @@ def test_accepted_resume_hello_changes_nothing_on_bs_disk(
         a_steps=[2],
     )
     # Execute
-    reply, session = party.negotiate(proto.encode_json(hello))
+    reply, session = party.negotiate(proto.encode_json(hello), IN_PROCESS)
     # Assert
     assert json.loads(reply)["start_step"] == 2 and session.train.lr == 0.5
     assert _snapshot(b_root) == before

@@ -210,7 +210,7 @@ class FakeParty:
         # Another test's leftovers are not this server's sessions.
         self._threads_before = set(threading.enumerate())
 
-    def negotiate(self, hello_text: str) -> tuple[str, Session]:
+    def negotiate(self, hello_text: str, identity: str) -> tuple[str, Session]:
         try:
             h = proto.decode_json(hello_text, "hello")
         except proto.ProtocolError as e:  # as ComputeParty.negotiate does
@@ -221,7 +221,7 @@ class FakeParty:
         reply = proto.encode_json(proto.reply(0, []))
         return reply, Session(h["purpose"], f"run{self.serial}", None, 0)
 
-    def serve_session(self, link, session: Session) -> None:
+    def serve_session(self, link, session: Session, **timeouts) -> None:
         self._count_server_links()
         self.served.append(int(session.run_id.removeprefix("run")))
         time.sleep(self.slow_s)

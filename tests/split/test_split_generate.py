@@ -128,7 +128,11 @@ def test_grpc_split_generation_equals_unsplit(
 ):
     # Prepare: a real gRPC compute party serving the run's B half (loopback)
     settings = LinkSettings("127.0.0.1:0", token_file=str(token_file), insecure=True)
-    with start_server(split_config, split_run / COMPUTE_DIR, settings) as server:
+    # A --mode local run, its compute party now served over the network: its
+    # operator lets the run's own data party in (the run names no identity).
+    with start_server(
+        split_config, split_run / COMPUTE_DIR, settings, accept_unbound=True
+    ) as server:
         peer = LinkSettings(server.address, token_file=str(token_file), insecure=True)
         # Execute: both samplings in turn, one session each
         for sampling in SAMPLINGS.values():

@@ -80,6 +80,7 @@ from .errors import (
     LinkTimeoutError,
     MalformedFrameError,
     PeerAbortedError,
+    PeerClosedError,
     PeerLostError,
     SessionAbortedError,
 )
@@ -107,6 +108,7 @@ __all__ = [
     "LinkTimeoutError",
     "MalformedFrameError",
     "PeerAbortedError",
+    "PeerClosedError",
     "PeerHello",
     "PeerLostError",
     "SessionAbortedError",

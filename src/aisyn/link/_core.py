@@ -43,6 +43,7 @@ from .errors import (
     LinkError,
     LinkTimeoutError,
     MalformedFrameError,
+    PeerClosedError,
     PeerLostError,
     SessionAbortedError,
 )
@@ -318,7 +319,8 @@ class LinkCore(Link):
                     )
                     break
                 if self._peer_gone:
-                    raise PeerLostError(
+                    # The peer said BYE: a normal end if nothing more was due.
+                    raise PeerClosedError(
                         f"{self._name}: {self._peer_gone}; {key} never arrived"
                     )
                 remaining = None if deadline is None else deadline - time.monotonic()

@@ -79,6 +79,11 @@ class PeerHello:
     protocol_version: int
     #: opaque string the parties use to agree on config, cut layer, resume step
     session: str
+    #: who the peer is, as the transport vouches for it (not what it claims):
+    #: on a gRPC server ``x509-sha256:<hex>`` of the client's certificate
+    #: under mutual TLS, else ``token-sha256:<hex>`` of the token it presented;
+    #: ``in-process`` on a memory link; empty where nothing vouches for it
+    identity: str = ""
 
 
 class Link(ABC):

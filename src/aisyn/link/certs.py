@@ -102,6 +102,12 @@ class DevCerts:
             self.client_key,
         )
 
+    def other_client(self, name: str) -> tuple[Path, Path]:
+        """(certificate, key) of client ``name`` minted with
+        ``make_dev_certs(..., more_clients=[name])``: another data party, say."""
+        folder = self.ca_cert.parent
+        return folder / f"client-{name}.pem", folder / f"client-{name}.key"
+
     def server_tls(self) -> TlsConfig:
         return TlsConfig.from_files(self.server_cert, self.server_key, self.ca_cert)
 
@@ -117,12 +123,14 @@ def make_dev_certs(
     *,
     days: int = 30,
     paths: DevCerts | None = None,
+    more_clients: Sequence[str] = (),
 ) -> DevCerts:
     """Write a fresh CA, a server certificate valid for ``hosts`` and a client
     certificate into ``out_dir`` (under ``paths``' names, by default
-    ``DevCerts.at``'s). Keys are P-256 (fast to generate, supported by gRPC's
-    BoringSSL) and written with mode 0600; the CA's key is never written, so
-    nothing more can be signed with it."""
+    ``DevCerts.at``'s), and one more client certificate per name in
+    ``more_clients`` (``DevCerts.other_client``). Keys are P-256 (fast to
+    generate, supported by gRPC's BoringSSL) and written with mode 0600; the
+    CA's key is never written, so nothing more can be signed with it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC)
@@ -171,6 +179,11 @@ def make_dev_certs(
     _write(paths.client_cert, client_cert.public_bytes(serialization.Encoding.PEM))
     _write(paths.server_key, _key_pem(server_key), private=True)
     _write(paths.client_key, _key_pem(client_key), private=True)
+    for name in more_clients:
+        cert, key = leaf(f"aisyn-client-{name}", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+        cert_path, key_path = paths.other_client(name)
+        _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+        _write(key_path, _key_pem(key), private=True)
     return paths
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "LinkTimeoutError",
     "MalformedFrameError",
     "PeerAbortedError",
+    "PeerClosedError",
     "PeerLostError",
     "SessionAbortedError",
 ]
@@ -58,6 +59,11 @@ class HandshakeError(LinkError):
 
 class PeerLostError(LinkError):
     """The peer went away: connection lost, keepalive timed out or it said BYE."""
+
+
+class PeerClosedError(PeerLostError):
+    """The peer said goodbye (BYE): it closed the session on purpose, so
+    between rounds this is a normal end, not a failure."""
 
 
 class PeerAbortedError(PeerLostError):

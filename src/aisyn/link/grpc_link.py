@@ -2,19 +2,25 @@
 
 One session is one bidirectional ``Exchange`` stream. The server accepts one
 session at a time -- from its HELLO until the application closes the
-accepted link (a second caller gets UNAVAILABLE "busy" and :func:`connect`
-retries until its timeout) -- checks the bearer token before
-reading anything, then expects HELLO. Any protocol violation ends only that
-session -- with INVALID_ARGUMENT and a one-line reason -- and the server goes on
-to accept the next one; so does anything else that goes wrong in a handshake,
-the session callback's own bugs included: the slot is always released.
+accepted link (a second caller gets UNAVAILABLE "busy; queued at position N"
+and :func:`connect` retries until its timeout, keeping its place: callers are
+admitted in order of arrival by identity, see ``admission.py``) -- checks the
+bearer token before reading anything, then expects HELLO. Any protocol
+violation ends only that session -- with INVALID_ARGUMENT and a one-line
+reason -- and the server goes on to accept the next one; so does anything
+else that goes wrong in a handshake, the session callback's own bugs
+included: the slot is always released.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import hmac
 import logging
 import queue
+import re
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +41,7 @@ from ._grpc_transport import (
     identity,
     status_for,
 )
+from .admission import AdmissionQueue
 from .base import LinkOptions, PeerHello, Service
 from .certs import TlsConfig
 from .errors import (
@@ -70,8 +77,6 @@ class Accept(NamedTuple):
 #: session with a reason. Any other exception refuses it with a generic reason
 #: and is logged on the server.
 SessionReply = str | Callable[[PeerHello], str | Accept]
-
-_HANDSHAKING = object()
 
 
 def _check_token(token: str) -> None:
@@ -160,6 +165,9 @@ class _ClientLink(GrpcLink):
         self._reader.join(timeout)
 
 
+_QUEUED = re.compile(r"queued at position (\d+)")
+
+
 def connect(
     peer: str,
     *,
@@ -175,7 +183,8 @@ def connect(
     """Open a session with the server at ``peer`` ("host:port") and return the link.
 
     Retries while the server is unreachable or busy, for up to ``timeout``
-    seconds (default ``options.handshake_timeout_s``). Raises AuthError for a
+    seconds (default ``options.handshake_timeout_s``); a busy server queues
+    this identity, and its place is logged whenever it changes. Raises AuthError for a
     rejected token, HandshakeError for a refused HELLO, PeerLostError when no
     session could be opened in time, ValueError for an insecure non-loopback
     address.
@@ -201,6 +210,7 @@ def connect(
     deadline = time.monotonic() + timeout
     delay = 0.05
     name = f"link[{role}->{peer}]"
+    place = None  # our place in the server's queue, once told
     while True:
         link = _ClientLink(channel, peer, token, hello, opts, name)
         try:
@@ -211,6 +221,10 @@ def connect(
             raise
         except PeerLostError as exc:  # not up yet, busy, or unreachable
             link._discard()
+            queued = _QUEUED.search(str(exc))
+            if queued and queued.group(1) != place:
+                place = queued.group(1)
+                log.info("%s: the server is busy; queued at position %s", name, place)
             if time.monotonic() + delay >= deadline:
                 channel.close()
                 raise PeerLostError(
@@ -342,8 +356,8 @@ class GrpcLinkServer(Service):
         self._role = role
         self._session = session
         self._opts = options or LinkOptions()
-        self._lock = threading.Lock()
-        self._active: object | None = None  # the session's link, or _HANDSHAKING
+        #: the one session slot, taken in order of arrival by identity
+        self._admission = AdmissionQueue()
         self._sessions: queue.Queue[GrpcLink] = queue.Queue()
         self._stopping = False
         handler = grpc.method_handlers_generic_handler(
@@ -411,13 +425,18 @@ class GrpcLinkServer(Service):
         except AuthError as exc:
             log.warning("rejected session from %s: %s", remote, exc)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-        if not self._claim():
+        identity = self._identity(context)
+        ticket = object()  # holds the slot until the session's link does
+        place = self._admission.claim(identity, ticket)
+        if place:
+            # connect() retries, and keeps this place while it does.
             context.abort(
-                grpc.StatusCode.UNAVAILABLE, "server busy with another session"
+                grpc.StatusCode.UNAVAILABLE,
+                f"server busy with another session; queued at position {place}",
             )
         link = None
         try:
-            link = self._open(requests, context)
+            link = self._open(requests, context, identity, ticket)
         except (LinkError, ValueError) as exc:
             log.warning("refused session from %s: %s", remote, exc)
             code = status_for(exc) if isinstance(exc, LinkError) else None
@@ -429,7 +448,7 @@ class GrpcLinkServer(Service):
             )
         finally:
             if link is None:  # from here on the link's end of call releases it
-                self._release(_HANDSHAKING)
+                self._admission.release(ticket)
         yield from link.serve(requests)
 
     def _authenticate(self, context: grpc.ServicerContext) -> None:
@@ -440,10 +459,26 @@ class GrpcLinkServer(Service):
         if not hmac.compare_digest(value.removeprefix("Bearer ").encode(), self._token):
             raise AuthError("invalid token")
 
+    def _identity(self, context: grpc.ServicerContext) -> str:
+        """Who the client is, as the transport proves it: its certificate
+        under mutual TLS (every client shares the token, not its key), else
+        the token it passed (hashed: an identity may be stored on disk)."""
+        pem = context.auth_context().get("x509_pem_cert")
+        if pem:
+            der = ssl.PEM_cert_to_DER_cert(pem[0].decode("ascii"))
+            return "x509-sha256:" + hashlib.sha256(der).hexdigest()
+        digest = hashlib.sha256(b"aisyn-link\0" + self._token).hexdigest()
+        return "token-sha256:" + digest
+
     def _open(
-        self, requests: Iterator[Inbound], context: grpc.ServicerContext
+        self,
+        requests: Iterator[Inbound],
+        context: grpc.ServicerContext,
+        identity: str,
+        ticket: object,
     ) -> _ServerLink:
         peer, nbytes = self._read_hello(requests, context)
+        peer = dataclasses.replace(peer, identity=identity)
         answer = self._answer(peer, context.peer())
         name = f"link[{self._role}<-{context.peer()}]"
         reply_frame = hello_frame(self._role, answer.reply)
@@ -460,12 +495,11 @@ class GrpcLinkServer(Service):
             # not when the call ends: a client that drops its calls at once
             # would otherwise pile up sessions (threads, buffers, gRPC call
             # state) faster than they are served.
-            on_closed=lambda: self._release(link),
+            on_closed=lambda: self._admission.release(link),
         )
-        with self._lock:
-            self._active = link
+        self._admission.hand_over(ticket, link)
         if not context.add_callback(link.rpc_done):
-            self._release(link)
+            self._admission.release(link)
             raise PeerLostError("client went away during the handshake")
         log.info("%s: session open (peer role %r)", name, peer.role)
         self._sessions.put(link)
@@ -505,15 +539,3 @@ class GrpcLinkServer(Service):
         if item.frame is None:
             raise MalformedFrameError(item.error or "undecodable frame")
         return check_hello(item.frame), item.nbytes
-
-    def _claim(self) -> bool:
-        with self._lock:
-            if self._active is not None:
-                return False
-            self._active = _HANDSHAKING
-            return True
-
-    def _release(self, holder: object) -> None:
-        with self._lock:
-            if self._active is holder:
-                self._active = None

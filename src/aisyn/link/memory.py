@@ -27,7 +27,10 @@ from .errors import (
 )
 from .frames import PROTOCOL_VERSION, FrameKey, parse_frame, tensor_wire_size
 
-__all__ = ["memory_pair"]
+__all__ = ["IN_PROCESS", "memory_pair"]
+
+#: the identity each end of a memory pair has: the peer is this very process
+IN_PROCESS = "in-process"
 
 
 class MemoryLink(LinkCore):
@@ -94,8 +97,8 @@ def memory_pair(
     ``codec`` is the default codec of both ends (overrides ``options.codec``).
     """
     opts = dataclasses.replace(options or LinkOptions(), codec=codec)
-    a = MemoryLink(opts, "memory[A]", PeerHello("B", PROTOCOL_VERSION, ""))
-    b = MemoryLink(opts, "memory[B]", PeerHello("A", PROTOCOL_VERSION, ""))
+    a = MemoryLink(opts, "memory[A]", PeerHello("B", PROTOCOL_VERSION, "", IN_PROCESS))
+    b = MemoryLink(opts, "memory[B]", PeerHello("A", PROTOCOL_VERSION, "", IN_PROCESS))
     a._peer, b._peer = b, a
     a._start()
     b._start()

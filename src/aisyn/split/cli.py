@@ -10,7 +10,9 @@ import os
 from aisyn import validate
 from aisyn.link.codec import CODECS
 from aisyn.split.transport import (
+    COMPUTE_PARTY_HELLO_TIMEOUT_S,
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
+    DATA_PARTY_CONNECT_TIMEOUT_S,
     DATA_PARTY_RECV_TIMEOUT_S,
     link_options,
     parse_timeout,
@@ -255,9 +257,12 @@ def cmd_serve(args) -> None:
         device=args.device,
         keep_checkpoints=args.keep_checkpoints,
         init_from=init_from,
+        accept_unbound=args.accept_unbound_runs,
     )
     options = link_options(recv_timeout_s=args.idle_timeout)
-    server = SplitServer(party, _settings(args, args.listen), options)
+    server = SplitServer(
+        party, _settings(args, args.listen), options, args.hello_timeout
+    )
     server.start(args.address_file)
     print(f"compute party listening on {server.address}", flush=True)
     try:
@@ -434,7 +439,13 @@ def register(sub: argparse._SubParsersAction) -> None:
             "none",
             "cut-layer codec for activations and gradients",
         ),
-        ("--connect-timeout", positive_float, 60.0, "seconds to reach the peer"),
+        (
+            "--connect-timeout",
+            positive_float,
+            DATA_PARTY_CONNECT_TIMEOUT_S,
+            "seconds to keep trying while the compute party is unreachable or "
+            "busy (queued, in order of arrival)",
+        ),
     )
     t.add_argument(
         "--recv-timeout",
@@ -557,6 +568,15 @@ def register(sub: argparse._SubParsersAction) -> None:
             None,
             "exit after this many sessions (default: serve forever)",
         ),
+        (
+            "--accept-unbound-runs",
+            "store_true",
+            None,
+            "let any data party continue a run bound to none over the network "
+            "(made before runs were bound to their data party, or in-process by "
+            "--mode local): for a compute party no one else can reach, as "
+            "--spawn-backbone starts",
+        ),
     )
     v.add_argument(
         "--idle-timeout",
@@ -567,6 +587,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "this long, e.g. between steps while it writes its checkpoints or "
         "evaluates, so it cannot hold the server (default %(default)g; 0 or none: "
         "wait forever)",
+    )
+    v.add_argument(
+        "--hello-timeout",
+        type=_timeout,
+        default=COMPUTE_PARTY_HELLO_TIMEOUT_S,
+        metavar="SECONDS",
+        help="end a session whose data party sends no round this long after its "
+        "hello, so that a silent one holds the server briefly while others queue "
+        "(default %(default)g; raise it if the data party takes longer to load its "
+        "checkpoint; 0 or none: the idle timeout)",
     )
     _add_link_args(v, server=True)
     add_config_flag(v, "split-serve")

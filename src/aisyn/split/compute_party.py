@@ -11,23 +11,29 @@ leaves B's saved state untouched.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
+import shutil
 import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from aisyn.link.base import Link
 from aisyn.link.codec import CODECS
 from aisyn.link.errors import HandshakeError
+from aisyn.link.memory import IN_PROCESS
 from aisyn.model.causal_lm import masks_from_documents
-from aisyn.model.families import ModelConfig, build_model
+from aisyn.model.families import ModelConfig, build_model, hf_folder, with_vocab
 from aisyn.model.segments import (
     COMPUTE_PARTY,
+    DATA_PARTY,
     Partition,
     PartitionError,
     StageCache,
+    own_tensor_shapes,
 )
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
@@ -58,6 +64,9 @@ class Session:
         codec: str = "none",
         seeds: dict[str, int] | None = None,
         lora: tuple[Method, dict[str, int]] | None = None,
+        *,
+        cfg: ModelConfig | None = None,
+        owner: str = "",
     ) -> None:
         self.codec = codec
         self.purpose = purpose
@@ -68,6 +77,11 @@ class Session:
         self.seeds = seeds
         #: LoRA on B's frozen blocks: (method, seeds of the A matrices)
         self.lora = lora
+        #: the run's model config: B's, with the data party's vocabulary when
+        #: B's own tensors do not depend on it (see ComputeParty.session_config)
+        self.cfg = cfg
+        #: the identity of the data party this session's run is bound to
+        self.owner = owner
 
 
 class ComputeParty:
@@ -80,7 +94,10 @@ class ComputeParty:
         device: str = "cpu",
         keep_checkpoints: int = 2,
         init_from: str | Path | None = None,
+        accept_unbound: bool = False,
     ) -> None:
+        """``accept_unbound``: a run made before runs were bound to their data
+        party is open to any (for a party only its own data party reaches)."""
         if not partition.is_u_shape:
             raise PartitionError(
                 f"cut {partition.spec}: split training needs a U-shape cut "
@@ -92,13 +109,23 @@ class ComputeParty:
                 f"{partition.layout.num_layers} layers, this is a "
                 f"{cfg.layout.family} model of {cfg.layout.num_layers}"
             )
+        if init_from and hf_folder(init_from) is None:
+            cfg = vocab_of_base(init_from, cfg, partition)
         self.cfg = cfg
         self.partition = partition
         self.root = Path(root) if root is not None else None
         self.device = resolve_device(device)
         self.keep = keep_checkpoints
+        self.accept_unbound = accept_unbound
         self.own_parameters = partition.parameter_names(
             build_model(cfg, device="meta"), COMPUTE_PARTY
+        )
+        #: whether the vocabulary is this party's to fix: a base fixes it (its
+        #: embedding, and the data party's fingerprint of it), and so do any
+        #: tensors of B's that depend on it; otherwise each run takes the data
+        #: party's, as ``aisyn train`` sizes a preset to the data's tokenizer
+        self.vocab_fixed = init_from is not None or _vocab_shapes(
+            cfg, partition, COMPUTE_PARTY
         )
         # Checked (and fingerprinted) now, so a bad base fails at startup; B's
         # tensors are read from it when a fresh session starts.
@@ -111,28 +138,53 @@ class ComputeParty:
                 self.base.file,
                 base_label(self.base.fingerprint),
             )
+        if not self.vocab_fixed:
+            log.info(
+                "the vocabulary follows each data party's tokenizer (this party "
+                "holds no tensor of the vocabulary's size)"
+            )
+
+    def session_config(self, theirs: object) -> ModelConfig:
+        """B's model config for a data party that announces ``theirs``: with
+        its vocabulary when that is not this party's to fix (``vocab_fixed``)."""
+        if self.vocab_fixed or not isinstance(theirs, dict):
+            return self.cfg
+        vocab = theirs.get("vocab_size")
+        if type(vocab) is not int or not 0 < vocab <= MAX_VOCAB:
+            return self.cfg  # the comparison below names the difference
+        return with_vocab(self.cfg, vocab)
 
     # --- handshake -------------------------------------------------------------
 
     def run_dir(self, run_id: str) -> RunDir | None:
         return None if self.root is None else RunDir(self.root / run_id)
 
-    def negotiate(self, hello_text: str) -> tuple[str, Session]:
-        """Check A's hello; returns (reply JSON, session). Raises HandshakeError
-        with a one-line reason to refuse (B stays up either way)."""
+    def negotiate(self, hello_text: str, identity: str) -> tuple[str, Session]:
+        """Check A's hello; returns (reply JSON, session). ``identity`` is the
+        data party as its link vouches for it (``PeerHello.identity``): a run
+        is bound to the identity that created it. Raises HandshakeError with a
+        one-line reason to refuse (B stays up either way)."""
         try:
-            return self._negotiate(hello_text)
+            return self._negotiate(hello_text, identity)
         except (ValueError, TypeError, OSError) as e:  # ProtocolError: ValueError
             raise HandshakeError(f"compute party refused the session: {e}") from None
 
-    def _negotiate(self, hello_text: str) -> tuple[str, Session]:
+    def _negotiate(self, hello_text: str, identity: str) -> tuple[str, Session]:
+        if not identity:
+            # Nothing vouches for this peer: it could pass for any run's owner.
+            raise proto.ProtocolError("the link does not identify the data party")
         h = proto.decode_json(hello_text, "hello")
         run_id = proto.check_run_id(h.get("run_id"))
         purpose = h.get("purpose")
         if purpose not in proto.PURPOSES:
             raise proto.ProtocolError(f"hello: unknown purpose {purpose!r}")
-        mine = self.cfg.to_dict()
+        run = self.run_dir(run_id)
+        if run is not None:
+            # First: a stranger learns nothing of another's run (not its steps).
+            check_owner(run, run_id, identity, accept_unbound=self.accept_unbound)
         theirs = h.get("model")
+        cfg = self.session_config(theirs)
+        mine = cfg.to_dict()
         if theirs != mine:
             diff = (
                 # both sides' keys: a config may leave out a default field
@@ -165,7 +217,6 @@ class ComputeParty:
             isinstance(s, int) and s >= 0 for s in a_steps
         ):
             raise proto.ProtocolError("hello: a_steps must be a list of steps")
-        run = self.run_dir(run_id)
         b_steps = ckpt.complete_steps(run.checkpoints) if run is not None else []
         if purpose in ("eval", "generate"):
             step = h.get("eval_step")
@@ -225,7 +276,7 @@ class ComputeParty:
         # Nothing is written here: a refused, failed or fuzzed session leaves
         # B's disk as it was. config.json comes with the first checkpoint.
         return proto.encode_json(proto.reply(start, b_steps)), Session(
-            purpose, run_id, train, start, codec, seeds, lora
+            purpose, run_id, train, start, codec, seeds, lora, cfg=cfg, owner=identity
         )
 
     def lora_a_names(self, method: Method) -> list[str]:
@@ -239,11 +290,13 @@ class ComputeParty:
 
     def run_config(self, session: Session) -> dict:
         """B's record of a run (its config.json): B's own settings and what the
-        data party told it, nothing else."""
+        data party told it, nothing else; and who that data party is."""
         return {
             "kind": "split-compute",
             "run_id": session.run_id,
-            "model": self.cfg.to_dict(),
+            # The run is bound to it: check_owner() refuses every other.
+            OWNER: session.owner,
+            "model": (session.cfg or self.cfg).to_dict(),
             "partition": self.partition.to_dict(),
             "train": proto.compute_party_train(session.train),
             "device": str(self.device),
@@ -258,11 +311,19 @@ class ComputeParty:
 
     # --- one session -------------------------------------------------------------
 
-    def serve_session(self, link: Link, session: Session) -> None:
-        """Run rounds until A closes the link (or it fails: raises LinkError)."""
+    def serve_session(
+        self,
+        link: Link,
+        session: Session,
+        *,
+        first_round_timeout_s: float | None = None,
+    ) -> None:
+        """Run rounds until A closes the link (or it fails: raises LinkError).
+        ``first_round_timeout_s`` bounds the wait for the first round (None:
+        the link's own receive timeout, as for every later one)."""
         method, lora_seeds = session.lora or (None, None)
         state = PartyState(
-            self.cfg,
+            session.cfg or self.cfg,
             self.partition,
             COMPUTE_PARTY,
             session.train,
@@ -281,23 +342,122 @@ class ComputeParty:
             log.info("loaded %s", folder)
         elif self.base is not None and session.purpose == "train":
             log.info("initialised from %s", self.base.file)
-        server = _Rounds(self, state, link, session)
+        server = _Rounds(self, state, link, session, first_round_timeout_s)
         server.run()
+
+
+#: the key of B's run config.json naming the data party the run is bound to
+OWNER = "owner"
+#: the largest vocabulary a data party may announce (B never allocates it)
+MAX_VOCAB = 1 << 24
+
+
+def check_owner(
+    run: RunDir, run_id: str, identity: str, *, accept_unbound: bool = False
+) -> None:
+    """Refuse any data party but the one that created run ``run_id`` here.
+
+    A run is bound to its creator's identity in its config.json (written with
+    its first checkpoint). A run folder from before runs were bound has none,
+    and one made in-process (``--mode local``) names no network identity:
+    over the network either is refused -- whoever knew its id could otherwise
+    claim it -- unless ``accept_unbound`` (a compute party its data party
+    spawned, or an operator who says so), and its operator may bind it by
+    hand; in-process, where nothing else can reach this party, it is accepted.
+    """
+    config = run.path / "config.json"
+    if config.is_file():
+        owner = run.read_config().get(OWNER)
+    elif ckpt.complete_steps(run.checkpoints):
+        owner = None  # checkpoints without a record of whose they are
+    else:
+        return  # a new run: bound to ``identity`` when its folder is made
+    if owner == IN_PROCESS and identity != IN_PROCESS:
+        # Made by --mode local, now served over the network: the data party's
+        # network identity was never recorded, so this is no proof of it.
+        owner = None
+    if owner is None:
+        if identity == IN_PROCESS or accept_unbound:
+            return
+        raise proto.ProtocolError(
+            f"run {run_id} has no data party bound to it over the network (it was "
+            "made in-process, or before runs were bound to their data party); its "
+            "compute party's "
+            f'operator can bind it to you by adding "{OWNER}": "{identity}" to the '
+            "run's config.json there"
+        )
+    if not (
+        isinstance(owner, str)
+        and hmac.compare_digest(owner.encode(), identity.encode())
+    ):
+        raise proto.ProtocolError(
+            f"run {run_id} belongs to another data party; this link's identity "
+            f"({identity[:24]}...) may not train, evaluate or resume it"
+        )
+
+
+def _vocab_shapes(cfg: ModelConfig, partition: Partition, party: str) -> bool:
+    """Whether any of ``party``'s tensors changes shape with the vocabulary."""
+    return own_tensor_shapes(with_vocab(cfg, 2), partition, party) != own_tensor_shapes(
+        with_vocab(cfg, 3), partition, party
+    )
+
+
+def vocab_of_base(
+    path: str | Path, cfg: ModelConfig, partition: Partition
+) -> ModelConfig:
+    """``cfg`` with the vocabulary of the base model at ``path``.
+
+    ``aisyn train`` sizes a preset's vocabulary to its data's tokenizer, so a
+    base made from ``--model 2.6B`` has the tokenizer's 8 000 rows, not the
+    preset's 40 000; read it from the data party's embedding in the file (its
+    shape, from the header). Anything wrong with the file is left for
+    ``open_base`` to report in one line.
+    """
+    two = own_tensor_shapes(with_vocab(cfg, 2), partition, DATA_PARTY)
+    three = own_tensor_shapes(with_vocab(cfg, 3), partition, DATA_PARTY)
+    name = next((n for n in two if two[n] != three[n]), None)
+    file = ckpt.model_file(path)
+    if name is None or not file.is_file():
+        return cfg
+    pairs = enumerate(zip(two[name], three[name], strict=True))
+    dim = next(i for i, (x, y) in pairs if x != y)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            if name not in f.keys():
+                return cfg
+            shape = f.get_slice(name).get_shape()
+    except (SafetensorError, OSError):
+        return cfg
+    if len(shape) != len(two[name]) or shape[dim] == cfg.vocab_size:
+        return cfg
+    log.info(
+        "vocabulary %d, the base's (the model config says %d)",
+        shape[dim],
+        cfg.vocab_size,
+    )
+    return with_vocab(cfg, shape[dim])
 
 
 class _Rounds:
     """B's side of the rounds of one session."""
 
     def __init__(
-        self, party: ComputeParty, state: PartyState, link: Link, session: Session
+        self,
+        party: ComputeParty,
+        state: PartyState,
+        link: Link,
+        session: Session,
+        first_round_timeout_s: float | None = None,
     ) -> None:
         self.party = party
+        self.first_round_timeout_s = first_round_timeout_s
         self.state = state
         self.link = link
         self.session = session
         (self.middle,) = state.segments
         self.next_step = session.start_step
-        self.hidden = party.cfg.hidden_size
+        self.hidden = state.cfg.hidden_size
         #: the KV cache of B's blocks for the sequence being generated
         self.gen_cache: StageCache | None = None
 
@@ -308,18 +468,38 @@ class _Rounds:
             self.gen_cache = None  # a generation left open ends with the session
 
     def _rounds(self) -> None:
-        from aisyn.link.errors import PeerLostError
+        from aisyn.link.errors import PeerClosedError, PeerLostError
 
         r = 0
         while True:
             try:
-                t = self.link.recv("ctl", step=r, shape=(7,), dtype=torch.int64)
-            except PeerLostError as e:
-                # Between rounds this is the normal end of a session (or A went
-                # away between steps): nothing is half done.
-                log.info("session %s ended: %s", self.session.run_id, e)
+                t = self.link.recv(
+                    "ctl",
+                    step=r,
+                    shape=(7,),
+                    dtype=torch.int64,
+                    # A hello and silence must not hold the server for long.
+                    timeout=self.first_round_timeout_s if r == 0 else None,
+                )
+            except PeerClosedError:
+                # A said goodbye between rounds: the normal end of a session.
+                log.info(
+                    "session for run %s ended: the data party closed it after "
+                    "%d round(s)",
+                    self.session.run_id,
+                    r,
+                )
                 return
-            c = proto.Control.parse(t, self.party.cfg.seq_len)
+            except PeerLostError as e:
+                # A went away between rounds: nothing is half done, but it did
+                # not say goodbye, so say what happened.
+                log.warning(
+                    "session for run %s ended between rounds: %s",
+                    self.session.run_id,
+                    e,
+                )
+                return
+            c = proto.Control.parse(t, self.state.cfg.seq_len)
             if c.op == proto.TRAIN:
                 self._train(r, c)
             elif c.op == proto.EVAL:
@@ -448,6 +628,9 @@ class _Rounds:
             self.link.send_scalar("saved", -1.0, step=r)
             return
         t0 = time.perf_counter()
+        # A run's first save makes its folder; if that save fails, no folder
+        # is left to pass for a run (nor for one bound to this data party).
+        new_folder = not run.path.exists()
         try:
             if not (run.path / "config.json").is_file():
                 run.create(self.party.run_config(self.session), resume=False)
@@ -458,7 +641,7 @@ class _Rounds:
                 {
                     "party": COMPUTE_PARTY,
                     "run_id": self.session.run_id,
-                    "model": self.party.cfg.to_dict(),
+                    "model": self.state.cfg.to_dict(),
                     "partition": self.party.partition.to_dict(),
                     "train": proto.compute_party_train(self.session.train),
                 },
@@ -466,6 +649,8 @@ class _Rounds:
             )
         except (OSError, ckpt.CheckpointError) as e:
             log.error("checkpoint of step %d failed: %s", c.step, e)
+            if new_folder:
+                shutil.rmtree(run.path, ignore_errors=True)
             self.link.send_scalar("saved", -1.0, step=r)
             return
         log.info("saved %s (%.2f s)", folder, time.perf_counter() - t0)

@@ -5,7 +5,11 @@ A session that fails -- bad frames, a refused hello, a vanished peer, even a
 bug -- is logged and ends, the data party being told why; the server keeps
 listening, and since every session starts from B's checkpoint on disk, nothing
 of a failed session survives it. A data party that goes quiet for longer than
-the idle timeout loses its session, so it cannot hold the server forever.
+the idle timeout loses its session, so it cannot hold the server forever,
+and one that says hello and nothing more loses it after the shorter hello
+timeout; callers waiting meanwhile are admitted in order of arrival by
+identity (``link/admission.py``), so a party that reconnects at once goes
+behind them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from aisyn.link.grpc_link import Accept, GrpcLinkServer
 from aisyn.split.compute_party import ComputeParty, Session
 from aisyn.split.session import failure_reason
 from aisyn.split.transport import (
+    COMPUTE_PARTY_HELLO_TIMEOUT_S,
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
     LinkSettings,
     link_options,
@@ -34,7 +39,9 @@ class SplitServer:
     reason), then the session's rounds run on the caller's thread.
 
     ``options.recv_timeout_s`` is the idle timeout (default
-    ``COMPUTE_PARTY_IDLE_TIMEOUT_S``; None: wait forever).
+    ``COMPUTE_PARTY_IDLE_TIMEOUT_S``; None: wait forever);
+    ``hello_timeout_s`` bounds the wait for a session's first round (None:
+    the idle timeout).
     """
 
     def __init__(
@@ -42,12 +49,17 @@ class SplitServer:
         party: ComputeParty,
         settings: LinkSettings,
         options: LinkOptions | None = None,
+        hello_timeout_s: float | None = COMPUTE_PARTY_HELLO_TIMEOUT_S,
     ) -> None:
         self.party = party
         if options is None:
             options = link_options(recv_timeout_s=COMPUTE_PARTY_IDLE_TIMEOUT_S)
         # The rounds read every frame: see link_options().
         options = dataclasses.replace(options, drop_unread=False)
+        idle = options.recv_timeout_s
+        if hello_timeout_s is None or (idle is not None and idle < hello_timeout_s):
+            hello_timeout_s = idle  # never longer than the idle timeout
+        self.hello_timeout_s = hello_timeout_s
         self.server = GrpcLinkServer(
             settings.address,
             **settings.security(),
@@ -64,7 +76,8 @@ class SplitServer:
         return self.server.address
 
     def _on_hello(self, peer: PeerHello) -> Accept:
-        reply, session = self.party.negotiate(peer.session)
+        # The identity is the link's (certificate or token), not the hello's.
+        reply, session = self.party.negotiate(peer.session, peer.identity)
         # The session travels with its own connection's link: two clients may
         # well send the same hello text.
         return Accept(reply, session)
@@ -92,7 +105,9 @@ class SplitServer:
         log.info("session for run %s (%s)", session.run_id, session.purpose)
         ok = False
         try:
-            self.party.serve_session(link, session)
+            self.party.serve_session(
+                link, session, first_round_timeout_s=self.hello_timeout_s
+            )
             ok = True
         except Exception as e:  # a broken session must never take the server down
             if isinstance(e, LinkError | ValueError):  # incl. ProtocolError

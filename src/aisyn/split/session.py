@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import secrets
@@ -31,6 +32,7 @@ from aisyn.procs import ChildProcess, child_env
 from aisyn.split import protocol as proto
 from aisyn.split.compute_party import ComputeParty
 from aisyn.split.transport import (
+    DATA_PARTY_CONNECT_TIMEOUT_S,
     DATA_PARTY_RECV_TIMEOUT_S,
     LinkSettings,
     link_options,
@@ -65,7 +67,7 @@ class SplitOptions:
     peer: LinkSettings | None = None  # grpc mode, unless spawning
     spawn_backbone: bool = False
     spawn_insecure: bool = False
-    connect_timeout_s: float = 60.0
+    connect_timeout_s: float = DATA_PARTY_CONNECT_TIMEOUT_S
     recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S  # None: forever
 
     def __post_init__(self) -> None:
@@ -109,9 +111,16 @@ def open_local(
     party = ComputeParty(
         cfg, partition, compute_root, device=device, init_from=init_from
     )
-    reply_text, session = party.negotiate(proto.encode_json(hello))
-    reply = proto.parse_reply(reply_text)
     link_a, link_b = memory_pair(codec, options=link_options(codec, recv_timeout_s))
+    try:
+        reply_text, session = party.negotiate(
+            proto.encode_json(hello), link_b.peer.identity
+        )
+        reply = proto.parse_reply(reply_text)
+    except BaseException:
+        link_a.close()
+        link_b.close()
+        raise
     errors: list[BaseException] = []
 
     def run_b() -> None:
@@ -147,7 +156,7 @@ def open_grpc(
     hello: dict,
     *,
     codec: str,
-    connect_timeout_s: float = 60.0,
+    connect_timeout_s: float = DATA_PARTY_CONNECT_TIMEOUT_S,
     recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S,
 ) -> Iterator[Opened]:
     from aisyn.link.grpc_link import connect
@@ -201,18 +210,20 @@ def spawn_compute_party(
 ) -> SpawnedServer:
     """Start a compute party on 127.0.0.1 (free port) and wait until it listens.
 
-    Unless ``insecure``, it gets a fresh dev CA with server and client
-    certificates under ``workdir/certs`` and a random token (file mode 0600).
+    Unless ``insecure``, it gets a dev CA with server and client certificates
+    under ``workdir/certs``, and a random token (file mode 0600). Both are
+    made once per run and reused by every later spawn for it (``--resume``,
+    eval, generate): the compute party binds the run to the data party's
+    identity, which is that certificate (or, plaintext, that token).
     """
-    from aisyn.link.certs import make_dev_certs
-
     workdir.mkdir(parents=True, exist_ok=True)
     model_json = workdir / "model.json"
     write_json_atomic(model_json, cfg.to_dict())
     token_file = workdir / "token"
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32))
+    if not (token_file.is_file() and token_file.read_text().strip()):
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
     port_file = workdir / "address"
     port_file.unlink(missing_ok=True)
     args = [
@@ -235,6 +246,9 @@ def spawn_compute_party(
         str(token_file),
         "--device",
         device,
+        # Only this process can reach it: runs spawned before runs were bound
+        # to their data party are this data party's own.
+        "--accept-unbound-runs",
     ]
     if init_from:
         folder = hf_folder(init_from)
@@ -244,7 +258,7 @@ def spawn_compute_party(
         args.append("--insecure")
         tls: dict = {}
     else:
-        certs = make_dev_certs(workdir / "certs")
+        certs = run_dev_certs(workdir / "certs")
         args += [
             "--tls-cert",
             str(certs.server_cert),
@@ -271,6 +285,31 @@ def spawn_compute_party(
     )
     log.info("spawned compute party pid %d on %s", proc.pid, address)
     return SpawnedServer(proc, settings)
+
+
+def run_dev_certs(folder: Path):
+    """The dev certificates of a spawned compute party: those already in
+    ``folder`` while valid for another day, else new ones (valid 10 years:
+    the data party's identity must outlive the run)."""
+    from cryptography import x509
+
+    from aisyn.link.certs import DevCerts, make_dev_certs
+
+    certs = DevCerts.at(folder)
+    paths = (certs.ca_cert, certs.server_cert, certs.server_key)
+    if all(p.is_file() for p in (*paths, certs.client_cert, certs.client_key)):
+        soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=1)
+        try:
+            valid = all(
+                x509.load_pem_x509_certificate(p.read_bytes()).not_valid_after_utc
+                > soon
+                for p in (certs.ca_cert, certs.server_cert, certs.client_cert)
+            )
+        except ValueError:  # not a certificate any more: make new ones
+            valid = False
+        if valid:
+            return certs
+    return make_dev_certs(folder, days=3650)
 
 
 @contextlib.contextmanager

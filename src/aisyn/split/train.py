@@ -11,8 +11,10 @@ both have exists, and ``--resume`` continues from it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,7 +51,7 @@ from aisyn.split.party import (
     place_weights,
     run_methods,
 )
-from aisyn.split.session import SplitOptions, open_session
+from aisyn.split.session import SPAWN_DIR, SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import dp
 from aisyn.train.engine import Engine, Regime, check_resume_target, finished_summary
@@ -132,6 +134,7 @@ def split_train(
             f"--init-from {init_from}: no such base model (a run folder, "
             "checkpoint folder or .safetensors file)"
         )
+    check_pipeline(opts.window, cfg)
     method, compute_method = method or Method(), compute_method or Method()
     lora = method.name == "lora" or compute_method.name == "lora"
     if lora and resume and init_from is None and (Path(out) / "config.json").is_file():
@@ -260,31 +263,41 @@ def split_train(
             state = ckpt.read_state(ckpt.step_folder(run.checkpoints, a_steps[-1]))
             done = finished_summary(run, state)
             return {**done, "bytes_sent_per_step": 0, "bytes_received_per_step": 0}
-    run.create(config, resume=resume)
-    run.copy_tokenizer(Path(data_dirs[0]) / tok["file"])
-
-    state = PartyState(mcfg, partition, DATA_PARTY, cfg, device, method=method)
-    source.start(device)
-    hello = proto.hello(
-        purpose="train",
-        run_id=run_id,
-        model=mcfg.to_dict(),
-        partition=partition.to_dict(),
-        train=cfg,
-        # B's own parameters' seeds, keyed by the run's seed: B learns nothing
-        # from them about A's parameters, which it could otherwise rebuild
-        # and invert the activations with.
-        init_seeds=(
-            None if base else init_seeds(mcfg, partition, COMPUTE_PARTY, cfg.seed)
-        ),
-        lora=compute_lora_hello(mcfg, partition, compute_method, cfg.seed),
-        resume=resume,
-        a_steps=a_steps,
-        codec=opts.codec,
-        init=base.fingerprint if base else None,
-    )
-    b_init = base.file if base else None
-    with open_session(run, mcfg, partition, hello, opts, cfg.device, b_init) as opened:
+    # A start that fails or is refused leaves the folder as it found it, so
+    # that the same command can be retried (not "already holds a run").
+    before = FolderBefore.take(run.path)
+    try:
+        run.create(config, resume=resume)
+        run.copy_tokenizer(Path(data_dirs[0]) / tok["file"])
+        state = PartyState(mcfg, partition, DATA_PARTY, cfg, device, method=method)
+        source.start(device)
+        hello = proto.hello(
+            purpose="train",
+            run_id=run_id,
+            model=mcfg.to_dict(),
+            partition=partition.to_dict(),
+            train=cfg,
+            # B's own parameters' seeds, keyed by the run's seed: B learns
+            # nothing from them about A's parameters, which it could otherwise
+            # rebuild and invert the activations with.
+            init_seeds=(
+                None if base else init_seeds(mcfg, partition, COMPUTE_PARTY, cfg.seed)
+            ),
+            lora=compute_lora_hello(mcfg, partition, compute_method, cfg.seed),
+            resume=resume,
+            a_steps=a_steps,
+            codec=opts.codec,
+            init=base.fingerprint if base else None,
+        )
+        b_init = base.file if base else None
+        session = contextlib.ExitStack()
+        opened = session.enter_context(
+            open_session(run, mcfg, partition, hello, opts, cfg.device, b_init)
+        )
+    except BaseException:
+        before.restore()
+        raise
+    with session:
         return _train_loop(
             run,
             opened,
@@ -300,6 +313,77 @@ def split_train(
             # knows it could subtract the noise, or rebuild A's init).
             dp.CutGuard(defence, cfg.seed) if defence.active else None,
         )
+
+
+@dataclass
+class FolderBefore:
+    """What a run folder held before a start wrote to it, to put it back if
+    the start fails: what the start added goes (a spawned compute party's log
+    stays, as the error names it), and a resumed run's config.json is put
+    back as it was."""
+
+    path: Path
+    existed: bool
+    names: frozenset[str]
+    config: bytes | None
+
+    @classmethod
+    def take(cls, path: Path) -> FolderBefore:
+        if not path.is_dir():
+            return cls(path, False, frozenset(), None)
+        config = path / "config.json"
+        return cls(
+            path,
+            True,
+            frozenset(p.name for p in path.iterdir()),
+            config.read_bytes() if config.is_file() else None,
+        )
+
+    def restore(self) -> None:
+        if not self.path.is_dir():
+            return
+        log_file = self.path / SPAWN_DIR / "server.log"
+        keep = log_file.read_bytes() if log_file.is_file() else None
+        for child in self.path.iterdir():
+            if child.name in self.names:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+        if self.config is not None:
+            write_bytes_atomic(self.path / "config.json", self.config)
+        if keep is not None:
+            log_file.parent.mkdir(exist_ok=True)
+            log_file.write_bytes(keep)
+            log.info("the spawned compute party's log is kept: %s", log_file)
+        elif not self.existed and not any(self.path.iterdir()):
+            self.path.rmdir()
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def check_pipeline(window: int, cfg: TrainConfig) -> None:
+    """Refuse ``--pipeline`` where a step has one micro-batch: there would be
+    nothing to overlap, and the run would silently be lockstep."""
+    if not window or cfg.grad_accum >= 2:
+        return
+    b = cfg.batch_size
+    fix = (
+        f"set --micro-batch-size to a divisor of {b} below it, e.g. "
+        f"{max(d for d in range(1, b) if b % d == 0)}"
+        if b >= 2
+        else "set --batch-size to 2 or more and --micro-batch-size below it"
+    )
+    raise ValueError(
+        f"--pipeline {window} overlaps the micro-batches of a step, and a step of "
+        f"--batch-size {b} with --micro-batch-size {cfg.micro} has only one: "
+        f"{fix} (or leave out --pipeline)"
+    )
 
 
 def _train_loop(

@@ -29,6 +29,15 @@ DATA_PARTY_RECV_TIMEOUT_S = 1800.0
 #: The compute party's longest wait for the data party, mostly between rounds
 #: while A writes its own checkpoint, evaluates or plots.
 COMPUTE_PARTY_IDLE_TIMEOUT_S = 1800.0
+#: ... and for its first round after the hello: A only loads its half of the
+#: model (or a checkpoint) first. Short, so that a data party that sends a
+#: hello and stays silent holds the one session slot for a minute, not for
+#: the idle timeout, while others queue.
+COMPUTE_PARTY_HELLO_TIMEOUT_S = 60.0
+#: How long the data party tries to open a session: past one hello timeout
+#: (and a queued party is let in next), so that a silent squatter cannot
+#: make it give up; a session busy training holds B longer, as it should.
+DATA_PARTY_CONNECT_TIMEOUT_S = 2 * COMPUTE_PARTY_HELLO_TIMEOUT_S + 30.0
 
 
 @dataclass(frozen=True)
