@@ -467,7 +467,9 @@ def split_finetuned(
         [data],
         run,
         cfg,
-        SplitOptions(cut=cut, mode="local", window=2),
+        # Pipelined where a step has micro-batches to overlap (split training
+        # refuses --pipeline on a step of one).
+        SplitOptions(cut=cut, mode="local", window=2 if cfg.grad_accum >= 2 else 0),
         sft=True,
         init_from=base,
         progress=False,
