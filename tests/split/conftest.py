@@ -138,3 +138,17 @@ def start_server(
     )
     opts = LinkOptions(keepalive_s=0.5, keepalive_timeout_s=1.0, **options)
     return ServerThread(SplitServer(party, settings, opts))
+
+
+def server_settings(certs, token_file: Path):
+    """What a compute party listens with on loopback: mTLS from ``certs``
+    (``make_dev_certs``) and the token in ``token_file``."""
+    from aisyn.split.transport import LinkSettings
+
+    return LinkSettings(
+        "127.0.0.1:0",
+        tls_cert=str(certs.server_cert),
+        tls_key=str(certs.server_key),
+        tls_ca=str(certs.ca_cert),
+        token_file=str(token_file),
+    )

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import CUT, ServerThread
+from conftest import CUT, ServerThread, server_settings
 from test_server_hardening import fresh_hello
 
 from aisyn.link import LinkOptions, PeerLostError, connect
@@ -33,13 +33,7 @@ def test_a_silent_reconnecting_party_does_not_lock_out_another(
 ):
     caplog.set_level(logging.INFO, logger="aisyn.link")
     certs = make_dev_certs(tmp_path / "certs", more_clients=["honest"])
-    listen = LinkSettings(
-        "127.0.0.1:0",
-        tls_cert=str(certs.server_cert),
-        tls_key=str(certs.server_key),
-        tls_ca=str(certs.ca_cert),
-        token_file=str(token_file),
-    )
+    listen = server_settings(certs, token_file)
     party = ComputeParty(split_config, parse_partition(CUT, split_config), None)
     options = LinkOptions(
         keepalive_s=0.5, keepalive_timeout_s=1.0, recv_timeout_s=IDLE_S

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import CUT, start_server, train_cfg
+from conftest import CUT, server_settings, start_server, train_cfg
 from test_server_hardening import fresh_hello
 
 from aisyn.link.certs import make_dev_certs
@@ -55,13 +55,7 @@ def test_a_run_is_refused_to_another_certificate_and_kept_for_its_owner(
 ):
     # Two data parties with certificates from the CA B trusts, and one token.
     certs = make_dev_certs(tmp_path / "certs", more_clients=["other"])
-    listen = LinkSettings(
-        "127.0.0.1:0",
-        tls_cert=str(certs.server_cert),
-        tls_key=str(certs.server_key),
-        tls_ca=str(certs.ca_cert),
-        token_file=str(token_file),
-    )
+    listen = server_settings(certs, token_file)
     b_root = tmp_path / "b"
     with start_server(split_config, b_root, listen) as server:
 
