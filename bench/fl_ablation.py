@@ -25,7 +25,7 @@ from pathlib import Path
 from aisyn.experiments.compare import federated_settings, prepare_inputs, read_report
 from aisyn.experiments.presets import get_preset
 from aisyn.fl.launch import simulate
-from aisyn.train.loop import load_run_model
+from aisyn.train.models import load_run_model
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:

@@ -55,7 +55,7 @@ from aisyn.fl import client_app
 from aisyn.fl.partition import partition_iid
 from aisyn.fl.records import WEIGHT_KEY
 from aisyn.fl.task import ServerNode, run_server
-from aisyn.train.loop import load_run_model
+from aisyn.train.models import load_run_model
 
 ATTACKS = ("none", "flip-x1000", "flip-bound")
 # scale of the attacker's (sign-flipped) update; flip-bound stays just inside

@@ -55,7 +55,7 @@ def split_session(name: str, seed: int, threads: int):
     from aisyn.split.party import PartyState
     from aisyn.split.session import open_grpc, spawn_compute_party
     from aisyn.train import checkpoint as ckpt
-    from aisyn.train.loop import TrainConfig
+    from aisyn.train.config import TrainConfig
     from aisyn.train.run import RunDir
 
     cfg = build_model(name, device="meta").config

@@ -47,7 +47,7 @@ CHILD = r"""
 import json, sys, time
 import torch
 from pathlib import Path
-import aisyn.model.families, aisyn.train.loop, aisyn.model.port, aisyn.model.hf
+import aisyn.model.families, aisyn.train.models, aisyn.model.port, aisyn.model.hf
 import aisyn.model.mindspore_ckpt, aisyn.model.mindspore_pangu
 kind, where = sys.argv[1], Path(sys.argv[2])
 torch.set_num_threads(int(sys.argv[3]))
@@ -61,7 +61,7 @@ t = time.perf_counter()
 from aisyn.model.families import build_model
 from aisyn.train.checkpoint import load_weights
 if kind == "load_run":
-    model, _ = aisyn.train.loop.load_run_model(where)
+    model, _ = aisyn.train.models.load_run_model(where)
 elif kind == "load_port":
     cfg, state = aisyn.model.port.read_port(where)
     model = build_model(cfg, device="meta")

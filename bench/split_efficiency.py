@@ -1,6 +1,6 @@
 """Split-training efficiency: the reference's table, reproduced in one run.
 
-Unsplit training (``train.loop.train_step``) against split training of the same
+Unsplit training (``train.executor.LocalExecutor``) against split training of the same
 model on the same batches, with the same seed and micro-batching:
 
 * in-process (both parties in this process, in-memory link);
@@ -65,7 +65,9 @@ from aisyn.split.data_party import DataSession
 from aisyn.split.party import PartyState
 from aisyn.split.session import open_grpc, spawn_compute_party
 from aisyn.split.transport import link_options
-from aisyn.train.loop import TrainConfig, make_optimizer, train_step
+from aisyn.train.config import TrainConfig
+from aisyn.train.executor import LocalExecutor
+from aisyn.train.objective import lm_step_batch
 from aisyn.train.sampler import BatchSampler
 
 CODECS = ("none", "fp16", "bf16", "int8")
@@ -135,7 +137,7 @@ class Baseline:
     def __init__(self, cfg, tcfg) -> None:
         self.tcfg = tcfg
         self.model = build_model(cfg, seed=tcfg.seed)
-        self.opt = make_optimizer(list(self.model.named_parameters()), tcfg)
+        self.executor = LocalExecutor(self.model, self.model.named_parameters(), tcfg)
         self.model.train()
         self.times: list[float] = []
         self.cpu: list[float] = []
@@ -143,7 +145,7 @@ class Baseline:
 
     def step(self, batch: torch.Tensor, step: int) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
-        res = train_step(self.model, self.opt, batch, step, self.tcfg, None)
+        res = self.executor.step(step, lm_step_batch(batch, self.tcfg.micro, None))
         self.times.append(time.perf_counter() - t0)
         self.cpu.append(time.process_time() - c0)
         self.losses.append(res["loss"])
@@ -183,7 +185,8 @@ def run_session(
             base.step(batch, step)
         s0, r0 = link.bytes_sent, link.bytes_received
         t0, c0 = time.perf_counter(), cpu_seconds(peer_pid)
-        res = session.train_step(batch, step)
+        step_batch = lm_step_batch(batch, tcfg.micro, None)
+        res = session.train_micro_batches(step_batch.micro, step, step_batch.loss_of)
         link.flush()
         times.append(time.perf_counter() - t0)
         cpu.append(cpu_seconds(peer_pid) - c0)

@@ -27,7 +27,8 @@ from aisyn.model.hf import HFConfig
 from aisyn.model.pangu import PanguConfig
 from aisyn.split.session import SplitOptions
 from aisyn.split.train import split_train
-from aisyn.train.loop import TrainConfig, train
+from aisyn.train.config import TrainConfig
+from aisyn.train.pretrain import train
 from aisyn.train.run import read_metrics
 
 SIZE = dict(vocab_size=8000, hidden_size=64, num_heads=4, ffn_size=128, seq_len=64)

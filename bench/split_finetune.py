@@ -22,7 +22,7 @@ from pathlib import Path
 from aisyn.experiments.compare import prepare_inputs, split_finetuned
 from aisyn.experiments.presets import PRESETS
 from aisyn.train.finetune import finetune
-from aisyn.train.loop import load_run_model
+from aisyn.train.models import load_run_model
 
 
 def main() -> None:

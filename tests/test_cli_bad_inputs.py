@@ -321,12 +321,12 @@ def no_training(monkeypatch):
     let it run: without the memory check, ``--batch-size 100000`` allocates
     until the OOM killer ends the test run (and whatever else it picks)."""
     import aisyn.split.train
-    import aisyn.train.loop
+    import aisyn.train.pretrain
 
     def refuse(*args, **kwargs):
         raise AssertionError("a bad input got as far as building the model")
 
-    monkeypatch.setattr(aisyn.train.loop, "build_model", refuse)
+    monkeypatch.setattr(aisyn.train.pretrain, "build_model", refuse)
     monkeypatch.setattr(aisyn.split.train, "PartyState", refuse)
 
 
@@ -427,7 +427,7 @@ def test_numeric_flag_types_enforce_their_ranges():
     ],
 )
 def test_train_config_checks_its_own_ranges(field, value):
-    from aisyn.train.loop import TrainConfig
+    from aisyn.train.config import TrainConfig
 
     with pytest.raises(ValueError, match=field):
         TrainConfig(**{field: value})

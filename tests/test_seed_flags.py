@@ -75,7 +75,7 @@ def test_the_largest_seed_and_the_offsets_added_to_it_still_seed_torch():
 
 def test_a_seed_from_a_file_is_held_to_the_same_range():
     from aisyn.fl.settings import FLSettings
-    from aisyn.train.loop import TrainConfig
+    from aisyn.train.config import TrainConfig
 
     with pytest.raises(ValueError, match="seed must be <= 9223372036854775807"):
         TrainConfig(seed=2**64)

@@ -162,7 +162,7 @@ def cmd_train(args) -> None:
     and checkpoints to --out."""
 
     from aisyn.train.flags import train_config_from_args
-    from aisyn.train.loop import train
+    from aisyn.train.pretrain import train
 
     if args.resume:
         validate.check_resumable(args.out)

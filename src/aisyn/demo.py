@@ -17,7 +17,8 @@ from aisyn.data.shards import prepare
 from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.eval.generate import load_generator
 from aisyn.eval.report import evaluate_run
-from aisyn.train.loop import TrainConfig, train
+from aisyn.train.config import TrainConfig
+from aisyn.train.pretrain import train
 
 log = logging.getLogger(__name__)
 

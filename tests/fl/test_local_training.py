@@ -9,9 +9,12 @@ import torch
 
 from aisyn.fl.records import tensors_to_record
 from aisyn.fl.settings import FLSettings
+from aisyn.fl.task import add_proximal_grad
 from aisyn.model.families import build_model
-from aisyn.train.finetune import add_proximal_grad, sft_step
+from aisyn.train.config import TrainConfig
+from aisyn.train.executor import LocalExecutor
 from aisyn.train.lora import Method, apply_method, merged_state_dict, trainable_tensors
+from aisyn.train.objective import sft_step_batch
 
 
 def _batch(cfg, n=4, t=12, seed=0):
@@ -31,7 +34,7 @@ def test_fedprox_adds_mu_times_the_distance_to_the_global_model(fl_config):
         for _, p in trainable:
             p.add_(0.01 * torch.randn_like(p))
     inputs, targets = _batch(fl_config)
-    from aisyn.train.finetune import sft_loss_sum
+    from aisyn.train.objective import sft_loss_sum
 
     loss, _ = sft_loss_sum(model, inputs, targets)
     loss.backward()
@@ -59,18 +62,15 @@ def test_fedprox_step_stays_closer_to_the_global_model(fl_config):
                 p.add_(0.05)
         opt = torch.optim.SGD([p for _, p in trainable], lr=1e-2)
         inputs, targets = _batch(fl_config)
-        sft_step(
+        executor = LocalExecutor(
             model,
             trainable,
-            opt,
-            inputs,
-            targets,
-            lr=1e-2,
-            micro=4,
-            grad_clip=0.0,
-            prox_mu=mu,
-            anchor=anchor,
+            TrainConfig(batch_size=4, grad_clip=0.0),
+            lr_at=lambda step: 1e-2,
+            optimizer=opt,
+            regularizer=lambda: {"prox": add_proximal_grad(trainable, anchor, mu)},
         )
+        executor.step(0, sft_step_batch(inputs, targets, micro=4))
         return sum(float((p.detach() - anchor[n]).pow(2).sum()) for n, p in trainable)
 
     # Execute
@@ -119,7 +119,7 @@ def test_client_round_in_process(base_run, sft_dirs, tmp_path):
     from flwr.app import ConfigRecord
 
     from aisyn.fl.task import ClientNode, client_train, round_config
-    from aisyn.train.finetune import describe_base, load_base
+    from aisyn.train.models import describe_base, load_base
 
     # Prepare: the server's view (global tensors, round config)
     settings = FLSettings.from_dict(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from aisyn.fl.settings import FLSettings, load_settings, shipped_configs
-from aisyn.train.loop import TrainConfig
+from aisyn.train.config import TrainConfig
 
 
 def test_shipped_scenarios_load_and_flags_override():

@@ -83,7 +83,7 @@ def test_sft_corrupt_or_missing_data_is_refused(sft_dirs, tmp_path):
 
 
 def test_pooled_batches_mix_sources(sft_dirs):
-    from aisyn.train.finetune import SFTBatches
+    from aisyn.train.objective import SFTBatches
 
     # Prepare
     sources = open_sft_many([sft_dirs["news"], sft_dirs["reviews"]])

@@ -201,7 +201,8 @@ def test_generation_leaves_the_model_mode_alone(model):
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, news_data, tiny_config):
-    from aisyn.train.loop import TrainConfig, train
+    from aisyn.train.config import TrainConfig
+    from aisyn.train.pretrain import train
 
     run = tmp_path_factory.mktemp("gen") / "run"
     cfg = TrainConfig(steps=3, batch_size=4, lr=3e-3, warmup_steps=1, log_every=1)

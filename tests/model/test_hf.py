@@ -264,7 +264,8 @@ def test_a_pangu_run_goes_out_in_the_ports_layout(tmp_path, capsys):
 
 
 def test_training_from_an_hf_folder_starts_from_its_weights(tmp_path, news_data):
-    from aisyn.train.loop import TrainConfig, train
+    from aisyn.train.config import TrainConfig
+    from aisyn.train.pretrain import train
     from aisyn.train.run import read_metrics
 
     # A tiny random Qwen2 with room for the data tokenizer's 8000 pieces.
@@ -316,7 +317,8 @@ def test_training_from_an_hf_folder_starts_from_its_weights(tmp_path, news_data)
 
 
 def test_a_data_tokenizer_larger_than_the_models_vocab_is_refused(tmp_path, news_data):
-    from aisyn.train.loop import TrainConfig, train
+    from aisyn.train.config import TrainConfig
+    from aisyn.train.pretrain import train
 
     hf_model("llama").save_pretrained(tmp_path / "hf")  # 97 pieces
     with pytest.raises(

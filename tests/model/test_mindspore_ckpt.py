@@ -36,7 +36,7 @@ from aisyn.model.pangu import CONFIGS, PanguAlpha, PanguConfig, fast_gelu
 from aisyn.model.port import PortError, read_port_config, write_port_folder
 from aisyn.model.proto.mindspore_checkpoint_pb2 import Checkpoint
 from aisyn.train.checkpoint import load_weights
-from aisyn.train.loop import load_run_model
+from aisyn.train.models import load_run_model
 from aisyn.train.run import RunDir
 
 REPO = Path(__file__).resolve().parents[2]

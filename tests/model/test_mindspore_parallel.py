@@ -19,7 +19,7 @@ from aisyn.model.mindspore_ckpt import read_checkpoint, write_checkpoint
 from aisyn.model.mindspore_pangu import gather_weights, infer_config, to_state_dict
 from aisyn.model.mindspore_parallel import SliceLayout, rank_order, read_strategy
 from aisyn.model.proto.mindspore_strategy_pb2 import ParallelStrategyMap
-from aisyn.train.loop import load_run_model
+from aisyn.train.models import load_run_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures/mindspore"
 

@@ -202,7 +202,7 @@ def test_a_bin_file_that_would_run_code_is_refused_without_running_it(tmp_path):
 def test_convert_cli_writes_a_base_run_with_the_ports_tokenizer(tmp_path, capsys):
     from aisyn.cli import main
     from aisyn.data.tokenizer import PanguTokenizer
-    from aisyn.train.loop import load_run_model
+    from aisyn.train.models import load_run_model
 
     tok = PanguTokenizer.load()
     cfg = PanguConfig(

@@ -26,7 +26,8 @@ def reviews_data(tmp_path_factory, tokenizer):
 def base(tmp_path_factory, news_data, reviews_data):
     """A small model trained a few steps on both domains (the public base)."""
     from aisyn.model.pangu import PanguConfig
-    from aisyn.train.loop import TrainConfig, train
+    from aisyn.train.config import TrainConfig
+    from aisyn.train.pretrain import train
 
     cfg = PanguConfig(
         vocab_size=8000,

@@ -13,7 +13,7 @@ import torch
 from aisyn.cli import main
 from aisyn.data.shards import TokenShards
 from aisyn.privacy.frontier import Point, frontier, recommended
-from aisyn.train.loop import TrainConfig
+from aisyn.train.config import TrainConfig
 
 
 def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
@@ -105,7 +105,7 @@ def test_ci_preset_measures_every_piece(tmp_path):
 def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):
     from aisyn.privacy.frontier import calibrate
     from aisyn.train.dp import defence_from_flags
-    from aisyn.train.loop import load_run_model
+    from aisyn.train.models import load_run_model
 
     argv = ["privacy", "calibrate", "--base", str(base), "--public"]
     argv += [str(reviews_data), "--batch-size", "4", "--samples", "8"]
@@ -186,7 +186,7 @@ def test_calibrate_without_public_shards_reads_the_built_in_public_text(base, ca
     from aisyn.data.tokenizer import open_tokenizer
     from aisyn.privacy.frontier import calibrate
     from aisyn.train.dp_calibration import public_rows
-    from aisyn.train.loop import load_run_model
+    from aisyn.train.models import load_run_model
     from aisyn.train.run import TOKENIZER, RunDir
 
     argv = ["privacy", "calibrate", "--base", str(base), "--batch-size", "4"]
@@ -214,7 +214,7 @@ def test_defence_recommended_from_a_base_runs_the_flags_calibrate_prints(
     keep this fast, the same 16 rows instead of 256)."""
     import aisyn.split.defence
     from aisyn.train import dp
-    from aisyn.train.loop import load_run_model
+    from aisyn.train.models import load_run_model
 
     monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)
     argv = ["privacy", "calibrate", "--base", str(base), "--batch-size", "4"]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from aisyn.model.pangu import PanguConfig
-from aisyn.train.loop import TrainConfig, train
+from aisyn.train.config import TrainConfig
+from aisyn.train.pretrain import train
 from aisyn.train.run import read_metrics
 
 TOKEN = "split-test-token"

@@ -219,7 +219,7 @@ def test_noise_touches_only_what_b_adds_not_the_residual_stream(
     through the residual. The same arithmetic, written in the unsplit model
     (B's blocks 1-2 wrapped, the same noise drawn), trains identically."""
     from aisyn.model.pangu import PanguAlpha
-    from aisyn.train.loop import train
+    from aisyn.train.pretrain import train
 
     defence = dp.CutDefence(
         forward=dp.Gaussian(50.0, 0.02), backward=dp.Gaussian(0.05, 0.5)

@@ -16,7 +16,7 @@ from aisyn.split.evaluate import evaluate_split_run, open_split_model
 from aisyn.split.merge import MergeError, merge
 from aisyn.split.session import SplitOptions
 from aisyn.split.train import split_train
-from aisyn.train.loop import load_run_model
+from aisyn.train.models import load_run_model
 
 CLOZE = [
     ClozeItem("今天的", "很好，我们出去走走。", ("天气", "电脑", "股票"), "天气"),

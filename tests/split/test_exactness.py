@@ -99,7 +99,7 @@ def test_eod_reset_is_exact_without_sending_tokens(
     """With --eod-reset B gets per-position document indices (int32), never
     tokens, and the run still matches aisyn train step for step."""
     from aisyn.link.memory import MemoryLink
-    from aisyn.train.loop import train
+    from aisyn.train.pretrain import train
 
     # Prepare: record every tensor A sends
     sent: list[tuple[str, torch.dtype, tuple[int, ...]]] = []

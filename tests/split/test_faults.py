@@ -327,11 +327,11 @@ def test_split_resume_before_any_checkpoint_and_past_the_end(
     """A split run killed before its first checkpoint resumes with only the
     rerun's metrics rows; one resumed at its last step trains nothing and
     reports its own loss; --steps below it is refused before anything opens."""
-    from aisyn.split import train as split_mod
+    from aisyn.train.regime import Regime
 
     out = tmp_path / "run"
     cfg = train_cfg(steps=4)
-    real_step = split_mod.DataPartyTraining.train_step
+    real_step = Regime.train_step
     calls = {"n": 0}
 
     def crashing_step(self, step):
@@ -340,11 +340,11 @@ def test_split_resume_before_any_checkpoint_and_past_the_end(
             raise KeyboardInterrupt("simulated kill")
         return real_step(self, step)
 
-    monkeypatch.setattr(split_mod.DataPartyTraining, "train_step", crashing_step)
+    monkeypatch.setattr(Regime, "train_step", crashing_step)
     local = SplitOptions(cut=CUT, mode="local")
     with pytest.raises(KeyboardInterrupt):
         split_train(split_config, [news_data], out, cfg, local, progress=False)
-    monkeypatch.setattr(split_mod.DataPartyTraining, "train_step", real_step)
+    monkeypatch.setattr(Regime, "train_step", real_step)
 
     split_train(split_config, [news_data], out, cfg, local, resume=True, progress=False)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]

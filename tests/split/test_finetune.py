@@ -25,8 +25,8 @@ from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.finetune import finetune
-from aisyn.train.loop import train
 from aisyn.train.lora import Method
+from aisyn.train.pretrain import train
 from aisyn.train.run import RunDir, read_metrics
 
 REL = 1e-5

@@ -13,7 +13,7 @@ from aisyn.model.hf import HFConfig
 from aisyn.split.session import SplitOptions
 from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
-from aisyn.train.loop import train
+from aisyn.train.pretrain import train
 
 CONFIGS = {
     "gpt2": HFConfig(

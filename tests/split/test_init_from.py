@@ -18,7 +18,7 @@ from aisyn.split.session import SplitOptions
 from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
-from aisyn.train.loop import train
+from aisyn.train.pretrain import train
 
 REL = 1e-5
 

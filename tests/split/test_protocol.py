@@ -32,7 +32,7 @@ from aisyn.split.evaluate import open_split_model
 from aisyn.split.session import SplitOptions
 from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
-from aisyn.train.loop import TrainConfig
+from aisyn.train.config import TrainConfig
 from aisyn.train.run import RunDir
 
 METHOD = "/aisyn.link.v1.TensorLink/Exchange"

@@ -111,7 +111,7 @@ def make_b_run(root: Path, cfg, owner: str | None) -> Path:
     from aisyn.model.segments import COMPUTE_PARTY
     from aisyn.split.party import PartyState
     from aisyn.train import checkpoint as ckpt
-    from aisyn.train.loop import resolve_device
+    from aisyn.train.device import resolve_device
 
     run = root / "r1"
     (run / "checkpoints").mkdir(parents=True)

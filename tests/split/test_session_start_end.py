@@ -112,7 +112,7 @@ def data_party_hello(argv: list[str], data: Path) -> dict:
     from aisyn.model.segments import COMPUTE_PARTY, init_seeds
     from aisyn.split import protocol as proto
     from aisyn.train.flags import train_config_from_args
-    from aisyn.train.loop import model_config_for
+    from aisyn.train.models import model_config_for
 
     args = build_parser().parse_args(argv)
     args.seed = 7
@@ -218,7 +218,8 @@ def test_a_base_fixes_the_compute_partys_vocabulary(tmp_path, split_config, news
     from aisyn.split import protocol as proto
     from aisyn.split.compute_party import ComputeParty
     from aisyn.split.party import open_base
-    from aisyn.train.loop import model_config_for, train
+    from aisyn.train.models import model_config_for
+    from aisyn.train.pretrain import train
 
     preset = replace(split_config, vocab_size=40000)
     train(preset, [news_data], tmp_path / "base", train_cfg(steps=1), progress=False)

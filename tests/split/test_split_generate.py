@@ -20,7 +20,7 @@ from aisyn.split.merge import merge
 from aisyn.split.session import COMPUTE_DIR, SplitOptions, open_local
 from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
-from aisyn.train.loop import load_run_model
+from aisyn.train.models import load_run_model
 from aisyn.train.run import RunDir
 
 PROMPT = [9, 417, 23, 1502, 77, 3001]  # ids of split_config's 8000-token vocabulary

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from aisyn.train.loop import TrainConfig, per_rank_micro_batches, train
+from aisyn.train.config import TrainConfig, per_rank_micro_batches
+from aisyn.train.pretrain import train
 from aisyn.train.run import read_metrics
 
 

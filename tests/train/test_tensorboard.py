@@ -9,7 +9,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from aisyn.cli import build_parser
 from aisyn.fl.cli import settings_from_args
-from aisyn.train.loop import TrainConfig, train
+from aisyn.train.config import TrainConfig
+from aisyn.train.pretrain import train
 from aisyn.train.run import RunDir, read_metrics
 
 

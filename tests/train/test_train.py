@@ -6,8 +6,10 @@ import torch
 from aisyn.model.families import build_model
 from aisyn.model.pangu import PanguConfig
 from aisyn.train import checkpoint as ckpt
-from aisyn.train import loop
-from aisyn.train.loop import TrainConfig, load_run_model, train
+from aisyn.train.config import TrainConfig
+from aisyn.train.models import load_model_checkpoint, load_run_model
+from aisyn.train.pretrain import train
+from aisyn.train.regime import Regime
 from aisyn.train.run import read_metrics
 
 
@@ -55,7 +57,7 @@ def test_resume_continues_the_same_trajectory(
     cfg = _cfg(ckpt_every=5)
     train(tiny_config, [news_data], tmp_path / "full", cfg, progress=False)
 
-    real_step = loop.train_step
+    real_step = Regime.train_step
     calls = {"n": 0}
 
     def crashing_step(*args, **kw):
@@ -64,10 +66,10 @@ def test_resume_continues_the_same_trajectory(
             raise KeyboardInterrupt("simulated kill")
         return real_step(*args, **kw)
 
-    monkeypatch.setattr(loop, "train_step", crashing_step)
+    monkeypatch.setattr(Regime, "train_step", crashing_step)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_config, [news_data], tmp_path / "cut", cfg, progress=False)
-    monkeypatch.setattr(loop, "train_step", real_step)
+    monkeypatch.setattr(Regime, "train_step", real_step)
     assert ckpt.latest(tmp_path / "cut" / "checkpoints").name == "step_00000005"
     with pytest.raises(FileExistsError, match="pass --resume"):
         train(tiny_config, [news_data], tmp_path / "cut", cfg, progress=False)
@@ -88,7 +90,7 @@ def test_checkpoint_of_another_config_is_refused(tmp_path, news_data, tiny_confi
     other = PanguConfig(**{**tiny_config.to_dict(), "hidden_size": 64})
 
     with pytest.raises(ckpt.CheckpointError, match="has shape .* another config"):
-        loop.load_model_checkpoint(build_model(other), tmp_path / "r")
+        load_model_checkpoint(build_model(other), tmp_path / "r")
     with pytest.raises(ValueError, match="different model"):
         train(
             other,
@@ -133,7 +135,7 @@ def test_config_json_records_the_run(tmp_path, news_data, tiny_config):
 
 def _crash_at_call(monkeypatch, n: int):
     """Make the n-th ``train_step`` raise, as a kill would end the run there."""
-    real_step = loop.train_step
+    real_step = Regime.train_step
     calls = {"n": 0}
 
     def crashing_step(*args, **kw):
@@ -142,7 +144,7 @@ def _crash_at_call(monkeypatch, n: int):
             raise KeyboardInterrupt("simulated kill")
         return real_step(*args, **kw)
 
-    monkeypatch.setattr(loop, "train_step", crashing_step)
+    monkeypatch.setattr(Regime, "train_step", crashing_step)
     return real_step
 
 
@@ -154,7 +156,7 @@ def test_resume_before_any_checkpoint_keeps_only_the_rerun_metrics(
     real_step = _crash_at_call(monkeypatch, 3)  # killed after logging 2 steps
     with pytest.raises(KeyboardInterrupt):
         train(tiny_config, [news_data], tmp_path / "cut", cfg, progress=False)
-    monkeypatch.setattr(loop, "train_step", real_step)
+    monkeypatch.setattr(Regime, "train_step", real_step)
     assert ckpt.latest(tmp_path / "cut" / "checkpoints") is None
 
     train(tiny_config, [news_data], tmp_path / "cut", cfg, resume=True, progress=False)

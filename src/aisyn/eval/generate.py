@@ -30,7 +30,8 @@ from aisyn.model.generate import (
     check_request,
     decode,
 )
-from aisyn.train.loop import load_run_model, resolve_device
+from aisyn.train.device import resolve_device
+from aisyn.train.models import load_run_model
 from aisyn.train.run import TOKENIZER, RunDir
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,9 @@ from aisyn.data.corpora import BUILTIN_CORPORA, load_corpora
 from aisyn.data.shards import TokenShards, read_manifest
 from aisyn.data.tokenizer import open_tokenizer
 from aisyn.eval.cloze import cloze_accuracy
-from aisyn.train.loop import evaluate_loss, load_run_model, resolve_device
+from aisyn.train.device import resolve_device
+from aisyn.train.models import load_run_model
+from aisyn.train.objective import evaluate_loss
 from aisyn.train.run import TOKENIZER, RunDir, write_json_atomic
 
 log = logging.getLogger(__name__)

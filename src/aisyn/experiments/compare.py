@@ -40,15 +40,13 @@ from aisyn.experiments.presets import Preset
 from aisyn.fl.settings import FLSettings
 from aisyn.model.causal_lm import CausalLM
 from aisyn.model.families import ModelConfig, config_from_dict
+from aisyn.train.config import TrainConfig
+from aisyn.train.device import resolve_device
 from aisyn.train.finetune import finetune
-from aisyn.train.loop import (
-    TrainConfig,
-    evaluate_loss,
-    load_run_model,
-    resolve_device,
-    train,
-)
 from aisyn.train.lora import Method
+from aisyn.train.models import load_run_model
+from aisyn.train.objective import evaluate_loss
+from aisyn.train.pretrain import train
 from aisyn.train.run import read_metrics, write_json_atomic
 
 log = logging.getLogger("aisyn.experiments")

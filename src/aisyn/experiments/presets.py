@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from aisyn.model.pangu import CONFIGS
-from aisyn.train.loop import TrainConfig
+from aisyn.train.config import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from aisyn.fl.settings import FLSettings
 from aisyn.fl.task import RESULT_FILE, ServerNode, server_run_config
 from aisyn.net import free_port
 from aisyn.procs import ChildProcess
-from aisyn.train.finetune import check_data_matches, describe_base
+from aisyn.train.models import check_data_matches, describe_base
 
 log = logging.getLogger("aisyn.fl")
 

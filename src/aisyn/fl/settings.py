@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 
-from aisyn.train.loop import TrainConfig
+from aisyn.train.config import TrainConfig
 from aisyn.train.lora import Method
 from aisyn.validate import SEED_RANGE, check_number
 

@@ -22,12 +22,14 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
+from torch import nn
 
 from aisyn.data.sft import SFTData
 from aisyn.fl.dp import sample_rate, settings_epsilon
@@ -39,25 +41,25 @@ from aisyn.fl.records import (
 from aisyn.fl.secure import SecAggPlusGrid
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import guard_of, make_strategy
+from aisyn.train.device import resolve_device
 from aisyn.train.dp import finite_or_none
 from aisyn.train.engine import Engine
-from aisyn.train.finetune import (
-    BaseModel,
-    FineTuning,
-    SFTBatches,
-    check_data_matches,
-    describe_base,
-    load_base,
-    save_model,
-    sft_eval_loss,
-)
-from aisyn.train.loop import make_optimizer, resolve_device
+from aisyn.train.executor import LocalExecutor, save_model
 from aisyn.train.lora import (
     apply_method,
     load_trainable,
     trainable_tensors,
 )
-from aisyn.train.run import TOKENIZER, RunDir, save_figure, write_json_atomic
+from aisyn.train.models import BaseModel, check_data_matches, describe_base, load_base
+from aisyn.train.objective import SFTObjective, sft_eval_loss
+from aisyn.train.regime import Regime
+from aisyn.train.run import (
+    TOKENIZER,
+    RunDir,
+    run_config,
+    save_figure,
+    write_json_atomic,
+)
 
 log = logging.getLogger("aisyn.fl")
 
@@ -152,22 +154,22 @@ class ClientContext:
     def _ensure_run_folder(self) -> None:
         if (self.run.path / "config.json").is_file():
             return
-        self.run.create(
-            {
-                "kind": "finetune",
-                "role": "client",
-                "name": self.node.name,
-                "model": self.info.model.to_dict(),
-                "method": self.settings.method_spec().to_dict(),
-                "federated": self.settings.to_dict(),
-                "data": [str(self.node.data.resolve())],
-                "tokenizer": self.info.tokenizer,
-                "seq_len": self.data.seq_len,
-                "base": self.info.to_dict(),
-            },
+        self.run.start(
+            run_config(
+                "finetune",
+                self.info.model,
+                role="client",
+                name=self.node.name,
+                method=self.settings.method_spec().to_dict(),
+                federated=self.settings.to_dict(),
+                data=[self.node.data],
+                tokenizer=self.info.tokenizer,
+                seq_len=self.data.seq_len,
+                base=self.info.to_dict(),
+            ),
             resume=False,
+            tokenizer=self.info.path / TOKENIZER,
         )
-        self.run.copy_tokenizer(self.info.path / TOKENIZER)
 
     def load_global(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
         try:
@@ -190,6 +192,29 @@ class ClientContext:
         )
 
 
+@torch.no_grad()
+def add_proximal_grad(
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    anchor: dict[str, torch.Tensor],
+    mu: float,
+) -> float:
+    """FedProx: the gradient of (mu/2)||w - w_global||^2, added in place.
+
+    Returns the term's value. Added to the gradient directly (before clipping,
+    as if it were part of the loss) instead of through autograd, which would
+    keep a second copy of the graph over every parameter.
+    """
+    total = 0.0
+    for name, p in trainable:
+        diff = p.detach() - anchor[name]
+        total += float(diff.pow(2).sum())
+        if p.grad is None:
+            p.grad = diff.mul(mu)
+        else:
+            p.grad.add_(diff, alpha=mu)
+    return 0.5 * mu * total
+
+
 def client_train(
     node: ClientNode, config: ConfigRecord, arrays: ArrayRecord
 ) -> tuple[ArrayRecord, MetricRecord]:
@@ -203,26 +228,28 @@ def client_train(
     global_loss = ctx.valid_loss()
     E, cfg = settings.local_steps, settings.train
     first = (server_round - 1) * E
-    batches = SFTBatches([ctx.data], settings.train.seed, ctx.device)
-    batches.skip(first * settings.train.batch_size)  # resume this client's data order
-    optimizer = make_optimizer(ctx.trainable, cfg)
-    regime = FineTuning(
+    objective = SFTObjective([node.data], cfg, sources=[ctx.data])
+    objective.start(ctx.device)
+    objective.batches.skip(first * cfg.batch_size)  # resume this client's data order
+    prox_mu = settings.proximal_mu if settings.strategy == "fedprox" else 0.0
+    executor = LocalExecutor(
         ctx.model,
         ctx.trainable,
-        optimizer,
-        batches,
         cfg,
+        method=settings.method_spec(),
         lr_at=lambda step: settings.lr_at(server_round, step),
-        prox_mu=settings.proximal_mu if settings.strategy == "fedprox" else 0.0,
-        anchor=anchor,
-        save=lambda step, state: save_model(
-            ctx.run,
-            ctx.model,
-            step,
-            {"round": server_round, "elapsed_s": state["elapsed_s"]},
-            keep=1,
+        regularizer=(
+            (lambda: {"prox": add_proximal_grad(ctx.trainable, anchor, prox_mu)})
+            if prox_mu > 0
+            else None
         ),
-        fields={"round": server_round},
+        # Each round is a fresh process with a fresh optimizer (the global
+        # model replaces the weights): only the weights are worth keeping.
+        resumable=False,
+        hint=" (lower the learning rate?)",
+    )
+    regime = Regime(
+        objective, executor, cfg, ctx.run, fields={"round": server_round}, keep=1
     )
     engine = Engine(
         ctx.run,
@@ -340,20 +367,20 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
     trainable = apply_method(model, settings.method_spec(), settings.train.seed)
     initial = trainable_tensors(trainable)
     run = RunDir(node.out)
-    run.create(
-        {
-            "kind": "finetune",
-            "role": "server",
-            "model": info.model.to_dict(),
-            "method": settings.method_spec().to_dict(),
-            "federated": settings.to_dict(),
-            "tokenizer": info.tokenizer,
-            "seq_len": info.model.seq_len,
-            "base": info.to_dict(),
-        },
+    run.start(
+        run_config(
+            "finetune",
+            info.model,
+            role="server",
+            method=settings.method_spec().to_dict(),
+            federated=settings.to_dict(),
+            tokenizer=info.tokenizer,
+            seq_len=info.model.seq_len,
+            base=info.to_dict(),
+        ),
         resume=False,
+        tokenizer=info.path / TOKENIZER,
     )
-    run.copy_tokenizer(info.path / TOKENIZER)
     if settings.tensorboard:
         run.enable_tensorboard()
     strategy = make_strategy(settings)
@@ -374,6 +401,7 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
             server_round * settings.local_steps,
             {"round": server_round, "elapsed_s": time.perf_counter() - t_start},
             keep=2,
+            adapters=settings.method == "lora",
         )
         entry = dict(guard.round_log.get(server_round, {"round": server_round}))
         if secure is not None:

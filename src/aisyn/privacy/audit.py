@@ -39,7 +39,7 @@ from aisyn.privacy.attacks import (
     recovery,
 )
 from aisyn.train.dp_calibration import blocks_of, cut_traffic
-from aisyn.train.loop import load_run_model
+from aisyn.train.models import load_run_model
 
 log = logging.getLogger(__name__)
 

@@ -98,7 +98,7 @@ def cmd_calibrate(args) -> None:
     from aisyn.data.shards import TokenShards
     from aisyn.data.tokenizer import open_tokenizer
     from aisyn.train.dp_calibration import calibrate, public_rows, split_partition
-    from aisyn.train.loop import load_run_model
+    from aisyn.train.models import load_run_model
     from aisyn.train.run import TOKENIZER
 
     model, config = load_run_model(args.base)

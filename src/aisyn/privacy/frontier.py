@@ -45,8 +45,10 @@ from aisyn.split.merge import merge
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
 from aisyn.train import dp
+from aisyn.train.config import TrainConfig
 from aisyn.train.dp_calibration import Clips, blocks_of, calibrate
-from aisyn.train.loop import TrainConfig, evaluate_loss, load_run_model
+from aisyn.train.models import load_run_model
+from aisyn.train.objective import evaluate_loss
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,9 @@ from aisyn.experiments.compare import cached_base, cached_shards
 from aisyn.experiments.presets import get_preset
 from aisyn.privacy.audit import AuditSettings, audit
 from aisyn.privacy.frontier import Point, frontier, recommended
-from aisyn.train.loop import TrainConfig, evaluate_loss, load_run_model
+from aisyn.train.config import TrainConfig
+from aisyn.train.models import load_run_model
+from aisyn.train.objective import evaluate_loss
 from aisyn.validate import MAX_SEED
 
 log = logging.getLogger(__name__)

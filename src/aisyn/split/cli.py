@@ -302,7 +302,7 @@ def cmd_generate(args) -> None:
 
     from aisyn.eval.flags import sampling_from_args
     from aisyn.split.generate import split_generate
-    from aisyn.train.loop import resolve_device
+    from aisyn.train.device import resolve_device
 
     sampling = sampling_from_args(args)
     if args.mode == "local" and args.peer:

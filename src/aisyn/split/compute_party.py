@@ -45,7 +45,8 @@ from aisyn.split.party import (
     place_weights,
 )
 from aisyn.train import checkpoint as ckpt
-from aisyn.train.loop import TrainConfig, autocast_for, resolve_device
+from aisyn.train.config import TrainConfig
+from aisyn.train.device import autocast_for, resolve_device
 from aisyn.train.lora import Method, lora_parameter_names
 from aisyn.train.run import RunDir
 
@@ -135,7 +136,7 @@ class ComputeParty:
         if self.base is not None:
             log.info(
                 "fresh runs start from %s (%s)",
-                self.base.file,
+                self.base.checkpoint,
                 base_label(self.base.fingerprint),
             )
         if not self.vocab_fixed:
@@ -306,7 +307,7 @@ class ComputeParty:
                 if session.lora is None
                 else {"rank": session.lora[0].rank, "alpha": session.lora[0].alpha}
             ),
-            "init_from": str(self.base.file) if self.base else None,
+            "init_from": str(self.base.checkpoint) if self.base else None,
         }
 
     # --- one session -------------------------------------------------------------
@@ -341,7 +342,7 @@ class ComputeParty:
         if folder is not None:
             log.info("loaded %s", folder)
         elif self.base is not None and session.purpose == "train":
-            log.info("initialised from %s", self.base.file)
+            log.info("initialised from %s", self.base.checkpoint)
         server = _Rounds(self, state, link, session, first_round_timeout_s)
         server.run()
 

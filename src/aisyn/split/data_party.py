@@ -8,7 +8,7 @@ Exactness: each cut is a detached leaf on the receiving side; a segment's
 backward runs once with the gradient received for its output
 (``torch.autograd.backward(output, grad)``), so no forward is ever recomputed
 and every parameter gets the gradient of the unsplit model. The loss is
-accumulated exactly as ``train.loop.forward_backward`` does. Under a cut
+accumulated exactly as ``train.executor.LocalExecutor`` does. Under a cut
 defence (``train.dp``) the model computed is the defended one: B's blocks see
 the noised activations and gradient, A's residual stream stays clean
 (``DataSession._restore``).
@@ -17,35 +17,19 @@ the noised activations and gradient, A's residual stream stays clean
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from aisyn.link.base import Link
-from aisyn.model.causal_lm import document_index, lm_loss
-from aisyn.model.segments import Segment
+from aisyn.model.causal_lm import document_index
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import PartyState
+from aisyn.train.device import autocast_for
 from aisyn.train.dp import CutGuard
-from aisyn.train.loop import TrainConfig, autocast_for, micro_batches
-
-#: (inputs, targets, attention mask, position ids) of one micro-batch
-MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-#: a micro-batch's loss, scaled to its share of the step, from the final hidden
-#: states: ``loss_of(head, hidden, targets)``, ``head.logits`` the tied head
-LossOf = Callable[[Segment, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def lm_loss_per_micro_batch(cfg: TrainConfig) -> LossOf:
-    """Pre-training's loss: the mean over every next token of a micro-batch,
-    divided by the number of micro-batches (``train.loop.forward_backward``)."""
-
-    def loss_of(head: Segment, hidden: torch.Tensor, targets: torch.Tensor):
-        return lm_loss(head.logits(hidden), targets) / cfg.grad_accum
-
-    return loss_of
+from aisyn.train.objective import LossOf, MicroBatch
 
 
 class SplitError(OSError):
@@ -110,14 +94,6 @@ class DataSession:
             doc = document_index(inputs, self.eod_id).to(torch.int32)
             self.link.send("doc", doc, step=r, micro=i)
 
-    def train_step(self, batch: torch.Tensor, step: int) -> dict:
-        """One pre-training step on ``batch`` (n, T+1): the loss over every
-        next token, as ``train.loop.forward_backward``; returns loss, lr,
-        grad_norm."""
-        cfg = self.state.train_cfg
-        micro = list(micro_batches(batch, cfg.micro, self.eod_id))
-        return self.train_micro_batches(micro, step, lm_loss_per_micro_batch(cfg))
-
     def train_micro_batches(
         self, micro: Sequence[MicroBatch], step: int, loss_of: LossOf
     ) -> dict:
@@ -126,8 +102,9 @@ class DataSession:
         the loss ``loss_of(head, hidden, targets)`` computed here at A; the
         step's loss is the sum of the micro-batches' losses.
 
-        The one split step of every objective: pre-training and fine-tuning
-        differ only in their micro-batches and ``loss_of``.
+        The one split step of every objective (``train.objective``):
+        pre-training and fine-tuning differ only in their micro-batches and
+        ``loss_of``.
         """
         cfg = self.state.train_cfg
         device = self.state.device
@@ -160,7 +137,7 @@ class DataSession:
                 clean, sent = fronts[i]
                 with autocast_for(device):
                     hidden = self.back(self._restore(y, clean, sent), mask, pos)
-                    loss = loss_of(self.back, hidden, targets)
+                    loss = loss_of(self.back.logits, hidden, targets)
                 loss.backward()
                 g = y.grad
                 if self.guard is not None:

@@ -25,9 +25,10 @@ import torch
 from aisyn.data.tokenizer import open_tokenizer
 from aisyn.model.families import ModelConfig, build_model
 from aisyn.train import dp
+from aisyn.train.config import TrainConfig
 from aisyn.train.dp_calibration import CALIBRATION_ROWS, calibrate, public_rows
-from aisyn.train.loop import TrainConfig, load_model_checkpoint
 from aisyn.train.memory import check_fits, whole_model_bytes
+from aisyn.train.models import load_model_checkpoint
 from aisyn.train.run import RunDir
 
 log = logging.getLogger("aisyn.split")

@@ -34,7 +34,7 @@ from aisyn.split.session import SplitOptions, open_session
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import dp
-from aisyn.train.loop import TrainConfig
+from aisyn.train.config import TrainConfig
 from aisyn.train.run import RunDir
 
 
@@ -147,7 +147,7 @@ def evaluate_split_run(
     """``evaluate_run`` on a split run (same arguments; ``peer`` overrides the
     recorded compute party)."""
     from aisyn.eval.report import evaluate_run
-    from aisyn.train.loop import resolve_device
+    from aisyn.train.device import resolve_device
 
     device = resolve_device(kwargs.get("device", "auto"))
     with open_split_model(run, device, peer=peer) as model:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,8 +29,10 @@ from aisyn.model.segments import (
     segments_of,
 )
 from aisyn.train import checkpoint as ckpt
-from aisyn.train.loop import TrainConfig, make_optimizer
+from aisyn.train.config import TrainConfig
 from aisyn.train.lora import Method, apply_method, lora_parameter_names
+from aisyn.train.models import BaseModel
+from aisyn.train.optim import make_optimizer
 from aisyn.train.update import SkippedStep, apply_update, grad_sq_norm
 from aisyn.validate import name_differences
 
@@ -192,12 +193,12 @@ class PartyState:
             },
         }
 
-    def init_from(self, base: Base) -> None:
+    def init_from(self, base: BaseModel) -> None:
         """Load this party's weights, and only those, from a base model."""
         shapes = own_tensor_shapes(self.cfg, self.partition, self.party)
         whose = f"party {self.party} needs (cut {self.partition.spec})"
-        tensors = ckpt.read_some_tensors(base.file, shapes, whose)
-        load_own_weights(self, tensors, str(base.file))
+        tensors = ckpt.read_some_tensors(base.checkpoint, shapes, whose)
+        load_own_weights(self, tensors, str(base.checkpoint))
 
     def load(self, folder: Path) -> dict:
         """Load this party's weights, optimizer and RNG from a checkpoint folder;
@@ -221,19 +222,9 @@ class PartyState:
         return state
 
 
-@dataclass(frozen=True)
-class Base:
-    """The pre-trained model a fresh split run starts from (``--init-from``)."""
-
-    file: Path  # the model.safetensors resolved from a run or checkpoint folder
-    # tensors_fingerprint of the data party's tensors in it: A has at least
-    # those, and B, holding the whole base, has them too
-    fingerprint: str
-
-
 def open_base(
     path: str | Path, cfg: ModelConfig, partition: Partition, party: str
-) -> Base:
+) -> BaseModel:
     """Check that a base (run folder, checkpoint folder or .safetensors file)
     holds ``party``'s tensors with the right shapes, and fingerprint it.
 
@@ -257,7 +248,7 @@ def open_base(
     data = ckpt.read_some_tensors(
         file, own_tensor_shapes(cfg, partition, DATA_PARTY), whose
     )
-    return Base(file, ckpt.tensors_fingerprint(data))
+    return BaseModel(file, ckpt.tensors_fingerprint(data))
 
 
 def _valid_sq_norm(x: float) -> bool:
@@ -333,7 +324,7 @@ def compute_lora_hello(
 
 
 def place_weights(
-    state: PartyState, base: Base | None, start: Path | None, *, fresh_train: bool
+    state: PartyState, base: BaseModel | None, start: Path | None, *, fresh_train: bool
 ) -> dict | None:
     """Put a party's weights in place: a LoRA party loads the base and adds
     its adapters first (its checkpoints hold only those); then the checkpoint

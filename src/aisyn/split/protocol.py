@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aisyn.train.loop import TrainConfig
+from aisyn.train.config import TrainConfig
 from aisyn.train.lora import Method
 from aisyn.validate import name_differences
 

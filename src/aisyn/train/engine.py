@@ -1,15 +1,11 @@
-"""The one training loop every regime runs in: ``Engine(...).run(regime, steps)``.
+"""The one training loop: ``Engine(...).run(regime, steps)``.
 
-The engine owns what all regimes share: the step cadence (log, validate,
+The engine owns what every run shares: the step cadence (log, validate,
 checkpoint, plot), the metrics record, the progress bar, TensorBoard event
-files, the summary, the resume state (``state_dict`` / ``load_state_dict``)
-and a shutdown that closes what it opened however the loop ends. A regime
-(standalone pre-training, the split data party, supervised fine-tuning, a
-federated client's local steps) supplies only what differs: its step
-function, what it adds to a record, how it validates and what it saves.
-
-The update itself (lr, finiteness, clip, step) is ``train.update.apply_update``,
-called from each regime's step.
+files, the summary, resuming (``restore``: the regime's checkpoint, the
+engine's own clock and token count, the metrics rows after it dropped) and a
+shutdown that closes what it opened however the loop ends. The regime
+(``train.regime``: objective x executor) says what a step is.
 """
 
 from __future__ import annotations
@@ -18,15 +14,13 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from aisyn.train.config import TrainConfig
+from aisyn.train.regime import Regime
 from aisyn.train.run import PLOT, RunDir
-
-if TYPE_CHECKING:
-    from aisyn.train.loop import TrainConfig
 
 log = logging.getLogger("aisyn.train")
 
@@ -61,40 +55,6 @@ def finished_summary(run: RunDir, state: dict) -> dict:
         "plot": str(plot) if plot.is_file() else None,
         "records": [],
     }
-
-
-class Regime:
-    """What a training regime plugs into the engine (override what applies)."""
-
-    #: tokens one optimizer step consumes (for the ``tokens`` metric)
-    tokens_per_step: int = 0
-
-    def train_step(self, step: int) -> dict:
-        """One optimizer step (0-based ``step``); its record: ``loss``, ``lr``,
-        ``grad_norm`` and whatever else the regime measures."""
-        raise NotImplementedError
-
-    def record_fields(self) -> dict:
-        """Fields every metrics record of this regime carries (e.g. epoch)."""
-        return {}
-
-    def log_line(self, done: int, total: int, record: dict) -> str:
-        return f"step {done}/{total} loss: {record['loss']:.6f}"
-
-    def validate(self) -> float | None:
-        """Validation loss, or None if this regime does not validate."""
-        return None
-
-    def save(self, step: int, state: dict) -> None:
-        """Checkpoint after ``step`` steps; ``state`` is the resume state
-        (the engine's and this regime's ``state_dict``), for ``state.json``."""
-
-    def state_dict(self) -> dict:
-        """What this regime needs to resume (e.g. the data position)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class Engine:
@@ -166,6 +126,23 @@ class Engine:
 
     def elapsed(self) -> float:
         return self.elapsed0 + time.perf_counter() - self._t0
+
+    def restore(self, regime: Regime, folder: Path | None, *, resume: bool) -> int:
+        """Put ``regime`` where checkpoint ``folder`` left it (None: at its
+        start) and return the step to go on from. Resuming drops the metrics
+        rows after that step, from step 0 too: a killed attempt's rows would
+        otherwise stay ahead of the rerun's (steps 1, 2, 1, 2, 3, ...)."""
+        state = regime.load(folder)
+        start = 0
+        if state is not None:
+            self.load_state_dict(state)
+            start = int(state["step"])
+            log.info("resumed from %s (step %d)", folder, start)
+        elif resume:
+            log.info("%s: no checkpoint yet; starting from step 0", self.run_dir.path)
+        if resume and self.main:
+            self.run_dir.truncate_metrics(start)
+        return start
 
     # --- the loop ---------------------------------------------------------------
 

@@ -1,18 +1,42 @@
 """The training flags of every command that trains (``aisyn train``, ``aisyn
 split train``, ``aisyn finetune``) and the ``TrainConfig`` they make.
 
-Here, below the commands, so that each command's parser imports them from one
-place instead of from another command's module.
+Derived from ``TrainConfig``'s declarations (``train.config.setting``): each
+field with a flag becomes one option with the field's default and its range as
+the argparse type, so a default or a bound is written once.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from aisyn import validate
+from aisyn.train.config import TrainConfig
 from aisyn.train.flagtable import add_flags
-from aisyn.train.loop import TrainConfig
-from aisyn.validate import nonneg_float, nonneg_int, positive_float, positive_int
+
+#: the argparse types of the ranges TrainConfig's fields have
+_TYPES = {
+    ("int", (("low", 1),)): validate.positive_int,
+    ("int", (("low", 0),)): validate.nonneg_int,
+    ("float", (("low", 0), ("low_open", True))): validate.positive_float,
+    ("float", (("low", 0),)): validate.nonneg_float,
+    ("int", tuple(validate.SEED_RANGE.items())): validate.seed,
+}
+
+
+def _flag_type(f):
+    """The argparse type (or action) of a field: its range, as a flag."""
+    if isinstance(f.default, bool):
+        return "store_true"
+    if f.name == "device":
+        return validate.device
+    kind = "int" if f.type in ("int", "int | None") else "float"
+    return _TYPES[kind, tuple(f.metadata["bounds"].items())]
+
+
+#: (field, flag) of every TrainConfig field set on the command line
+FLAGGED = [(f, f.metadata["flag"]) for f in fields(TrainConfig) if f.metadata["flag"]]
 
 
 def add_train_args(
@@ -21,47 +45,18 @@ def add_train_args(
     """Training flags shared by ``train``, ``split train`` and fine-tuning
     (``resumable=False``: no ``--resume``, for a command that cannot)."""
     g = p.add_argument_group("training")
+    rows = [
+        (
+            flag,
+            _flag_type(f),
+            steps if f.name == "steps" else (None if f.default is False else f.default),
+            f.metadata["help"],
+        )
+        for f, flag in FLAGGED
+    ]
     add_flags(
         g,
-        ("--steps", positive_int, steps, "optimizer steps"),
-        ("--batch-size", positive_int, 8, "samples per optimizer step"),
-        (
-            "--micro-batch-size",
-            positive_int,
-            None,
-            "samples per forward/backward (gradient accumulation)",
-        ),
-        ("--lr", positive_float, 1e-3, "peak learning rate"),
-        (
-            "--min-lr",
-            nonneg_float,
-            None,
-            "final learning rate of the cosine decay (default lr/10)",
-        ),
-        ("--warmup", nonneg_int, 20, "linear warm-up steps"),
-        (
-            "--weight-decay",
-            nonneg_float,
-            0.1,
-            "AdamW weight decay (not on biases and norms)",
-        ),
-        ("--grad-clip", nonneg_float, 1.0, "clip the global gradient L2 norm (0: off)"),
-        ("--seed", validate.seed, 1234, "seed of the initial weights and data order"),
-        ("--log-every", positive_int, 10, "log and record metrics every N steps"),
-        (
-            "--ckpt-every",
-            nonneg_int,
-            0,
-            "checkpoint every N steps (0: only at the end)",
-        ),
-        ("--eval-every", nonneg_int, 0, "validation loss every N steps (0: never)"),
-        (
-            "--eod-reset",
-            "store_true",
-            None,
-            "reset attention and positions at each end of document",
-        ),
-        ("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ..."),
+        *rows,
         (
             "--tensorboard",
             "store_true",
@@ -81,18 +76,5 @@ def add_train_args(
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The ``TrainConfig`` of the flags ``add_train_args`` added."""
     return TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        micro_batch_size=args.micro_batch_size,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        warmup_steps=args.warmup,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        seed=args.seed,
-        log_every=args.log_every,
-        ckpt_every=args.ckpt_every,
-        eval_every=args.eval_every,
-        eod_reset=args.eod_reset,
-        device=args.device,
+        **{f.name: getattr(args, flag[2:].replace("-", "_")) for f, flag in FLAGGED}
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from aisyn.validate import read_json
@@ -54,6 +55,11 @@ class RunDir:
             self.check_same_model(config)
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / CONFIG, config)
+
+    def start(self, config: dict, *, resume: bool, tokenizer: Path) -> None:
+        """``create`` the folder and copy in the data's ``tokenizer``."""
+        self.create(config, resume=resume)
+        self.copy_tokenizer(tokenizer)
 
     def check_same_model(self, config: dict) -> None:
         """Refuse to resume this run with another model than it was started with."""
@@ -118,6 +124,29 @@ class RunDir:
 
     def plot(self, title: str | None = None) -> Path | None:
         return plot_loss(self.metrics_path, self.path / PLOT, title or self.path.name)
+
+
+def run_config(
+    kind: str,
+    model,
+    *,
+    tokenizer: dict,
+    seq_len: int,
+    train=None,
+    data: Sequence[str | Path] = (),
+    **extra,
+) -> dict:
+    """A run folder's ``config.json``, for every command that writes one:
+    ``kind`` (what ``aisyn eval`` and ``--resume`` read it as), the model
+    config, the training config, the data folders (resolved), the tokenizer
+    (sha256, vocab_size, eod_id, pad_id) and sequence length, and what the
+    command adds (``extra``)."""
+    config: dict = {"kind": kind, "model": model.to_dict()}
+    if train is not None:
+        config["train"] = train.to_dict()
+    if data:
+        config["data"] = [str(Path(d).resolve()) for d in data]
+    return {**config, "tokenizer": tokenizer, "seq_len": seq_len, **extra}
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -1,0 +1,253 @@
+"""Where a step's forward and backward run: the executors.
+
+A regime (``train.regime``) hands its executor one ``StepBatch`` per step --
+micro-batches and the loss of one -- and gets the step's record back; it also
+asks it for a model to validate and to save and load its weights. What differs
+between running the whole model here and splitting it with a compute party is
+all in the executor; what is trained is all in the objective.
+
+``LocalExecutor`` is the plain baseline: one model (or its DDP replicas), one
+optimizer, ``clip_grad_norm_``'s clip. Split training must match it to 1e-5,
+so the split executor (``split.executor``) never calls it: an independent code
+path on each side is what makes that equality mean something.
+
+A new executor -- the backbone over several devices, several data parties on
+one backbone -- implements ``Executor`` and plugs into the one regime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from aisyn.train import checkpoint as ckpt
+from aisyn.train.config import TrainConfig
+from aisyn.train.device import autocast_for
+from aisyn.train.distributed import DistContext
+from aisyn.train.lora import Method, merged_state_dict
+from aisyn.train.objective import StepBatch
+from aisyn.train.optim import make_optimizer
+from aisyn.train.run import RunDir
+from aisyn.train.update import apply_update
+from aisyn.validate import name_differences
+
+#: a LoRA run's adapters (with its optimizer: what resuming it needs); its
+#: ``model.safetensors`` holds the merged weights, which ``aisyn eval`` reads
+ADAPTERS_FILE = "adapters.safetensors"
+
+
+class Executor:
+    """Runs a regime's steps somewhere; override all of it."""
+
+    def step(self, step: int, batch: StepBatch) -> dict:
+        """One optimizer step over ``batch`` (0-based ``step``); its record:
+        ``loss`` (the sum of the micro-batches' losses), ``lr``, ``grad_norm``,
+        ``batch.record`` and what this executor measures."""
+        raise NotImplementedError
+
+    def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This executor's share of a global batch (data parallelism)."""
+        return batch
+
+    def eval_model(self) -> nn.Module:
+        """A model with ``hidden``/``logits`` for the objective to validate."""
+        raise NotImplementedError
+
+    def log_suffix(self, record: dict) -> str:
+        return ""
+
+    def save(self, run: RunDir, step: int, state: dict, keep: int) -> None:
+        """Checkpoint after ``step`` steps with ``state`` (for ``state.json``)."""
+        raise NotImplementedError
+
+    def load(self, folder: Path | None) -> dict | None:
+        """Put the weights in place: from checkpoint ``folder`` (its state.json
+        returned) or, for None, as a fresh run starts (None returned)."""
+        raise NotImplementedError
+
+    def summary(self, steps_run: int) -> dict:
+        """What this executor adds to the run's summary."""
+        return {}
+
+
+class MicroBatchLoss(nn.Module):
+    """One micro-batch's loss as a module's forward, so that DDP wraps the
+    whole of it (its hooks see every parameter the loss uses, the head too)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs, targets, mask, pos, loss_of) -> torch.Tensor:
+        return loss_of(self.model.logits, self.model.hidden(inputs, mask, pos), targets)
+
+
+class LocalExecutor(Executor):
+    """The whole model here: standalone, fine-tuning, fusion, a federated
+    client's local steps, and (with ``ctx``) data-parallel ranks.
+
+    ``trainable``: the (name, parameter) pairs the optimizer steps (all of
+    them, or LoRA's adapters); ``lr_at``: the schedule (default the config's;
+    a federated client's follows its round); ``regularizer``: called between
+    backward and the update, it adds its own gradient and returns what the
+    record shows of it (FedProx's proximal term); ``resumable``: checkpoints
+    hold the optimizer and RNG too (a federated client's hold the weights);
+    ``optimizer``: another than the one AdamW recipe (``train.optim``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        trainable: Sequence[tuple[str, nn.Parameter]],
+        cfg: TrainConfig,
+        *,
+        method: Method | None = None,
+        ctx: DistContext | None = None,
+        lr_at: Callable[[int], float] | None = None,
+        regularizer: Callable[[], dict] | None = None,
+        resumable: bool = True,
+        checkpoint_fields: dict | None = None,
+        hint: str = " (lower --lr?)",
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        self.model = model
+        self.trainable = list(trainable)
+        self.params = [p for _, p in self.trainable]
+        self.cfg = cfg
+        self.method = method or Method()
+        self.ctx = ctx or DistContext()
+        self.lr_at = lr_at or cfg.lr_at
+        self.regularizer = regularizer
+        self.resumable = resumable
+        self.checkpoint_fields = checkpoint_fields or {}
+        self.hint = hint
+        self.optimizer = optimizer or make_optimizer(self.trainable, cfg)
+        self.device = next(model.parameters()).device
+        # DDP wraps after the optimizer and checkpoints are set up on plain names.
+        loss = MicroBatchLoss(model)
+        self.loss: nn.Module = DDP(loss) if self.ctx.enabled else loss
+
+    def step(self, step: int, batch: StepBatch) -> dict:
+        lr = self.lr_at(step)
+        micro = batch.micro
+        total = 0.0
+        with autocast_for(self.device):
+            for i, (inputs, targets, mask, pos) in enumerate(micro):
+                # under DDP gradients are synchronised on the last micro-batch
+                sync = i == len(micro) - 1 or not isinstance(self.loss, DDP)
+                with nullcontext() if sync else self.loss.no_sync():
+                    loss = self.loss(inputs, targets, mask, pos, batch.loss_of)
+                    loss.backward()
+                total += loss.item()
+        record: dict = {"loss": total, "lr": lr, **batch.record}
+        if self.regularizer is not None:
+            record.update(self.regularizer())
+        record["grad_norm"] = apply_update(
+            self.optimizer,
+            self.params,
+            step=step,
+            lr=lr,
+            grad_clip=self.cfg.grad_clip,
+            loss=total,
+            hint=self.hint,
+        )
+        record["loss"] = self.ctx.mean(total, self.device)
+        return record
+
+    def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.ctx.shard(batch)
+
+    def eval_model(self) -> nn.Module:
+        return self.model
+
+    @property
+    def adapters(self) -> bool:
+        return self.method.name == "lora"
+
+    def save(self, run: RunDir, step: int, state: dict, keep: int) -> None:
+        files = {}
+        if self.resumable:
+            names = {p: n for n, p in self.trainable}
+            files[ckpt.OPTIM_FILE] = {
+                **ckpt.optimizer_tensors(self.optimizer, names),
+                **ckpt.rng_tensors(),
+            }
+            if self.adapters:
+                files[ADAPTERS_FILE] = {
+                    n: p.detach().contiguous() for n, p in self.trainable
+                }
+        save_model(
+            run,
+            self.model,
+            step,
+            {**state, **self.checkpoint_fields},
+            keep,
+            adapters=self.adapters,
+            files=files,
+        )
+
+    def load(self, folder: Path | None) -> dict | None:
+        if folder is None:
+            return None  # the model was built (or loaded) as the run starts
+        state = ckpt.read_state(folder)
+        if self.adapters:
+            load_exactly(
+                self.trainable,
+                ckpt.read_tensors(folder / ADAPTERS_FILE),
+                str(folder / ADAPTERS_FILE),
+            )
+        else:
+            ckpt.load_weights(
+                self.model, ckpt.read_tensors(folder / ckpt.MODEL_FILE), str(folder)
+            )
+        opt = ckpt.read_tensors(folder / ckpt.OPTIM_FILE)
+        ckpt.load_optimizer_tensors(
+            self.optimizer, dict(self.trainable), opt, str(folder)
+        )
+        ckpt.restore_rng(opt)
+        return state
+
+
+def save_model(
+    run: RunDir,
+    model: nn.Module,
+    step: int,
+    state: dict,
+    keep: int,
+    *,
+    adapters: bool,
+    files: dict | None = None,
+) -> Path:
+    """Checkpoint ``step`` of ``model``: its ``model.safetensors`` holds plain
+    weights (LoRA ``adapters`` merged in), what ``aisyn eval`` and a base
+    model's readers load; ``files`` adds what resuming needs. Atomic."""
+    weights = merged_state_dict(model) if adapters else ckpt.unique_state_dict(model)
+    return ckpt.save(
+        run.checkpoints, step, {ckpt.MODEL_FILE: weights, **(files or {})}, state, keep
+    )
+
+
+@torch.no_grad()
+def load_exactly(
+    named: Sequence[tuple[str, nn.Parameter]],
+    tensors: dict[str, torch.Tensor],
+    source: str,
+) -> None:
+    """Copy ``tensors`` into ``named`` once every name and shape matches;
+    ``CheckpointError`` naming the first difference otherwise."""
+    expected = dict(named)
+    if diff := name_differences(expected, tensors):
+        raise ckpt.CheckpointError(f"{source}: not this run's tensors ({diff})")
+    for name, p in expected.items():
+        if tensors[name].shape != p.shape:
+            raise ckpt.CheckpointError(
+                f"{source}: {name} has shape {tuple(tensors[name].shape)}, expected "
+                f"{tuple(p.shape)}"
+            )
+    for name, p in expected.items():
+        p.copy_(tensors[name])
