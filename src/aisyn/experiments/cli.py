@@ -101,6 +101,7 @@ def cmd_finetune(args) -> None:
         args.out,
         train_config_from_args(args),
         Method(args.method, rank=args.lora_rank, alpha=args.lora_alpha),
+        resume=args.resume,
         progress=not args.quiet,
         tensorboard=args.tensorboard,
     )
@@ -202,5 +203,4 @@ def register(sub) -> None:
         ("--lora-alpha", positive_float, 16.0, "LoRA scale alpha"),
         ("--quiet", "store_true", None, "no progress bar"),
     )
-    # fine-tuning always starts fresh: a --resume here would be ignored
-    add_train_args(f, steps=200, resumable=False)
+    add_train_args(f, steps=200)

@@ -27,6 +27,10 @@ from aisyn.train.models import check_data_matches, describe_base, load_base
 from aisyn.train.objective import SFTObjective
 from aisyn.train.regime import Regime
 from aisyn.train.run import TOKENIZER, RunDir, run_config
+from aisyn.validate import read_json
+
+#: the finished run's summary (what ``finetune`` returns)
+SUMMARY = "summary.json"
 
 
 def finetune(
@@ -74,7 +78,8 @@ def finetune(
         run.check_same_model(config)
         state = ckpt.read_state(last)
         if not check_resume_target(state["step"], cfg.steps, run):
-            return finished_summary(run, state)
+            done = run.path / SUMMARY
+            return read_json(done) if done.is_file() else finished_summary(run, state)
     run.start(config, resume=resume, tokenizer=info.path / TOKENIZER)
     torch.manual_seed(cfg.seed)
     model, _ = load_base(info, device)
@@ -103,5 +108,5 @@ def finetune(
         "trainable_parameters": sum(p.numel() for _, p in trainable),
         "plot": result["plot"],
     }
-    (run.path / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run.path / SUMMARY).write_text(json.dumps(summary, indent=2))
     return summary
