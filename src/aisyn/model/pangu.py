@@ -20,9 +20,10 @@ with ``ln_1``, ``attn.{q,k,v,c}_proj``, ``ln_2``, ``mlp.{c_fc,c_proj}``,
 that port, ``num_layers`` counts the top query layer: ``h[-1]`` is it.
 
 The model knows nothing about parties, LoRA or Flower. It is a ``CausalLM``
-(``causal_lm.py``): its ``Layout`` names the cut points that ``segments.py``
-cuts it at, and the generic ``hidden``/``forward`` (with an optional
-``KVCache`` for generation) run its pieces in order.
+(``causal_lm.py``) on the body it shares with GPT-2 (``gpt.py``): its
+``Layout`` names the cut points that ``segments.py`` cuts it at, and the
+generic ``hidden``/``forward`` (with an optional ``KVCache`` for generation)
+run its pieces in order.
 """
 
 from __future__ import annotations
@@ -34,15 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aisyn.model.causal_lm import (
-    GPTLM,
-    ConfigDict,
-    Context,
-    GPTBody,
-    LayerKV,
-    Layout,
-    attend,
-)
+from aisyn.model.causal_lm import ConfigDict, Context, LayerKV, Layout, attend
+from aisyn.model.gpt import GPTLM, GPTBody
 
 
 @dataclass
