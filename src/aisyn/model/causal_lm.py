@@ -416,19 +416,12 @@ class CausalLM(nn.Module):
             dtype=p.dtype,
         )
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """Logits (B, T, V) for tokens (B, T); causal unless a mask is given.
-
-        With ``cache`` (see ``KVCache``) only the new positions ``tokens`` run,
-        attending to the cached ones, and the cache grows by them.
-        """
-        return self.logits(self.hidden(tokens, attn_mask, position_ids, cache))
+    def forward(self, tokens: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Logits (B, T, V) of ``hidden``'s final hidden states, given what
+        ``hidden`` takes: causal unless a mask is given; with ``cache`` (see
+        ``KVCache``) only the new positions ``tokens`` run, attending to the
+        cached ones, and the cache grows by them."""
+        return self.logits(self.hidden(tokens, *args, **kwargs))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights once
