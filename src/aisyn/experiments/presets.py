@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from aisyn.model.pangu import CONFIGS
+from aisyn.model.families import preset_fields
 from aisyn.train.config import TrainConfig
 
 
@@ -91,7 +91,7 @@ PRESETS: dict[str, Preset] = {
     "ci": Preset(
         name="ci",
         # the tiny model, narrower and shallower
-        model=dict(CONFIGS["tiny"], hidden_size=64, ffn_size=256, num_layers=3),
+        model=dict(preset_fields("tiny"), hidden_size=64, ffn_size=256, num_layers=3),
         seq_len=64,
         pretrain_steps=30,
         pretrain_batch=8,
@@ -108,7 +108,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "full": Preset(
         name="full",
-        model=dict(CONFIGS["tiny"]),
+        model=preset_fields("tiny"),
         seq_len=128,
         pretrain_steps=2500,
         pretrain_batch=16,

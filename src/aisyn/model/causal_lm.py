@@ -1,24 +1,22 @@
 """What every decoder-only model here shares: its cut points, its KV cache,
-its masks and its seeded initialisation.
+its masks, its loss and its seeded initialisation.
 
-A model family (PanGu-α in ``pangu.py``; GPT-2, Llama and Qwen2 in ``hf.py``)
-subclasses ``CausalLM`` and supplies five pieces: ``embed`` (tokens to hidden
-states), ``block(i, ...)`` (ordinary block ``i``), ``finish`` (whatever runs
-after the last ordinary block and before the vocabulary projection: a final
-norm, and for PanGu-α its top query layer), ``logits`` and a ``Layout`` (the
-module paths of those pieces). The generic paths below (``hidden``,
-``forward``, the KV cache) and the segments a partition cuts
-(``segments.py``) are written against those pieces only, so the parties of a
-split run never ask which architecture they hold. GPT-2 and PanGu-α, which
-differ in their attention and PanGu-α's top query layer only, also share
-their body (``GPTBody``) and the rest of the model (``GPTLM``).
+A model family (PanGu-α in ``pangu.py``, GPT-2 in ``gpt2.py``, Llama and
+Qwen2 in ``llama.py``; registered in ``families.py``) subclasses ``CausalLM``
+and supplies five pieces: ``embed`` (tokens to hidden states), ``block(i,
+...)`` (ordinary block ``i``), ``finish`` (whatever runs after the last
+ordinary block and before the vocabulary projection: a final norm, and for
+PanGu-α its top query layer), ``logits`` and a ``Layout`` (the module paths of
+those pieces). The generic paths below (``hidden``, ``forward``, the KV cache)
+and the segments a partition cuts (``segments.py``) are written against those
+pieces only, so the parties of a split run never ask which architecture they
+hold.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Self
@@ -418,19 +416,12 @@ class CausalLM(nn.Module):
             dtype=p.dtype,
         )
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """Logits (B, T, V) for tokens (B, T); causal unless a mask is given.
-
-        With ``cache`` (see ``KVCache``) only the new positions ``tokens`` run,
-        attending to the cached ones, and the cache grows by them.
-        """
-        return self.logits(self.hidden(tokens, attn_mask, position_ids, cache))
+    def forward(self, tokens: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Logits (B, T, V) of ``hidden``'s final hidden states, given what
+        ``hidden`` takes: causal unless a mask is given; with ``cache`` (see
+        ``KVCache``) only the new positions ``tokens`` run, attending to the
+        cached ones, and the cache grows by them."""
+        return self.logits(self.hidden(tokens, *args, **kwargs))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights once
@@ -443,117 +434,6 @@ def check_positions(T: int, position_ids: torch.Tensor | None, limit: int) -> No
     only for long rows, so the usual path never syncs on a device."""
     if T > limit and (position_ids is None or int(position_ids.max()) >= limit):
         raise ValueError(f"sequence of {T} tokens exceeds the model's seq_len {limit}")
-
-
-class GeluMLP(nn.Module):
-    """The MLP of GPT-2 and PanGu-α: ``c_fc``, ``act``, ``c_proj``, dropout."""
-
-    def __init__(self, h: int, ffn: int, act: Callable, p: float) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(h, ffn)
-        self.c_proj = nn.Linear(ffn, h)
-        self.act = act
-        self.dropout = nn.Dropout(p)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
-
-
-class PreLNBlock(nn.Module):
-    """The pre-LN block of GPT-2 and PanGu-α: ``ln_1``, ``attn``, ``ln_2``,
-    ``mlp``. What follows the mask is passed on to ``attn`` (the ``kv`` of a
-    ``LayerKV``; PanGu-α's ``query`` too, given only to its top query layer)."""
-
-    def __init__(self, attn: nn.Module, mlp: nn.Module, h: int, eps: float) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(h, eps=eps)
-        self.attn = attn
-        self.ln_2 = nn.LayerNorm(h, eps=eps)
-        self.mlp = mlp
-
-    def forward(
-        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *args, **kwargs
-    ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_mask, *args, **kwargs)
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPTBody(nn.Module):
-    """The ``transformer`` of GPT-2 and PanGu-α: word and learned position
-    embeddings ``wte``/``wpe`` (with ``wqe``, PanGu-α's query embedding),
-    ``num_layers`` pre-LN blocks ``h`` of ``attn(cfg)`` and a ``GeluMLP`` of
-    ``act``, and the final LayerNorm ``ln_f``."""
-
-    def __init__(
-        self, cfg, attn: Callable, act: Callable, eps: float, wqe: bool = False
-    ) -> None:
-        super().__init__()
-        h, f = cfg.hidden_size, cfg.ffn_size
-        self.wte = nn.Embedding(cfg.vocab_size, h)
-        self.wpe = nn.Embedding(cfg.seq_len, h)
-        if wqe:
-            self.wqe = nn.Embedding(cfg.seq_len, h)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(
-            PreLNBlock(attn(cfg), GeluMLP(h, f, act, cfg.dropout), h, eps)
-            for _ in range(cfg.num_layers)
-        )
-        self.ln_f = nn.LayerNorm(h, eps=eps)
-
-
-class GPTLM(CausalLM):
-    """GPT-2 and PanGu-α: a ``GPTBody`` named ``transformer``, the output
-    projection tied to its word embedding, GPT-2's initialisation."""
-
-    def __init__(self, cfg, seed: int, body: GPTBody) -> None:
-        super().__init__()
-        self.build(cfg, seed, "transformer", body)
-
-    def tie_weights(self) -> None:
-        """Share the output projection with the word embedding.
-
-        Call again after ``to_empty()`` (materialising a meta model), which
-        replaces parameters one module at a time and so unties them.
-        """
-        self.lm_head.weight = self.transformer.wte.weight
-
-    def reset_parameters(
-        self,
-        seed: int = 0,
-        names: Iterable[str] | None = None,
-        *,
-        seeds: dict[str, int] | None = None,
-    ) -> None:
-        """GPT-2 style init, residual projections (``c_proj``) scaled by
-        1/sqrt(2 * layers), LayerNorm gains (``.ln_``) 1, one seeded generator
-        per parameter (see ``seeded_init``)."""
-        scale = 1 / math.sqrt(2 * self.config.num_layers)
-        seeded_init(
-            self,
-            self.config.init_std,
-            seed,
-            names,
-            seeds,
-            is_gain=lambda n: ".ln_" in n,
-            scale_of=lambda n: scale if n.endswith("c_proj.weight") else 1.0,
-        )
-
-    # The pieces below are the model's natural cut points; segments.py
-    # composes them, CausalLM.hidden() is the plain unsplit path.
-    def embed(
-        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Word + learned position embeddings. (B, T) -> (B, T, C)."""
-        t, T = self.transformer, tokens.shape[1]
-        check_positions(T, position_ids, t.wpe.num_embeddings)
-        if position_ids is None:
-            position_ids = torch.arange(T, device=tokens.device).unsqueeze(0)
-        return t.drop(t.wte(tokens) + t.wpe(position_ids))
-
-    def block(
-        self, i: int, x: torch.Tensor, ctx: Context, kv: LayerKV | None = None
-    ) -> torch.Tensor:
-        return self.transformer.h[i](x, ctx.attn_mask, kv=kv)
 
 
 def lm_loss(

@@ -1,7 +1,9 @@
 """Which model family a config names, and how to build it.
 
-A model config is a ``PanguConfig`` (PanGu-α) or an ``HFConfig`` (GPT-2,
-Llama, Qwen2). As a dict (a run's ``config.json``) it carries a ``family`` key;
+A model config is a ``PanguConfig`` (PanGu-α, ``pangu.py``) or an
+``HFConfig`` (GPT-2 in ``gpt2.py``, Llama and Qwen2 in ``llama.py``; the
+config in ``hf.py``); ``MODEL_CLASSES`` is the one table of which class runs
+which family. As a dict (a run's ``config.json``) it carries a ``family`` key;
 PanGu-α's dicts, written before other families existed, carry none. Everything
 above the model layer names configs and models through this module, never
 through a family's own module, so adding a family touches only ``model/``.
@@ -18,21 +20,27 @@ from torch.overrides import TorchFunctionMode
 
 from aisyn.model.capacity import check_buildable
 from aisyn.model.causal_lm import CausalLM
-from aisyn.model.hf import (
-    FAMILIES as HF_FAMILIES,
-)
-from aisyn.model.hf import (
-    HF_CONFIGS,
-    HF_PREFIX,
-    MODEL_CLASSES,
-    HFConfig,
-    read_hf_config,
-)
+from aisyn.model.gpt2 import GPT2
+from aisyn.model.hf import FAMILIES as HF_FAMILIES
+from aisyn.model.hf import HF_CONFIGS, HF_PREFIX, HFConfig, read_hf_config
+from aisyn.model.llama import Llama
 from aisyn.model.pangu import CONFIGS, PanguAlpha, PanguConfig
 from aisyn.validate import read_json
 
 ModelConfig: TypeAlias = PanguConfig | HFConfig
 PRESETS: dict[str, dict] = {**CONFIGS, **HF_CONFIGS}
+#: the model class of each family a config may name
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "pangu": PanguAlpha,
+    "gpt2": GPT2,
+    "llama": Llama,
+    "qwen2": Llama,  # Llama with q/k/v biases
+}
+
+
+def preset_fields(name: str) -> dict:
+    """The config fields of preset ``name`` (a copy, to extend or override)."""
+    return dict(PRESETS[name])
 
 
 def config_from_dict(d: dict) -> ModelConfig:
@@ -103,8 +111,6 @@ class _SkipMetaInit(TorchFunctionMode):
 
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
-    if isinstance(cfg, PanguConfig):
-        return PanguAlpha
     return MODEL_CLASSES[cfg.family]
 
 

@@ -20,9 +20,10 @@ with ``ln_1``, ``attn.{q,k,v,c}_proj``, ``ln_2``, ``mlp.{c_fc,c_proj}``,
 that port, ``num_layers`` counts the top query layer: ``h[-1]`` is it.
 
 The model knows nothing about parties, LoRA or Flower. It is a ``CausalLM``
-(``causal_lm.py``): its ``Layout`` names the cut points that ``segments.py``
-cuts it at, and the generic ``hidden``/``forward`` (with an optional
-``KVCache`` for generation) run its pieces in order.
+(``causal_lm.py``) on the body it shares with GPT-2 (``gpt.py``): its
+``Layout`` names the cut points that ``segments.py`` cuts it at, and the
+generic ``hidden``/``forward`` (with an optional ``KVCache`` for generation)
+run its pieces in order.
 """
 
 from __future__ import annotations
@@ -34,15 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aisyn.model.causal_lm import (
-    GPTLM,
-    ConfigDict,
-    Context,
-    GPTBody,
-    LayerKV,
-    Layout,
-    attend,
-)
+from aisyn.model.causal_lm import ConfigDict, Context, LayerKV, Layout, attend
+from aisyn.model.gpt import GPTLM, GPTBody
 
 
 @dataclass
@@ -188,28 +182,24 @@ def fast_gelu(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"gelu": F.gelu, "fast_gelu": fast_gelu}
 
 
-# The reference's table (seed 000) plus CPU-sized presets for tests and demos.
+def _sizes(hidden: int, layers: int, heads: int, ffn: int, **more) -> dict:
+    """A preset's fields, in ``PanguConfig``'s order: the four sizes the
+    reference's table lists, and ``more``."""
+    given = dict(
+        more, hidden_size=hidden, num_layers=layers, num_heads=heads, ffn_size=ffn
+    )
+    return {f.name: given[f.name] for f in fields(PanguConfig) if f.name in given}
+
+
+# The reference's table (seed 000) plus CPU-sized presets for tests and demos,
+# which have a small vocabulary and context too.
 CONFIGS: dict[str, dict] = {
-    "tiny": dict(
-        vocab_size=8000,
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        ffn_size=512,
-        seq_len=128,
-    ),
-    "small": dict(
-        vocab_size=8000,
-        hidden_size=256,
-        num_layers=6,
-        num_heads=8,
-        ffn_size=1024,
-        seq_len=256,
-    ),
-    "350M": dict(hidden_size=1280, num_layers=16, num_heads=32, ffn_size=5120),
-    "2.6B": dict(hidden_size=2560, num_layers=32, num_heads=32, ffn_size=10240),
-    "13B": dict(hidden_size=5120, num_layers=40, num_heads=40, ffn_size=20480),
-    "200B": dict(hidden_size=16384, num_layers=64, num_heads=128, ffn_size=65536),
+    "tiny": _sizes(128, 4, 4, 512, vocab_size=8000, seq_len=128),
+    "small": _sizes(256, 6, 8, 1024, vocab_size=8000, seq_len=256),
+    "350M": _sizes(1280, 16, 32, 5120),
+    "2.6B": _sizes(2560, 32, 32, 10240),
+    "13B": _sizes(5120, 40, 40, 20480),
+    "200B": _sizes(16384, 64, 128, 65536),
 }
 
 
@@ -265,26 +255,15 @@ class PanguAlpha(GPTLM):
     def finish(
         self, x: torch.Tensor, ctx: Context, kvs: list[LayerKV] | None = None
     ) -> torch.Tensor:
-        return self.top_query(
-            x, ctx.attn_mask, ctx.position_ids, kvs[0] if kvs else None
-        )
-
-    def top_query(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        kv: LayerKV | None = None,
-    ) -> torch.Tensor:
         """Final LN then the top query layer. (B, T, C) -> (B, T, C).
 
-        With ``kv`` the top layer's keys and values (from the normalised hidden
+        With ``kvs`` the top layer's keys and values (from the normalised hidden
         states) are cached like any block's; its queries are the query
-        embeddings of ``position_ids``, the new positions.
+        embeddings of ``ctx.position_ids``, the new positions.
         """
-        T = x.shape[1]
+        position_ids = ctx.position_ids
         if position_ids is None:
-            position_ids = torch.arange(T, device=x.device).unsqueeze(0)
+            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         query = self.transformer.wqe(position_ids).expand(x.shape[0], -1, -1)
         x = self.transformer.ln_f(x)
-        return self.transformer.h[-1](x, attn_mask, query, kv)
+        return self.transformer.h[-1](x, ctx.attn_mask, query, kvs[0] if kvs else None)
