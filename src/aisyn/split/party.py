@@ -34,7 +34,6 @@ from aisyn.train.lora import Method, apply_method, lora_parameter_names
 from aisyn.train.models import BaseModel
 from aisyn.train.optim import make_optimizer
 from aisyn.train.update import SkippedStep, apply_update, grad_sq_norm
-from aisyn.validate import name_differences
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +262,8 @@ def load_adapters(
     party: PartyState, tensors: dict[str, torch.Tensor], source: str
 ) -> None:
     """Strict load of exactly this LoRA party's adapter tensors."""
-    _load_exactly(party, dict(party.named), tensors, source, "LoRA adapters")
+    what = f"party {party.party}'s LoRA adapters"
+    ckpt.load_exactly(dict(party.named), tensors, source, what)
 
 
 def load_own_weights(
@@ -271,31 +271,8 @@ def load_own_weights(
 ) -> None:
     """Strict load of exactly this party's tensors (no more, no fewer)."""
     expected = own_state_dict(party.model, party.partition, party.party)
-    _load_exactly(party, expected, tensors, source, "half of this cut")
-
-
-def _load_exactly(
-    party: PartyState,
-    expected: dict[str, torch.Tensor],
-    tensors: dict[str, torch.Tensor],
-    source: str,
-    what: str,
-) -> None:
-    """Copy ``tensors`` into ``expected`` once every name and shape matches:
-    CheckpointError (``source`` is not the party's ``what``) otherwise."""
-    if diff := name_differences(expected, tensors):
-        raise ckpt.CheckpointError(
-            f"{source}: not party {party.party}'s {what} ({diff})"
-        )
-    for name, t in expected.items():
-        if tensors[name].shape != t.shape:
-            raise ckpt.CheckpointError(
-                f"{source}: {name} has shape {tuple(tensors[name].shape)}, expected "
-                f"{tuple(t.shape)}"
-            )
-    with torch.no_grad():
-        for name, t in expected.items():
-            t.copy_(tensors[name])
+    what = f"party {party.party}'s half of this cut"
+    ckpt.load_exactly(expected, tensors, source, what)
 
 
 def run_methods(config: dict) -> tuple[Method, Method]:

@@ -44,11 +44,11 @@ from aisyn.train import checkpoint as ckpt
 from aisyn.train import dp
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import resolve_device
-from aisyn.train.engine import Engine, check_resume_target, finished_summary
+from aisyn.train.engine import Engine, finished
 from aisyn.train.lora import Method
 from aisyn.train.memory import check_fits, compute_dtype, party_bytes
 from aisyn.train.models import BaseModel, check_base_tokenizer, model_config_for
-from aisyn.train.objective import LMObjective, Objective, SFTObjective, open_objective
+from aisyn.train.objective import LMObjective, Objective, SFTObjective
 from aisyn.train.regime import Regime
 from aisyn.train.run import RunDir, write_json_atomic
 
@@ -133,7 +133,7 @@ def split_train(
             "--sft: split fine-tuning starts from a pre-trained base; give "
             "--init-from BASE (the compute party starts from the same base)"
         )
-    objective = open_objective("sft" if sft else "lm", data_dirs, cfg)
+    objective = (SFTObjective if sft else LMObjective)(data_dirs, cfg)
     tok = objective.tokenizer
     mcfg = model_config_for(model_config, tok, objective.seq_len)
     if sft and init_from is not None:
@@ -239,10 +239,9 @@ def split_train(
     a_steps = ckpt.complete_steps(run.checkpoints) if resume else []
     if a_steps:
         run.check_same_model(config)
-        if not check_resume_target(a_steps[-1], cfg.steps, run):
-            # Before the folder is rewritten or a session opened: nothing to train.
-            state = ckpt.read_state(ckpt.step_folder(run.checkpoints, a_steps[-1]))
-            done = finished_summary(run, state)
+        last = ckpt.step_folder(run.checkpoints, a_steps[-1])
+        # Before the folder is rewritten or a session opened: nothing to train.
+        if (done := finished(run, last, cfg.steps)) is not None:
             return {**done, "bytes_sent_per_step": 0, "bytes_received_per_step": 0}
     # A start that fails or is refused leaves the folder as it found it, so
     # that the same command can be retried (not "already holds a run").

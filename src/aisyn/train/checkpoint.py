@@ -29,6 +29,7 @@ from aisyn.data.cache import cache_dir
 from aisyn.data.folder import publish_dir
 from aisyn.model.families import hf_folder
 from aisyn.model.hf import read_hf_tensors
+from aisyn.validate import name_differences
 
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
@@ -74,6 +75,28 @@ def load_weights(
     with torch.no_grad():
         for name, t in expected.items():
             t.copy_(tensors[name])
+
+
+@torch.no_grad()
+def load_exactly(
+    expected: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+    source: str,
+    what: str,
+) -> None:
+    """Copy ``tensors`` into ``expected`` once every name and shape matches;
+    CheckpointError (``source`` is not ``what``) naming the first difference
+    otherwise."""
+    if diff := name_differences(expected, tensors):
+        raise CheckpointError(f"{source}: not {what} ({diff})")
+    for name, t in expected.items():
+        if tensors[name].shape != t.shape:
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(tensors[name].shape)}, expected "
+                f"{tuple(t.shape)}"
+            )
+    for name, t in expected.items():
+        t.copy_(tensors[name])
 
 
 def check_weights(

@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.regime import Regime
 from aisyn.train.run import PLOT, RunDir
@@ -25,30 +26,27 @@ from aisyn.train.run import PLOT, RunDir
 log = logging.getLogger("aisyn.train")
 
 
-def check_resume_target(done: int, total: int, run: RunDir) -> bool:
-    """Whether a resumed run has steps left: ``done`` steps are checkpointed,
-    ``--steps`` asks for ``total``. False (and says so) when there is nothing
-    to do; a ``total`` below ``done`` is refused (ValueError), as running
+def finished(run: RunDir, folder: Path, total: int) -> dict | None:
+    """A run resumed from checkpoint ``folder`` with ``--steps`` ``total``:
+    None when steps are left; the run's summary when it is already at
+    ``total`` (nothing to train: its last logged loss, tokens and time).
+    A ``total`` below the checkpoint is refused (ValueError), as running
     ``range(done, total)`` would train nothing and report a NaN loss."""
+    state = ckpt.read_state(folder)
+    done = state["step"]
     if done > total:
         raise ValueError(
             f"--steps {total} is below the {done} steps {run.path} has already "
             f"trained; give --steps above {done} to continue it"
         )
-    if done == total:
-        log.info("%s: already at step %d, nothing to do", run.path, done)
-        return False
-    return True
-
-
-def finished_summary(run: RunDir, state: dict) -> dict:
-    """The summary of a run resumed at its last step (nothing trained): its
-    last logged loss, tokens and time from the checkpoint's ``state``."""
+    if done < total:
+        return None
+    log.info("%s: already at step %d, nothing to do", run.path, done)
     losses = [r["loss"] for r in run.read_metrics() if "loss" in r]
     plot = run.path / PLOT
     return {
         "run": str(run.path),
-        "steps": int(state["step"]),
+        "steps": int(done),
         "tokens": int(state.get("tokens", 0)),
         "final_loss": losses[-1] if losses else math.nan,
         "elapsed_s": float(state.get("elapsed_s", 0.0)),

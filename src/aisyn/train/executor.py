@@ -34,7 +34,6 @@ from aisyn.train.objective import StepBatch
 from aisyn.train.optim import make_optimizer
 from aisyn.train.run import RunDir
 from aisyn.train.update import apply_update
-from aisyn.validate import name_differences
 
 #: a LoRA run's adapters (with its optimizer: what resuming it needs); its
 #: ``model.safetensors`` holds the merged weights, which ``aisyn eval`` reads
@@ -196,11 +195,9 @@ class LocalExecutor(Executor):
             return None  # the model was built (or loaded) as the run starts
         state = ckpt.read_state(folder)
         if self.adapters:
-            load_exactly(
-                self.trainable,
-                ckpt.read_tensors(folder / ADAPTERS_FILE),
-                str(folder / ADAPTERS_FILE),
-            )
+            adapters = ckpt.read_tensors(folder / ADAPTERS_FILE)
+            where = str(folder / ADAPTERS_FILE)
+            ckpt.load_exactly(dict(self.trainable), adapters, where, "this run's")
         else:
             ckpt.load_weights(
                 self.model, ckpt.read_tensors(folder / ckpt.MODEL_FILE), str(folder)
@@ -230,24 +227,3 @@ def save_model(
     return ckpt.save(
         run.checkpoints, step, {ckpt.MODEL_FILE: weights, **(files or {})}, state, keep
     )
-
-
-@torch.no_grad()
-def load_exactly(
-    named: Sequence[tuple[str, nn.Parameter]],
-    tensors: dict[str, torch.Tensor],
-    source: str,
-) -> None:
-    """Copy ``tensors`` into ``named`` once every name and shape matches;
-    ``CheckpointError`` naming the first difference otherwise."""
-    expected = dict(named)
-    if diff := name_differences(expected, tensors):
-        raise ckpt.CheckpointError(f"{source}: not this run's tensors ({diff})")
-    for name, p in expected.items():
-        if tensors[name].shape != p.shape:
-            raise ckpt.CheckpointError(
-                f"{source}: {name} has shape {tuple(tensors[name].shape)}, expected "
-                f"{tuple(p.shape)}"
-            )
-    for name, p in expected.items():
-        p.copy_(tensors[name])

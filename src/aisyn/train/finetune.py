@@ -19,7 +19,7 @@ import torch
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import resolve_device
-from aisyn.train.engine import Engine, check_resume_target, finished_summary
+from aisyn.train.engine import Engine, finished
 from aisyn.train.executor import LocalExecutor
 from aisyn.train.lora import Method, apply_method
 from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
@@ -76,10 +76,9 @@ def finetune(
     last = ckpt.latest(run.checkpoints) if resume else None
     if last is not None:
         run.check_same_model(config)
-        state = ckpt.read_state(last)
-        if not check_resume_target(state["step"], cfg.steps, run):
-            done = run.path / SUMMARY
-            return read_json(done) if done.is_file() else finished_summary(run, state)
+        if (done := finished(run, last, cfg.steps)) is not None:
+            summary = run.path / SUMMARY
+            return read_json(summary) if summary.is_file() else done
     run.start(config, resume=resume, tokenizer=info.path / TOKENIZER)
     torch.manual_seed(cfg.seed)
     model, _ = load_base(info, device)

@@ -320,12 +320,7 @@ class SFTObjective(Objective):
         cfg: TrainConfig,
         *,
         sources: Sequence[SFTData] | None = None,
-        valid: SFTData | None = None,
-        eval_items: int | None = None,
     ) -> None:
-        """``valid`` / ``eval_items``: the validation items and how many to
-        score (default: the first folder's valid split, when ``cfg.eval_every``
-        asks for validation, and ``eval_batches`` batches of it)."""
         if cfg.eod_reset:
             raise ValueError(
                 "--eod-reset does not apply to --sft data (one item per sequence)"
@@ -334,15 +329,11 @@ class SFTObjective(Objective):
         self.sources = list(sources) if sources else open_sft_many(data_dirs, "train")
         self.tokenizer = self.sources[0].tokenizer_info
         self.seq_len = self.sources[0].seq_len
-        self.valid = valid
-        self.eval_items = (
-            cfg.eval_batches * cfg.batch_size if eval_items is None else eval_items
-        )
 
     def start(self, device: torch.device) -> None:
         self.batches = SFTBatches(self.sources, self.cfg.seed, device)
         self.sampler = self.batches.sampler
-        if self.valid is None and self.cfg.eval_every:
+        if self.cfg.eval_every:
             self.valid = SFTData.open(self.data_dirs[0], "valid")
 
     def next_step(self, batch_size: int, shard=None) -> StepBatch:
@@ -359,7 +350,7 @@ class SFTObjective(Objective):
             model,
             self.valid,
             batch_size=self.cfg.batch_size,
-            max_items=self.eval_items or None,
+            max_items=self.cfg.eval_batches * self.cfg.batch_size,
         )
 
 
@@ -385,10 +376,3 @@ def sft_eval_loss(
             count += k
     model.train(was_training)
     return total / max(count, 1)
-
-
-def open_objective(
-    name: str, data_dirs: Sequence[str | Path], cfg: TrainConfig
-) -> Objective:
-    """The objective ``name`` ("lm" or "sft") over ``data_dirs``."""
-    return (SFTObjective if name == SFTObjective.name else LMObjective)(data_dirs, cfg)

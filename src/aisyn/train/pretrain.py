@@ -15,7 +15,7 @@ from aisyn.train import checkpoint as ckpt
 from aisyn.train import distributed
 from aisyn.train.config import TrainConfig, per_rank_micro_batches
 from aisyn.train.device import resolve_device
-from aisyn.train.engine import Engine, check_resume_target, finished_summary
+from aisyn.train.engine import Engine, finished
 from aisyn.train.executor import LocalExecutor
 from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
 from aisyn.train.models import load_model_checkpoint, model_config_for
@@ -66,10 +66,9 @@ def train(
     # with nothing left to do neither trains nor touches the run.
     if last is not None:
         run.check_same_model(config)
-        state = ckpt.read_state(last)
-        if not check_resume_target(state["step"], cfg.steps, run):
+        if (done := finished(run, last, cfg.steps)) is not None:
             distributed.teardown(ctx)
-            return finished_summary(run, state)
+            return done
     if ctx.is_main:
         run.start(config, resume=resume, tokenizer=objective.tokenizer_file)
     ctx.barrier()
