@@ -10,7 +10,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -21,15 +20,6 @@ from pathlib import Path
 from aisyn import validate
 
 log = logging.getLogger("aisyn")
-
-# Modules that add their own subcommands: each has register(subparsers).
-EXTENSIONS = (
-    "aisyn.split.cli",
-    "aisyn.fl.cli",
-    "aisyn.experiments.cli",
-    "aisyn.convert",
-    "aisyn.privacy.cli",
-)
 
 
 def _print_json(obj) -> None:
@@ -260,7 +250,12 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from aisyn import convert
     from aisyn.eval.flags import add_eval_args, add_generate_args
+    from aisyn.experiments import cli as experiments_cli
+    from aisyn.fl import cli as fl_cli
+    from aisyn.privacy import cli as privacy_cli
+    from aisyn.split import cli as split_cli
     from aisyn.train.flags import add_train_args
     from aisyn.train.flagtable import (
         REQUIRED,
@@ -407,14 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("--seed", validate.seed, 0, "seed of the blanks and candidates"),
     )
 
-    for name in EXTENSIONS:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        mod.register(sub)
+    # The packages that add their own subcommands.
+    for module in (split_cli, fl_cli, experiments_cli, convert, privacy_cli):
+        module.register(sub)
     return p
 
 
