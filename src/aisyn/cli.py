@@ -254,16 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     from aisyn.eval.flags import add_eval_args, add_generate_args
     from aisyn.experiments import cli as experiments_cli
     from aisyn.fl import cli as fl_cli
-    from aisyn.privacy import cli as privacy_cli
-    from aisyn.split import cli as split_cli
-    from aisyn.train.flags import add_train_args
-    from aisyn.train.flagtable import (
+    from aisyn.flagtable import (
+        QUIET,
         REQUIRED,
         Parser,
         add_command,
         add_config_flag,
         add_flags,
+        init_from_flag,
+        model_flag,
     )
+    from aisyn.privacy import cli as privacy_cli
+    from aisyn.split import cli as split_cli
+    from aisyn.train.flags import add_train_args
     from aisyn.validate import positive_int
 
     p = Parser(
@@ -283,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--out", None, "runs/demo", "folder for data and run"),
         ("--steps", positive_int, 1000, "optimizer steps"),
         ("--max-docs", positive_int, 8000, "documents of the news corpus to use"),
-        ("--model", None, "tiny", "model preset or JSON file (as aisyn train)"),
+        model_flag("tiny"),
         ("--overwrite", "store_true", None, "replace an earlier demo in --out"),
     )
 
@@ -345,23 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr = add_command(sub, "train", cmd_train, "standalone (unsplit) training")
     add_flags(
         tr,
-        (
-            "--model",
-            None,
-            "tiny",
-            "preset (tiny, small, 350M, 2.6B, 13B, 200B; gpt2-tiny, llama-tiny, "
-            "qwen2-tiny), JSON file, or hf:DIR: a Hugging Face GPT-2/Llama/Qwen2 "
-            "folder, its pretrained weights the start",
-        ),
+        model_flag("tiny"),
         ("--data", "append", REQUIRED, "prepared data folder (repeat to pool several)"),
         ("--out", None, REQUIRED, "run folder"),
-        (
-            "--init-from",
-            None,
-            None,
-            "start from a run folder or checkpoint instead of random init",
-        ),
-        ("--quiet", "store_true", None, "no progress bar"),
+        init_from_flag(),
+        QUIET,
     )
     add_train_args(tr)
     add_config_flag(tr, "train")

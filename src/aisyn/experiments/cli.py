@@ -113,8 +113,8 @@ def cmd_finetune(args) -> None:
 
 
 def register(sub) -> None:
+    from aisyn.flagtable import DEVICE, QUIET, REQUIRED, add_command, add_flags
     from aisyn.train.flags import add_train_args
-    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
 
     ex = sub.add_parser(
         "experiment",
@@ -134,7 +134,7 @@ def register(sub) -> None:
         ("--domains", None, "news,reviews", "comma-separated corpora"),
         ("--preset", ["ci", "full"], "ci", "ci: minutes; full: the README table"),
         ("--out", None, REQUIRED, "report folder"),
-        ("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ..."),
+        DEVICE,
         ("--rounds", positive_int, None, "override federated rounds"),
         (
             "--strategy",
@@ -200,7 +200,7 @@ def register(sub) -> None:
         ("--method", ["full", "lora"], "full", "full weights or LoRA adapters"),
         ("--lora-rank", positive_int, 8, "rank of the LoRA adapters"),
         ("--lora-alpha", positive_float, 16.0, "LoRA scale alpha"),
-        ("--quiet", "store_true", None, "no progress bar"),
+        QUIET,
     )
     # fine-tuning always starts fresh: a --resume here would be ignored
     add_train_args(f, steps=200, resumable=False)

@@ -130,10 +130,10 @@ def cmd_calibrate(args) -> None:
 
 
 def register(sub) -> None:
+    from aisyn.flagtable import REQUIRED, add_command, add_flags
     from aisyn.privacy.audit import AuditSettings
     from aisyn.train.dp import RECOMMENDED
     from aisyn.train.dp_calibration import CALIBRATION_ROWS
-    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
 
     p = sub.add_parser("privacy", help="measure what crosses in split training")
     psub = p.add_subparsers(dest="privacy_command", required=True, metavar="ACTION")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from aisyn import validate
-from aisyn.train.flagtable import add_flags
+from aisyn.flagtable import DEVICE, add_flags
 from aisyn.train.loop import TrainConfig
 from aisyn.validate import nonneg_float, nonneg_int, positive_float, positive_int
 
@@ -61,7 +61,7 @@ def add_train_args(
             None,
             "reset attention and positions at each end of document",
         ),
-        ("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ..."),
+        DEVICE,
         (
             "--tensorboard",
             "store_true",
