@@ -15,8 +15,9 @@ def cmd_compare(args) -> None:
     optimizer steps, and write the reference's table (Markdown, CSV), loss curves
     and report.json to --out."""
 
-    from aisyn.experiments.compare import REPORT_MD, run_compare
-    from aisyn.experiments.presets import get_preset
+    from aisyn.experiments.compare import run_compare
+    from aisyn.experiments.report import REPORT_MD
+    from aisyn.testbed.presets import get_preset
 
     preset = get_preset(args.preset).with_overrides(
         rounds=args.rounds,
