@@ -261,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_command,
         add_config_flag,
         add_flags,
+        add_group,
         init_from_flag,
         model_flag,
     )
@@ -291,8 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     corpus_help = "news, reviews, or .txt/.jsonl files"
-    t = sub.add_parser("tokenizer", help="train a PanGu-recipe tokenizer")
-    tsub = t.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    tsub = add_group(sub, "tokenizer", "train a PanGu-recipe tokenizer")
     tt = add_command(
         tsub, "train", cmd_tokenizer_train, "jieba + SentencePiece on corpora"
     )
@@ -375,8 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_generate_args(g)
 
-    c = sub.add_parser("cloze", help="build cloze items")
-    csub = c.add_subparsers(dest="cloze_command", required=True, metavar="ACTION")
+    csub = add_group(sub, "cloze", "build cloze items")
     cb = add_command(csub, "build", cmd_cloze_build, "cloze items from a corpus split")
     cb.add_argument("--corpus", nargs="+", required=True, help=corpus_help)
     add_flags(

@@ -105,6 +105,15 @@ def add_flags(container: argparse._ActionsContainer, *rows: tuple) -> None:
         container.add_argument(flag, **kwargs)
 
 
+def add_group(
+    sub, name: str, help_text: str, *, description: str | None = None, metavar="ACTION"
+) -> argparse._SubParsersAction:
+    """Command ``name`` whose own subcommands go into what this returns
+    (``aisyn split ACTION``)."""
+    group = sub.add_parser(name, help=help_text, description=description)
+    return group.add_subparsers(dest=f"{name}_command", required=True, metavar=metavar)
+
+
 def add_command(sub, name: str, func, help_text: str) -> argparse.ArgumentParser:
     """Subcommand ``name``, which runs ``func(args)`` and shows ``func``'s
     docstring as its ``--help`` description."""

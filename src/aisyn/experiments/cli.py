@@ -114,15 +114,23 @@ def cmd_finetune(args) -> None:
 
 
 def register(sub) -> None:
-    from aisyn.flagtable import DEVICE, QUIET, REQUIRED, add_command, add_flags
+    from aisyn.flagtable import (
+        DEVICE,
+        QUIET,
+        REQUIRED,
+        add_command,
+        add_flags,
+        add_group,
+    )
     from aisyn.train.flags import add_train_args
 
-    ex = sub.add_parser(
+    esub = add_group(
+        sub,
         "experiment",
-        help="the standalone / fusion / federated comparison",
+        "the standalone / fusion / federated comparison",
         description="Experiments of the reference's collaborative-training study.",
+        metavar="NAME",
     )
-    esub = ex.add_subparsers(dest="experiment_command", required=True, metavar="NAME")
     # A command's --help description is its cmd_* function's docstring.
     c = add_command(
         esub,

@@ -94,28 +94,32 @@ def prepare_inputs(domains: Sequence[str], preset: Preset, device: str) -> Input
     return Inputs(names, base, base_build_s, shards, sft, evaluate, dev)
 
 
+#: the federated settings a preset sets, under the same names
+_PRESET_FL_SETTINGS = (
+    "rounds",
+    "batch_size",
+    "lr",
+    "min_lr",
+    "warmup",
+    "weight_decay",
+    "seed",
+    "schedule",
+    "method",
+    "strategy",
+    "proximal_mu",
+    "server_momentum",
+    "eta",
+    "eval_items",
+)
+
+
 def federated_settings(
     preset: Preset, clients: int, device: str, **overrides
 ) -> FLSettings:
     """The preset's federated settings (equal step budget), then ``overrides``."""
-    d = dict(
-        rounds=preset.rounds,
-        local_steps=preset.local_steps(clients),
-        batch_size=preset.batch_size,
-        lr=preset.lr,
-        min_lr=preset.min_lr,
-        warmup=preset.warmup,
-        weight_decay=preset.weight_decay,
-        seed=preset.seed,
-        schedule=preset.schedule,
-        method=preset.method,
-        strategy=preset.strategy,
-        proximal_mu=preset.proximal_mu,
-        server_momentum=preset.server_momentum,
-        eta=preset.eta,
-        min_clients=clients,
-        eval_items=preset.eval_items,
-        device=device,
+    d = {name: getattr(preset, name) for name in _PRESET_FL_SETTINGS}
+    d.update(
+        local_steps=preset.local_steps(clients), min_clients=clients, device=device
     )
     d.update(overrides)
     if "rounds" in overrides and "local_steps" not in overrides:

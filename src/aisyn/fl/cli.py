@@ -17,7 +17,7 @@ from aisyn.fl.settings import (
     load_settings,
     setting_types,
 )
-from aisyn.flagtable import DEVICE
+from aisyn.flagtable import DEVICE, add_group
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
 
 #: the server's TLS flags as spelled before they matched ``aisyn split``'s
@@ -228,14 +228,14 @@ def cmd_partition(args) -> None:
 
 
 def register(sub) -> None:
-    fl = sub.add_parser(
+    fsub = add_group(
+        sub,
         "fl",
-        help="federated fine-tuning on Flower",
+        "federated fine-tuning on Flower",
         description="Federated supervised fine-tuning of a base model: clients train "
         "E local steps per round on their own SFT data; the server aggregates with "
         "FedAvg / FedProx / FedAdam / FedAvgM. Full weights or LoRA adapters.",
     )
-    fsub = fl.add_subparsers(dest="fl_command", required=True, metavar="ACTION")
 
     s = fsub.add_parser(
         "simulate",

@@ -16,6 +16,7 @@ from aisyn.flagtable import (
     add_command,
     add_config_flag,
     add_flags,
+    add_group,
     init_from_flag,
     model_flag,
 )
@@ -352,14 +353,14 @@ def cmd_merge(args) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser(
+    ssub = add_group(
+        sub,
         "split",
-        help="split (pipeline) training across two parties",
+        "split (pipeline) training across two parties",
         description="Cross-domain split training: the data party A keeps the "
         "embedding and the head (tokens, labels and the loss never leave it), the "
         "compute party B runs the middle blocks. See docs/split.md.",
     )
-    ssub = s.add_subparsers(dest="split_command", required=True, metavar="ACTION")
     # A command's --help description is its cmd_* function's docstring.
     for add in (
         _add_plan,
