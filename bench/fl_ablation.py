@@ -22,9 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from aisyn.experiments.compare import federated_settings, prepare_inputs, read_report
-from aisyn.experiments.presets import get_preset
+from aisyn.experiments.compare import federated_settings, prepare_inputs
+from aisyn.experiments.report import read_report
 from aisyn.fl.launch import simulate
+from aisyn.testbed.presets import get_preset
 from aisyn.train.models import load_run_model
 
 

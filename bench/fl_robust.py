@@ -50,11 +50,11 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from aisyn.experiments.compare import federated_settings, prepare_inputs
-from aisyn.experiments.presets import get_preset
 from aisyn.fl import client_app
 from aisyn.fl.partition import partition_iid
 from aisyn.fl.records import WEIGHT_KEY
 from aisyn.fl.task import ServerNode, run_server
+from aisyn.testbed.presets import get_preset
 from aisyn.train.models import load_run_model
 
 ATTACKS = ("none", "flip-x1000", "flip-bound")

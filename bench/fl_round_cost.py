@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from aisyn.data.tokenizer import PanguTokenizer
-from aisyn.experiments.compare import cached_sft
-from aisyn.experiments.presets import Preset
 from aisyn.fl.launch import simulate
 from aisyn.fl.records import decode_checked, expected_spec, tensors_to_record
 from aisyn.fl.settings import FLSettings
 from aisyn.model.families import build_model
 from aisyn.model.pangu import CONFIGS, PanguConfig
+from aisyn.testbed.inputs import cached_sft
+from aisyn.testbed.presets import Preset
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.run import RunDir
 

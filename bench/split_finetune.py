@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from aisyn.experiments.compare import prepare_inputs, split_finetuned
-from aisyn.experiments.presets import PRESETS
+from aisyn.testbed.presets import PRESETS
 from aisyn.train.finetune import finetune
 from aisyn.train.models import load_run_model
 

@@ -10,7 +10,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -21,15 +20,6 @@ from pathlib import Path
 from aisyn import validate
 
 log = logging.getLogger("aisyn")
-
-# Modules that add their own subcommands: each has register(subparsers).
-EXTENSIONS = (
-    "aisyn.split.cli",
-    "aisyn.fl.cli",
-    "aisyn.experiments.cli",
-    "aisyn.convert",
-    "aisyn.privacy.cli",
-)
 
 
 def _print_json(obj) -> None:
@@ -260,15 +250,24 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from aisyn import convert
     from aisyn.eval.flags import add_eval_args, add_generate_args
-    from aisyn.train.flags import add_train_args
-    from aisyn.train.flagtable import (
+    from aisyn.experiments import cli as experiments_cli
+    from aisyn.fl import cli as fl_cli
+    from aisyn.flagtable import (
+        QUIET,
         REQUIRED,
         Parser,
         add_command,
         add_config_flag,
         add_flags,
+        add_group,
+        init_from_flag,
+        model_flag,
     )
+    from aisyn.privacy import cli as privacy_cli
+    from aisyn.split import cli as split_cli
+    from aisyn.train.flags import add_train_args
     from aisyn.validate import positive_int
 
     p = Parser(
@@ -288,13 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("--out", None, "runs/demo", "folder for data and run"),
         ("--steps", positive_int, 1000, "optimizer steps"),
         ("--max-docs", positive_int, 8000, "documents of the news corpus to use"),
-        ("--model", None, "tiny", "model preset or JSON file (as aisyn train)"),
+        model_flag("tiny"),
         ("--overwrite", "store_true", None, "replace an earlier demo in --out"),
     )
 
     corpus_help = "news, reviews, or .txt/.jsonl files"
-    t = sub.add_parser("tokenizer", help="train a PanGu-recipe tokenizer")
-    tsub = t.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    tsub = add_group(sub, "tokenizer", "train a PanGu-recipe tokenizer")
     tt = add_command(
         tsub, "train", cmd_tokenizer_train, "jieba + SentencePiece on corpora"
     )
@@ -350,23 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr = add_command(sub, "train", cmd_train, "standalone (unsplit) training")
     add_flags(
         tr,
-        (
-            "--model",
-            None,
-            "tiny",
-            "preset (tiny, small, 350M, 2.6B, 13B, 200B; gpt2-tiny, llama-tiny, "
-            "qwen2-tiny), JSON file, or hf:DIR: a Hugging Face GPT-2/Llama/Qwen2 "
-            "folder, its pretrained weights the start",
-        ),
+        model_flag("tiny"),
         ("--data", "append", REQUIRED, "prepared data folder (repeat to pool several)"),
         ("--out", None, REQUIRED, "run folder"),
-        (
-            "--init-from",
-            None,
-            None,
-            "start from a run folder or checkpoint instead of random init",
-        ),
-        ("--quiet", "store_true", None, "no progress bar"),
+        init_from_flag(),
+        QUIET,
     )
     add_train_args(tr)
     add_config_flag(tr, "train")
@@ -389,8 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_generate_args(g)
 
-    c = sub.add_parser("cloze", help="build cloze items")
-    csub = c.add_subparsers(dest="cloze_command", required=True, metavar="ACTION")
+    csub = add_group(sub, "cloze", "build cloze items")
     cb = add_command(csub, "build", cmd_cloze_build, "cloze items from a corpus split")
     cb.add_argument("--corpus", nargs="+", required=True, help=corpus_help)
     add_flags(
@@ -407,14 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("--seed", validate.seed, 0, "seed of the blanks and candidates"),
     )
 
-    for name in EXTENSIONS:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        mod.register(sub)
+    # The packages that add their own subcommands.
+    for module in (split_cli, fl_cli, experiments_cli, convert, privacy_cli):
+        module.register(sub)
     return p
 
 

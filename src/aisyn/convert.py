@@ -453,7 +453,7 @@ def _existing(text: str) -> str:
 
 
 def register(sub) -> None:
-    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
+    from aisyn.flagtable import REQUIRED, add_command, add_flags
 
     c = add_command(
         sub,

@@ -29,13 +29,9 @@ DEMO_NEW_TOKENS = 30
 
 
 def run_demo(
-    out: str | Path = "runs/demo",
-    *,
-    steps: int = 1000,
-    max_docs: int = 8000,
-    model: str = "tiny",
-    overwrite: bool = False,
+    out: str | Path, *, steps: int, max_docs: int, model: str, overwrite: bool
 ) -> dict:
+    """The demo in ``out`` (its defaults are ``aisyn demo``'s flags')."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:

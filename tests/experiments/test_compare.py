@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from aisyn.experiments.compare import check_targets, run_compare
-from aisyn.experiments.presets import PRESETS, Preset
+from aisyn.experiments.compare import run_compare
+from aisyn.experiments.targets import check_targets
+from aisyn.testbed.presets import PRESETS, Preset
 
 
 def write_corpus(path, name, n):
@@ -209,7 +210,7 @@ def test_accuracy_chart_labels_each_regimes_bars_with_its_numbers():
 
 
 def test_the_report_has_the_chart_and_a_targets_table(tmp_path):
-    from aisyn.experiments.compare import write_report
+    from aisyn.experiments.report import write_report
 
     # Execute
     write_report(tmp_path, _report([_full_row(*r) for r in REGIMES]), {})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from aisyn import validate
+from aisyn.flagtable import DEVICE, REQUIRED, add_flags
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -35,12 +36,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="scoring format (default: as the run was trained)",
     )
-    p.add_argument(
-        "--device",
-        type=validate.device,
-        default="auto",
-        help="auto, cpu, cuda, cuda:1, ...",
-    )
+    add_flags(p, DEVICE)
 
 
 def eval_options(args: argparse.Namespace) -> dict:
@@ -63,8 +59,6 @@ def eval_options(args: argparse.Namespace) -> dict:
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     """The prompt, length and sampling flags (``--run`` is each command's own)."""
-    from aisyn.train.flagtable import REQUIRED, add_flags
-
     add_flags(
         p,
         ("--prompt", None, REQUIRED, "text to continue"),
@@ -88,7 +82,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
             None,
             "sampling seed (default: random, printed)",
         ),
-        ("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ..."),
+        DEVICE,
     )
 
 

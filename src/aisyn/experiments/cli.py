@@ -15,8 +15,9 @@ def cmd_compare(args) -> None:
     optimizer steps, and write the reference's table (Markdown, CSV), loss curves
     and report.json to --out."""
 
-    from aisyn.experiments.compare import REPORT_MD, run_compare
-    from aisyn.experiments.presets import get_preset
+    from aisyn.experiments.compare import run_compare
+    from aisyn.experiments.report import REPORT_MD
+    from aisyn.testbed.presets import get_preset
 
     preset = get_preset(args.preset).with_overrides(
         rounds=args.rounds,
@@ -114,15 +115,23 @@ def cmd_finetune(args) -> None:
 
 
 def register(sub) -> None:
-    from aisyn.train.flags import add_train_args
-    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
-
-    ex = sub.add_parser(
-        "experiment",
-        help="the standalone / fusion / federated comparison",
-        description="Experiments of the reference's collaborative-training study.",
+    from aisyn.flagtable import (
+        DEVICE,
+        QUIET,
+        REQUIRED,
+        add_command,
+        add_flags,
+        add_group,
     )
-    esub = ex.add_subparsers(dest="experiment_command", required=True, metavar="NAME")
+    from aisyn.train.flags import add_train_args
+
+    esub = add_group(
+        sub,
+        "experiment",
+        "the standalone / fusion / federated comparison",
+        description="Experiments of the reference's collaborative-training study.",
+        metavar="NAME",
+    )
     # A command's --help description is its cmd_* function's docstring.
     c = add_command(
         esub,
@@ -135,7 +144,7 @@ def register(sub) -> None:
         ("--domains", None, "news,reviews", "comma-separated corpora"),
         ("--preset", ["ci", "full"], "ci", "ci: minutes; full: the README table"),
         ("--out", None, REQUIRED, "report folder"),
-        ("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ..."),
+        DEVICE,
         ("--rounds", positive_int, None, "override federated rounds"),
         (
             "--strategy",
@@ -201,6 +210,6 @@ def register(sub) -> None:
         ("--method", ["full", "lora"], "full", "full weights or LoRA adapters"),
         ("--lora-rank", positive_int, 8, "rank of the LoRA adapters"),
         ("--lora-alpha", positive_float, 16.0, "LoRA scale alpha"),
-        ("--quiet", "store_true", None, "no progress bar"),
+        QUIET,
     )
     add_train_args(f, steps=200)

@@ -17,6 +17,7 @@ from aisyn.fl.settings import (
     load_settings,
     setting_types,
 )
+from aisyn.flagtable import DEVICE, add_group
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
 
 #: the server's TLS flags as spelled before they matched ``aisyn split``'s
@@ -56,7 +57,7 @@ _HELP = {
     "eval_items": "client validation items per evaluation (0: all)",
     "weight_decay": "AdamW weight decay",
     "grad_clip": "clip the global gradient L2 norm (0: off)",
-    "device": "auto, cpu, cuda, cuda:1, ...",
+    "device": DEVICE.help,
     "tensorboard": "also write TensorBoard event files (server and clients)",
     "secure_aggregation": "Flower's SecAgg+: the server sees only the sum of the "
     "updates (no robust aggregation or max-norm-ratio with it)",
@@ -96,7 +97,7 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
         if name in _CHOICES:
             kw["choices"] = _CHOICES[name]
         elif name == "device":
-            kw["type"] = validate.device
+            kw["type"] = DEVICE.kind
         elif typ is bool:
             kw.update(action="store_const", const=True)
         elif typ in (int, float):
@@ -227,14 +228,14 @@ def cmd_partition(args) -> None:
 
 
 def register(sub) -> None:
-    fl = sub.add_parser(
+    fsub = add_group(
+        sub,
         "fl",
-        help="federated fine-tuning on Flower",
+        "federated fine-tuning on Flower",
         description="Federated supervised fine-tuning of a base model: clients train "
         "E local steps per round on their own SFT data; the server aggregates with "
         "FedAvg / FedProx / FedAdam / FedAvgM. Full weights or LoRA adapters.",
     )
-    fsub = fl.add_subparsers(dest="fl_command", required=True, metavar="ACTION")
 
     s = fsub.add_parser(
         "simulate",

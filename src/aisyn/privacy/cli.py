@@ -130,13 +130,12 @@ def cmd_calibrate(args) -> None:
 
 
 def register(sub) -> None:
+    from aisyn.flagtable import REQUIRED, add_command, add_flags, add_group
     from aisyn.privacy.audit import AuditSettings
     from aisyn.train.dp import RECOMMENDED
     from aisyn.train.dp_calibration import CALIBRATION_ROWS
-    from aisyn.train.flagtable import REQUIRED, add_command, add_flags
 
-    p = sub.add_parser("privacy", help="measure what crosses in split training")
-    psub = p.add_subparsers(dest="privacy_command", required=True, metavar="ACTION")
+    psub = add_group(sub, "privacy", "measure what crosses in split training")
     a = add_command(psub, "audit", cmd_audit, "attack the cut as party B would")
     add_flags(
         a,

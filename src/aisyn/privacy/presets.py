@@ -32,10 +32,10 @@ import torch
 
 from aisyn.data.shards import TokenShards
 from aisyn.data.tokenizer import PanguTokenizer
-from aisyn.experiments.compare import cached_base, cached_shards
-from aisyn.experiments.presets import get_preset
 from aisyn.privacy.audit import AuditSettings, audit
 from aisyn.privacy.frontier import Point, frontier, recommended
+from aisyn.testbed.inputs import cached_base, cached_shards
+from aisyn.testbed.presets import get_preset
 from aisyn.train.config import TrainConfig
 from aisyn.train.models import load_run_model
 from aisyn.train.objective import evaluate_loss

@@ -8,6 +8,18 @@ import logging
 import os
 
 from aisyn import validate
+from aisyn.eval.flags import add_eval_args, add_generate_args
+from aisyn.flagtable import (
+    DEVICE,
+    QUIET,
+    REQUIRED,
+    add_command,
+    add_config_flag,
+    add_flags,
+    add_group,
+    init_from_flag,
+    model_flag,
+)
 from aisyn.link.codec import CODECS
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
@@ -19,6 +31,7 @@ from aisyn.split.transport import (
 )
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
 from aisyn.train.dp import DEFENCES, RECOMMENDED
+from aisyn.train.flags import add_train_args
 from aisyn.validate import (
     nonneg_float,
     nonneg_int,
@@ -340,21 +353,27 @@ def cmd_merge(args) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from aisyn.eval.flags import add_eval_args, add_generate_args
-    from aisyn.train.flags import add_train_args
-    from aisyn.train.flagtable import REQUIRED, add_command, add_config_flag, add_flags
-
-    s = sub.add_parser(
+    ssub = add_group(
+        sub,
         "split",
-        help="split (pipeline) training across two parties",
+        "split (pipeline) training across two parties",
         description="Cross-domain split training: the data party A keeps the "
         "embedding and the head (tokens, labels and the loss never leave it), the "
         "compute party B runs the middle blocks. See docs/split.md.",
     )
-    ssub = s.add_subparsers(dest="split_command", required=True, metavar="ACTION")
-    model_help = "preset, JSON model config or hf:DIR (a Hugging Face folder)"
     # A command's --help description is its cmd_* function's docstring.
+    for add in (
+        _add_plan,
+        _add_train,
+        _add_serve,
+        _add_eval,
+        _add_generate,
+        _add_merge,
+    ):
+        add(ssub)
 
+
+def _add_plan(ssub: argparse._SubParsersAction) -> None:
     p = add_command(
         ssub,
         "plan",
@@ -363,7 +382,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_flags(
         p,
-        ("--model", None, REQUIRED, model_help),
+        model_flag(REQUIRED, trains=False),
         (
             "--party",
             "append",
@@ -405,6 +424,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("--json", "store_true", None, "machine-readable output"),
     )
 
+
+def _add_train(ssub: argparse._SubParsersAction) -> None:
     t = add_command(
         ssub,
         "train",
@@ -413,7 +434,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_flags(
         t,
-        ("--model", None, "tiny", model_help),
+        model_flag("tiny"),
         ("--data", "append", None, "prepared data (pre-training; repeat)"),
         (
             "--sft",
@@ -459,15 +480,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_flags(
         t,
-        (
-            "--init-from",
-            None,
-            None,
-            "start a fresh run from this base model (run folder, checkpoint or "
-            ".safetensors; A loads only its tensors); the compute party must start "
-            "from the same base (local and spawned ones are given it)",
+        init_from_flag(
+            "; A loads only its tensors, and the compute party must start from "
+            "the same base (local and spawned ones are given it)"
         ),
-        ("--quiet", "store_true", None, "no progress bar"),
+        QUIET,
         (
             "--method",
             ["full", "lora"],
@@ -544,22 +561,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(seed=None)
     add_config_flag(t, "split-train")
 
+
+def _add_serve(ssub: argparse._SubParsersAction) -> None:
     v = add_command(ssub, "serve", cmd_serve, "serve as the compute party over gRPC")
     add_flags(
         v,
         ("--listen", validate.listen_address, REQUIRED, "HOST:PORT (port 0: any free)"),
-        ("--model", None, REQUIRED, model_help),
+        model_flag(REQUIRED),
         ("--cut", None, REQUIRED, "u:FRONT,BACK (as the data party's)"),
         ("--out", None, None, "checkpoint root (none: cannot checkpoint)"),
-        ("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ..."),
+        DEVICE,
         ("--keep-checkpoints", positive_int, 2, "checkpoints kept per run"),
-        (
-            "--init-from",
-            None,
-            None,
-            "base model fresh runs start from (run folder, checkpoint or "
-            ".safetensors; must hold the whole model); B loads only its tensors, "
-            "and refuses a data party that starts from another base",
+        init_from_flag(
+            "; it must hold the whole model: B loads only its tensors, and "
+            "refuses a data party that starts from another base"
         ),
         ("--address-file", None, None, "write the bound HOST:PORT here once listening"),
         (
@@ -601,6 +616,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_link_args(v, server=True)
     add_config_flag(v, "split-serve")
 
+
+def _add_eval(ssub: argparse._SubParsersAction) -> None:
     e = add_command(ssub, "eval", cmd_eval, "evaluate a split run through the link")
     add_flags(
         e,
@@ -610,6 +627,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_eval_args(e)
     _add_link_args(e, server=False)
 
+
+def _add_generate(ssub: argparse._SubParsersAction) -> None:
     gen = add_command(
         ssub, "generate", cmd_generate, "continue a prompt through the link"
     )
@@ -628,6 +647,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_generate_args(gen)
     _add_link_args(gen, server=False)
 
+
+def _add_merge(ssub: argparse._SubParsersAction) -> None:
     m = add_command(
         ssub,
         "merge",

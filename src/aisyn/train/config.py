@@ -68,7 +68,7 @@ class TrainConfig:
     eod_reset: bool = setting(  # reset attention/positions at each EOD
         False, "--eod-reset", "reset attention and positions at each end of document"
     )
-    device: str = setting("auto", "--device", "auto, cpu, cuda, cuda:1, ...")
+    device: str = setting("auto")  # its flag is every command's (``flagtable``)
 
     def __post_init__(self) -> None:
         # Range checks here, not only on flags: a TrainConfig also comes from

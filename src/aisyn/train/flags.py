@@ -12,8 +12,8 @@ import argparse
 from dataclasses import fields
 
 from aisyn import validate
+from aisyn.flagtable import DEVICE, add_flags
 from aisyn.train.config import TrainConfig
-from aisyn.train.flagtable import add_flags
 
 #: the argparse types of the ranges TrainConfig's fields have
 _TYPES = {
@@ -29,8 +29,6 @@ def _flag_type(f):
     """The argparse type (or action) of a field: its range, as a flag."""
     if isinstance(f.default, bool):
         return "store_true"
-    if f.name == "device":
-        return validate.device
     kind = "int" if f.type in ("int", "int | None") else "float"
     return _TYPES[kind, tuple(f.metadata["bounds"].items())]
 
@@ -57,6 +55,7 @@ def add_train_args(
     add_flags(
         g,
         *rows,
+        DEVICE,
         (
             "--tensorboard",
             "store_true",
@@ -76,5 +75,6 @@ def add_train_args(
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The ``TrainConfig`` of the flags ``add_train_args`` added."""
     return TrainConfig(
-        **{f.name: getattr(args, flag[2:].replace("-", "_")) for f, flag in FLAGGED}
+        **{f.name: getattr(args, flag[2:].replace("-", "_")) for f, flag in FLAGGED},
+        device=args.device,
     )

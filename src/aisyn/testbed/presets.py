@@ -1,4 +1,6 @@
-"""Sizes of the standalone / data-fusion / federated comparison.
+"""Sizes of the standalone / data-fusion / federated comparison: its base
+model and data (``testbed.inputs``), which the privacy audit borrows, and
+its fine-tuning and federated budgets.
 
 ``ci`` exercises every regime in a few minutes on a 2-core CPU (its numbers say
 nothing about quality); ``full`` is the benchmark. Every regime gets the same

@@ -1,14 +1,17 @@
-"""Command-line flags as tables, one row a flag. In ``aisyn.train``, the lowest
-package with flags of its own, so that every command's parser may import it."""
+"""Command-line flags as tables, one row a flag, and the rows that several
+commands share (``DEVICE``, ``QUIET``, ``model_flag``, ``init_from_flag``), so
+that each such flag is defined once. Below every package with commands, so
+that each command's parser imports it."""
 
 from __future__ import annotations
 
 import argparse
 import inspect
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
-from aisyn.train.flagfile import CONFIG_FLAG, apply_config, config_path, shipped_configs
+from aisyn import validate
+from aisyn.flagfile import CONFIG_FLAG, apply_config, config_path, shipped_configs
 
 #: a row's default that makes its flag required
 REQUIRED = object()
@@ -61,7 +64,7 @@ class Parser(argparse.ArgumentParser):
 
 def add_config_flag(parser: argparse.ArgumentParser, table: str) -> None:
     """``--config NAME``: this command's defaults from ``[table]`` of a TOML
-    file or a shipped configuration (``train.flagfile``)."""
+    file or a shipped configuration (``flagfile``)."""
     parser.config_table = table
     names = ", ".join(n for n in shipped_configs() if table in _tables_of(n))
     parser.add_argument(
@@ -102,9 +105,61 @@ def add_flags(container: argparse._ActionsContainer, *rows: tuple) -> None:
         container.add_argument(flag, **kwargs)
 
 
+def add_group(
+    sub, name: str, help_text: str, *, description: str | None = None, metavar="ACTION"
+) -> argparse._SubParsersAction:
+    """Command ``name`` whose own subcommands go into what this returns
+    (``aisyn split ACTION``)."""
+    group = sub.add_parser(name, help=help_text, description=description)
+    return group.add_subparsers(dest=f"{name}_command", required=True, metavar=metavar)
+
+
 def add_command(sub, name: str, func, help_text: str) -> argparse.ArgumentParser:
     """Subcommand ``name``, which runs ``func(args)`` and shows ``func``'s
     docstring as its ``--help`` description."""
     p = sub.add_parser(name, help=help_text, description=inspect.getdoc(func))
     p.set_defaults(func=func)
     return p
+
+
+# --- rows several commands share ------------------------------------------------
+
+
+class Row(NamedTuple):
+    """One ``add_flags`` row, by name where a command reads one of its parts."""
+
+    flag: str
+    kind: Any
+    default: Any
+    help: str
+
+
+#: where a command runs its model
+DEVICE = Row("--device", validate.device, "auto", "auto, cpu, cuda, cuda:1, ...")
+#: for a command that shows a progress bar
+QUIET = Row("--quiet", "store_true", None, "no progress bar")
+
+
+def model_flag(default, *, trains: bool = True) -> Row:
+    """``--model``, the model a command builds (``REQUIRED`` or a preset name);
+    ``trains``: the command trains it (a Hugging Face folder's weights the start)."""
+    return Row(
+        "--model",
+        None,
+        default,
+        "preset (tiny, small, 350M, 2.6B, 13B, 200B; gpt2-tiny, llama-tiny, "
+        "qwen2-tiny), JSON file, or hf:DIR: a Hugging Face GPT-2/Llama/Qwen2 "
+        "folder" + (", its pretrained weights the start" if trains else ""),
+    )
+
+
+def init_from_flag(more: str = "") -> Row:
+    """``--init-from``, the base model a fresh run starts from; ``more``: what
+    this command adds about it."""
+    return Row(
+        "--init-from",
+        None,
+        None,
+        "start a fresh run from this base model (run folder, checkpoint or "
+        f".safetensors) instead of random init{more}",
+    )
