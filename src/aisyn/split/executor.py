@@ -24,9 +24,9 @@ from aisyn.split.data_party import DataSession, SplitModel
 from aisyn.split.party import place_weights
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import dp
-from aisyn.train.executor import Executor
 from aisyn.train.models import BaseModel
 from aisyn.train.objective import Objective, StepBatch
+from aisyn.train.regime import Executor
 from aisyn.train.run import RunDir
 
 

@@ -87,7 +87,7 @@ def split_train(
     compute_method: Method | None = None,
     defence: dp.CutDefence | dp.Recommended | None = None,
 ) -> dict:
-    """Train as the data party; returns a summary like ``train.loop.train``.
+    """Train as the data party; returns a summary like ``train.pretrain.train``.
 
     ``defence``: clipping and noise on what A sends (``train.dp``); its
     privacy budget is in each metrics record (``dp_epsilon``), the summary

@@ -1,18 +1,11 @@
-"""Where a step's forward and backward run: the executors.
-
-A regime (``train.regime``) hands its executor one ``StepBatch`` per step --
-micro-batches and the loss of one -- and gets the step's record back; it also
-asks it for a model to validate and to save and load its weights. What differs
-between running the whole model here and splitting it with a compute party is
-all in the executor; what is trained is all in the objective.
+"""The local executor: a step's forward and backward on the whole model here.
 
 ``LocalExecutor`` is the plain baseline: one model (or its DDP replicas), one
 optimizer, ``clip_grad_norm_``'s clip. Split training must match it to 1e-5,
-so the split executor (``split.executor``) never calls it: an independent code
-path on each side is what makes that equality mean something.
-
-A new executor -- the backbone over several devices, several data parties on
-one backbone -- implements ``Executor`` and plugs into the one regime.
+so split code never imports this module (a contract in pyproject.toml): an
+independent code path on each side is what makes that equality mean
+something. The interface every executor implements is
+``train.regime.Executor``.
 """
 
 from __future__ import annotations
@@ -32,46 +25,13 @@ from aisyn.train.distributed import DistContext
 from aisyn.train.lora import Method, merged_state_dict
 from aisyn.train.objective import StepBatch
 from aisyn.train.optim import make_optimizer
+from aisyn.train.regime import Executor
 from aisyn.train.run import RunDir
 from aisyn.train.update import apply_update
 
 #: a LoRA run's adapters (with its optimizer: what resuming it needs); its
 #: ``model.safetensors`` holds the merged weights, which ``aisyn eval`` reads
 ADAPTERS_FILE = "adapters.safetensors"
-
-
-class Executor:
-    """Runs a regime's steps somewhere; override all of it."""
-
-    def step(self, step: int, batch: StepBatch) -> dict:
-        """One optimizer step over ``batch`` (0-based ``step``); its record:
-        ``loss`` (the sum of the micro-batches' losses), ``lr``, ``grad_norm``,
-        ``batch.record`` and what this executor measures."""
-        raise NotImplementedError
-
-    def shard(self, batch: torch.Tensor) -> torch.Tensor:
-        """This executor's share of a global batch (data parallelism)."""
-        return batch
-
-    def eval_model(self) -> nn.Module:
-        """A model with ``hidden``/``logits`` for the objective to validate."""
-        raise NotImplementedError
-
-    def log_suffix(self, record: dict) -> str:
-        return ""
-
-    def save(self, run: RunDir, step: int, state: dict, keep: int) -> None:
-        """Checkpoint after ``step`` steps with ``state`` (for ``state.json``)."""
-        raise NotImplementedError
-
-    def load(self, folder: Path | None) -> dict | None:
-        """Put the weights in place: from checkpoint ``folder`` (its state.json
-        returned) or, for None, as a fresh run starts (None returned)."""
-        raise NotImplementedError
-
-    def summary(self, steps_run: int) -> dict:
-        """What this executor adds to the run's summary."""
-        return {}
 
 
 class MicroBatchLoss(nn.Module):

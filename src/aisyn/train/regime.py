@@ -14,10 +14,50 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from aisyn.train.config import TrainConfig
-from aisyn.train.executor import Executor
-from aisyn.train.objective import Objective
+from aisyn.train.objective import Objective, StepBatch
 from aisyn.train.run import RunDir
+
+
+class Executor:
+    """Where a regime's steps run: the whole model here
+    (``train.executor.LocalExecutor``) or split with a compute party
+    (``split.executor.SplitExecutor``). A new one -- the backbone over several
+    devices, several data parties on one backbone -- implements this and plugs
+    into the one regime."""
+
+    def step(self, step: int, batch: StepBatch) -> dict:
+        """One optimizer step over ``batch`` (0-based ``step``); its record:
+        ``loss`` (the sum of the micro-batches' losses), ``lr``, ``grad_norm``,
+        ``batch.record`` and what this executor measures."""
+        raise NotImplementedError
+
+    def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This executor's share of a global batch (data parallelism)."""
+        return batch
+
+    def eval_model(self) -> nn.Module:
+        """A model with ``hidden``/``logits`` for the objective to validate."""
+        raise NotImplementedError
+
+    def log_suffix(self, record: dict) -> str:
+        return ""
+
+    def save(self, run: RunDir, step: int, state: dict, keep: int) -> None:
+        """Checkpoint after ``step`` steps with ``state`` (for ``state.json``)."""
+        raise NotImplementedError
+
+    def load(self, folder: Path | None) -> dict | None:
+        """Put the weights in place: from checkpoint ``folder`` (its state.json
+        returned) or, for None, as a fresh run starts (None returned)."""
+        raise NotImplementedError
+
+    def summary(self, steps_run: int) -> dict:
+        """What this executor adds to the run's summary."""
+        return {}
 
 
 class Regime:
