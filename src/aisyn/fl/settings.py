@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 
+from aisyn.accountant import DEFAULT_DELTA
 from aisyn.train.config import TrainConfig
 from aisyn.train.lora import Method
 from aisyn.validate import SEED_RANGE, check_number
@@ -159,7 +160,7 @@ class FLSettings:
     dp_noise_multiplier: float = 1.0
     dp_clipping_norm: float = 1.0
     dp_sampled_clients: int = 0
-    dp_delta: float = 1e-5
+    dp_delta: float = DEFAULT_DELTA
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.local_steps < 1:

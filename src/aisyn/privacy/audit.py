@@ -38,7 +38,7 @@ from aisyn.privacy.attacks import (
     invert_activations,
     recovery,
 )
-from aisyn.train.dp_calibration import blocks_of, cut_traffic
+from aisyn.split.calibration import blocks_of, cut_traffic
 from aisyn.train.models import load_run_model
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ attacks are ``attacks.py``'s, made *adaptive*: B is assumed to know the
 mechanism and its strength (not the noise it draws), so its learned decoders
 (a linear one and an MLP over five positions) are fitted on public text sent
 through the same mechanism. Per point: both losses and their cost against no
-defence, ε (``train.dp``, from the run's own accounting), bytes on the link
+defence, ε (``split.cut_dp``, from the run's own accounting), bytes on the link
 per step, and the best recovery of each direction beside the frequent-token
 rate.
 """
@@ -40,13 +40,13 @@ from aisyn.privacy.attacks import (
     recovery,
 )
 from aisyn.privacy.audit import Crossing, crossing
+from aisyn.split import cut_dp as dp
+from aisyn.split.calibration import Clips, blocks_of, calibrate
 from aisyn.split.evaluate import open_split_model
 from aisyn.split.merge import merge
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
-from aisyn.train import dp
 from aisyn.train.config import TrainConfig
-from aisyn.train.dp_calibration import Clips, blocks_of, calibrate
 from aisyn.train.models import load_run_model
 from aisyn.train.objective import evaluate_loss
 

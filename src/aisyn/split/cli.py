@@ -9,6 +9,7 @@ import os
 
 from aisyn import validate
 from aisyn.link.codec import CODECS
+from aisyn.split.cut_dp import DEFENCES, RECOMMENDED
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
@@ -18,7 +19,6 @@ from aisyn.split.transport import (
     parse_timeout,
 )
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
-from aisyn.train.dp import DEFENCES, RECOMMENDED
 from aisyn.validate import (
     nonneg_float,
     nonneg_int,
@@ -148,9 +148,9 @@ def cmd_train(args) -> None:
     --method / --compute-method lora train LoRA adapters on either party's
     blocks instead, the base frozen."""
 
+    from aisyn.split.cut_dp import CutDefence, defence_from_flags, undefended_warning
     from aisyn.split.session import SplitOptions
     from aisyn.split.train import secret_seed, split_train
-    from aisyn.train.dp import CutDefence, defence_from_flags, undefended_warning
     from aisyn.train.flags import train_config_from_args
     from aisyn.train.lora import Method
 
