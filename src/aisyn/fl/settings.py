@@ -21,6 +21,9 @@ from aisyn.train.lora import Method
 from aisyn.validate import SEED_RANGE, check_number
 
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm")
+#: the strategies whose server step is FedAvg's mean of the updates, the one a
+#: robust aggregation replaces and client DP noises
+MEAN_STRATEGIES = ("fedavg", "fedprox")
 # How the server combines the accepted updates (Flower's own strategies): "mean"
 # is FedAvg's weighted mean; the others are robust to a few bad clients.
 AGGREGATIONS = ("mean", "trimmed-mean", "median", "krum", "multikrum", "bulyan")
@@ -116,9 +119,9 @@ class FLSettings:
     # "continue": one cosine schedule over all rounds' steps; "restart": per round
     schedule: str = "continue"
     # what is trained (and so what travels)
-    method: str = "full"
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
+    method: str = Method.name
+    lora_rank: int = Method.rank
+    lora_alpha: float = Method.alpha
     # aggregation
     strategy: str = "fedavg"
     proximal_mu: float = 0.01  # FedProx
@@ -200,7 +203,7 @@ class FLSettings:
             raise ValueError(
                 f"unknown aggregation {a!r}; expected one of {AGGREGATIONS}"
             )
-        if a != "mean" and self.strategy not in ("fedavg", "fedprox"):
+        if a != "mean" and self.strategy not in MEAN_STRATEGIES:
             raise ValueError(
                 f"aggregation {a!r} replaces FedAvg's mean: use it with strategy "
                 f"fedavg or fedprox, not {self.strategy}"
@@ -235,7 +238,7 @@ class FLSettings:
                     f"dp-sampled-clients {self.dp_sampled_clients} exceeds "
                     f"min-clients {self.min_clients}"
                 )
-            if self.strategy not in ("fedavg", "fedprox") or self.aggregation != "mean":
+            if self.strategy not in MEAN_STRATEGIES or self.aggregation != "mean":
                 name = self.strategy if self.aggregation == "mean" else self.aggregation
                 raise ValueError(
                     f"client DP noises the plain mean of the clipped updates: use "

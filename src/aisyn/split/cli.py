@@ -19,6 +19,7 @@ from aisyn.split.transport import (
     parse_timeout,
 )
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
+from aisyn.train.lora import METHODS, Method
 from aisyn.validate import (
     nonneg_float,
     nonneg_int,
@@ -470,23 +471,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("--quiet", "store_true", None, "no progress bar"),
         (
             "--method",
-            ["full", "lora"],
+            list(METHODS),
             "full",
             "the data party's blocks: train them (full) or LoRA adapters on "
             "them, the base frozen (needs --init-from or --model hf:DIR)",
         ),
         (
             "--compute-method",
-            ["full", "lora"],
+            list(METHODS),
             None,
             "the compute party's blocks (default: --method); lora keeps its "
             "copy of the base unchanged and its checkpoints small",
         ),
-        ("--lora-rank", positive_int, 8, "rank of the LoRA adapters"),
+        ("--lora-rank", positive_int, Method.rank, "rank of the LoRA adapters"),
         (
             "--lora-alpha",
             positive_float,
-            16.0,
+            Method.alpha,
             "LoRA scale alpha (delta = alpha/rank BA)",
         ),
         (
