@@ -15,6 +15,7 @@ import hmac
 import logging
 import shutil
 import time
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import torch
@@ -51,36 +52,25 @@ from aisyn.train.run import RunDir
 log = logging.getLogger(__name__)
 
 
+@dataclass
 class Session:
     """What B agreed to in one handshake."""
 
-    def __init__(
-        self,
-        purpose: str,
-        run_id: str,
-        train: TrainConfig,
-        start_step: int,
-        codec: str = "none",
-        seeds: dict[str, int] | None = None,
-        lora: tuple[Method, dict[str, int]] | None = None,
-        *,
-        cfg: ModelConfig | None = None,
-        owner: str = "",
-    ) -> None:
-        self.codec = codec
-        self.purpose = purpose
-        self.run_id = run_id
-        self.train = train
-        self.start_step = start_step
-        #: init seeds of B's parameters (a fresh run from random init)
-        self.seeds = seeds
-        #: LoRA on B's frozen blocks: (method, seeds of the A matrices)
-        self.lora = lora
-        #: the run's model config: B's, with the data party's vocabulary when
-        #: B's own tensors do not depend on it (see ComputeParty.session_config)
-        self.cfg = cfg
-        #: the identity of the data party this session's run is bound to
-        self.owner = owner
+    purpose: str
+    run_id: str
+    train: TrainConfig
+    start_step: int
+    codec: str = "none"
+    #: init seeds of B's parameters (a fresh run from random init)
+    seeds: dict[str, int] | None = None
+    #: LoRA on B's frozen blocks: (method, seeds of the A matrices)
+    lora: tuple[Method, dict[str, int]] | None = None
+    _: KW_ONLY
+    #: the run's model config: B's, with the data party's vocabulary when
+    #: B's own tensors do not depend on it (see ComputeParty.session_config)
+    cfg: ModelConfig | None = None
+    #: the identity of the data party this session's run is bound to
+    owner: str = ""
 
 
 class ComputeParty:
@@ -516,13 +506,21 @@ class _Rounds:
             mask, _ = masks_from_documents(doc.to(self.state.device, torch.int64))
         return x.to(self.state.device), mask
 
-    def _train(self, r: int, c: proto.Control) -> None:
+    def _at_next_step(self, c: proto.Control, name: str) -> None:
+        """A round that moves training on (TRAIN, SAVE) comes only in a
+        training session, at the step this party is at; ``name``: the round
+        as the messages call it."""
         if self.session.purpose != "train":
-            raise proto.ProtocolError("TRAIN round in an evaluation session")
+            raise proto.ProtocolError(
+                f"{proto.OPS[c.op]} round in an evaluation session"
+            )
         if c.step != self.next_step:
             raise proto.ProtocolError(
-                f"TRAIN round for step {c.step}, this party is at step {self.next_step}"
+                f"{name} for step {c.step}, this party is at step {self.next_step}"
             )
+
+    def _train(self, r: int, c: proto.Control) -> None:
+        self._at_next_step(c, "TRAIN round")
         self.state.train(True)
         inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         shape = (c.micro_size, c.seq_len, self.hidden)
@@ -607,12 +605,7 @@ class _Rounds:
         self.link.send("out", y, step=r, codec=self.session.codec)
 
     def _save(self, r: int, c: proto.Control) -> None:
-        if self.session.purpose != "train":
-            raise proto.ProtocolError("SAVE round in an evaluation session")
-        if c.step != self.next_step:
-            raise proto.ProtocolError(
-                f"SAVE for step {c.step}, this party is at step {self.next_step}"
-            )
+        self._at_next_step(c, "SAVE")
         run = self.party.run_dir(self.session.run_id)
         if run is None:
             log.warning("asked to checkpoint step %d but serving without --out", c.step)
