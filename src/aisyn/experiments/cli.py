@@ -199,7 +199,7 @@ def register(sub) -> None:
         ("--base", None, REQUIRED, "base model run folder"),
         ("--data", "append", REQUIRED, "SFT folder (repeat)"),
         ("--out", None, REQUIRED, "run folder"),
-        ("--method", list(METHODS), "full", "full weights or LoRA adapters"),
+        ("--method", list(METHODS), Method.name, "full weights or LoRA adapters"),
         ("--lora-rank", positive_int, Method.rank, "rank of the LoRA adapters"),
         ("--lora-alpha", positive_float, Method.alpha, "LoRA scale alpha"),
         ("--quiet", "store_true", None, "no progress bar"),

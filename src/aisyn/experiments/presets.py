@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from aisyn.model.pangu import CONFIGS
 from aisyn.train.config import TrainConfig
+from aisyn.train.lora import Method
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Preset:
     min_lr: float | None = None
     warmup: int = 10
     weight_decay: float = 0.0
-    method: str = "full"
+    method: str = Method.name
     # federated
     rounds: int = 2
     strategy: str = "fedavg"

@@ -472,7 +472,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         (
             "--method",
             list(METHODS),
-            "full",
+            Method.name,
             "the data party's blocks: train them (full) or LoRA adapters on "
             "them, the base frozen (needs --init-from or --model hf:DIR)",
         ),
