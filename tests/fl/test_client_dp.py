@@ -12,7 +12,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 from one_round import one_round, weights
 
-from aisyn.fl.dp import epsilon
+from aisyn.accountant import epsilon
 from aisyn.fl.launch import simulate
 from aisyn.train.run import read_metrics
 

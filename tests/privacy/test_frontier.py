@@ -104,7 +104,7 @@ def test_ci_preset_measures_every_piece(tmp_path):
 
 def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):
     from aisyn.privacy.frontier import calibrate
-    from aisyn.train.dp import defence_from_flags
+    from aisyn.split.cut_dp import defence_from_flags
     from aisyn.train.models import load_run_model
 
     argv = ["privacy", "calibrate", "--base", str(base), "--public"]
@@ -185,7 +185,7 @@ def test_calibrate_without_public_shards_reads_the_built_in_public_text(base, ca
     the bounds printed exactly (the flags then give that run)."""
     from aisyn.data.tokenizer import open_tokenizer
     from aisyn.privacy.frontier import calibrate
-    from aisyn.train.dp_calibration import public_rows
+    from aisyn.split.calibration import public_rows
     from aisyn.train.models import load_run_model
     from aisyn.train.run import TOKENIZER, RunDir
 
@@ -213,7 +213,7 @@ def test_defence_recommended_from_a_base_runs_the_flags_calibrate_prints(
     bounds `privacy calibrate --base` prints for the same batch size (and, to
     keep this fast, the same 16 rows instead of 256)."""
     import aisyn.split.defence
-    from aisyn.train import dp
+    from aisyn.split import cut_dp as dp
     from aisyn.train.models import load_run_model
 
     monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)

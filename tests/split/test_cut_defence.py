@@ -14,9 +14,9 @@ from conftest import CUT, losses, train_cfg
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from aisyn.split import cut_dp as dp
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
-from aisyn.train import dp
 from aisyn.train.run import read_metrics
 
 
@@ -316,7 +316,7 @@ def test_defence_recommended_is_the_run_of_the_equivalent_flags(
     monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)
     from aisyn.data.tokenizer import open_tokenizer
     from aisyn.model.families import build_model
-    from aisyn.train.dp_calibration import calibrate, public_rows
+    from aisyn.split.calibration import calibrate, public_rows
 
     caplog.set_level(logging.INFO)
     # Execute: the named defence

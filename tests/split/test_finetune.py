@@ -410,7 +410,7 @@ def test_the_recommended_defence_is_refused_for_split_fine_tuning(
 ):
     """Its bounds are calibrated on pre-training rows, whose gradient scale an
     SFT loss (answer tokens only) does not share: refused, before any file."""
-    from aisyn.train import dp
+    from aisyn.split import cut_dp as dp
 
     with pytest.raises(ValueError, match="--defence recommended is calibrated") as e:
         split_train(

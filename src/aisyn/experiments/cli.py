@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from aisyn import validate
+from aisyn.fl.settings import STRATEGIES
+from aisyn.train.lora import METHODS, Method
 from aisyn.validate import positive_float, positive_int
 
 
@@ -148,11 +150,11 @@ def register(sub) -> None:
         ("--rounds", positive_int, None, "override federated rounds"),
         (
             "--strategy",
-            ["fedavg", "fedprox", "fedadam", "fedavgm"],
+            list(STRATEGIES),
             None,
             "override the federated strategy",
         ),
-        ("--method", ["full", "lora"], None, "override: full weights or LoRA"),
+        ("--method", list(METHODS), None, "override: full weights or LoRA"),
         ("--steps", positive_int, None, "override the step budget"),
         ("--lr", positive_float, None, "override the fine-tuning lr"),
         ("--echo", "store_true", None, "stream the Flower server log"),
@@ -207,9 +209,9 @@ def register(sub) -> None:
         ("--base", None, REQUIRED, "base model run folder"),
         ("--data", "append", REQUIRED, "SFT folder (repeat)"),
         ("--out", None, REQUIRED, "run folder"),
-        ("--method", ["full", "lora"], "full", "full weights or LoRA adapters"),
-        ("--lora-rank", positive_int, 8, "rank of the LoRA adapters"),
-        ("--lora-alpha", positive_float, 16.0, "LoRA scale alpha"),
+        ("--method", list(METHODS), Method.name, "full weights or LoRA adapters"),
+        ("--lora-rank", positive_int, Method.rank, "rank of the LoRA adapters"),
+        ("--lora-alpha", positive_float, Method.alpha, "LoRA scale alpha"),
         QUIET,
     )
     add_train_args(f, steps=200)

@@ -19,6 +19,7 @@ from aisyn.fl.settings import (
 )
 from aisyn.flagtable import DEVICE, add_group
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
+from aisyn.train.lora import METHODS
 
 #: the server's TLS flags as spelled before they matched ``aisyn split``'s
 OLD_SERVER_TLS_FLAGS = {
@@ -77,7 +78,7 @@ _HELP = {
 _CHOICES = {
     "strategy": STRATEGIES,
     "schedule": SCHEDULES,
-    "method": ("full", "lora"),
+    "method": METHODS,
     "aggregation": AGGREGATIONS,
     "dp": DP_MODES,
 }

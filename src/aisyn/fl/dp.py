@@ -17,10 +17,10 @@ mean of a fixed number* of clipped updates, so under DP
   of fewer updates would move by more than C / n per client than the noise
   hides. The last global model stands (``StrictReplies``).
 
-ε is accounted with Google's ``dp_accounting`` (RDP): the release of round r
-is a Gaussian mechanism of noise multiplier σ on one client's contribution
-(add/remove one client's update, sensitivity C / n on a mean over n), so R
-rounds compose ``GaussianDpEvent(σ)`` R times; when only k of the N =
+ε is accounted with Google's ``dp_accounting`` (RDP, ``aisyn.accountant``):
+the release of round r is a Gaussian mechanism of noise multiplier σ on one
+client's contribution (add/remove one client's update, sensitivity C / n on a
+mean over n), so R rounds compose ``GaussianDpEvent(σ)`` R times; when only k of the N =
 min-clients clients are sampled per round, each round is counted as Poisson
 sampling with q = k / N (``PoissonSampledDpEvent``: the usual approximation
 for Flower's fixed-size sampling; N is the fewest clients that can be
@@ -40,7 +40,6 @@ then only the sum); with ``--dp server`` it sees them unclipped; metrics
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 
 from flwr.app import ArrayRecord, Message, MetricRecord
@@ -50,31 +49,11 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
+from aisyn.accountant import epsilon
 from aisyn.fl.records import UpdateRejected, check_reply
 from aisyn.fl.settings import FLSettings
 
 log = logging.getLogger("aisyn.fl.server")
-
-
-def epsilon(
-    noise_multiplier: float, sample_rate: float, rounds: int, delta: float
-) -> float:
-    """ε at ``delta`` of ``rounds`` releases of the Gaussian mechanism with
-    ``noise_multiplier``, each on a ``sample_rate`` share of the clients (RDP
-    accountant). ``inf`` without noise; 0 for no rounds."""
-    if rounds == 0:
-        return 0.0
-    if noise_multiplier == 0:
-        return math.inf
-    from dp_accounting import dp_event
-    from dp_accounting.rdp import rdp_privacy_accountant
-
-    event: dp_event.DpEvent = dp_event.GaussianDpEvent(noise_multiplier)
-    if sample_rate < 1:
-        event = dp_event.PoissonSampledDpEvent(sample_rate, event)
-    accountant = rdp_privacy_accountant.RdpAccountant()
-    accountant.compose(event, rounds)
-    return float(accountant.get_epsilon(delta))
 
 
 def sample_rate(settings: FLSettings) -> float:

@@ -15,11 +15,15 @@ from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 
-from aisyn.train.config import TrainConfig
+from aisyn.accountant import DEFAULT_DELTA
+from aisyn.train.config import SETTINGS, TrainConfig
 from aisyn.train.lora import Method
-from aisyn.validate import SEED_RANGE, check_number
+from aisyn.validate import check_number, number_problem
 
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm")
+#: the strategies whose server step is FedAvg's mean of the updates, the one a
+#: robust aggregation replaces and client DP noises
+MEAN_STRATEGIES = ("fedavg", "fedprox")
 # How the server combines the accepted updates (Flower's own strategies): "mean"
 # is FedAvg's weighted mean; the others are robust to a few bad clients.
 AGGREGATIONS = ("mean", "trimmed-mean", "median", "krum", "multikrum", "bulyan")
@@ -30,21 +34,16 @@ DP_MODES = ("off", "client", "server")
 #: the aggregations that need to see each client's update (not only the sum)
 ROBUST_AGGREGATIONS = ("trimmed-mean", "median", "krum", "multikrum", "bulyan")
 
+
+def _shown(key: str) -> str:
+    """A setting as TOML files and flags spell it (``local-steps``)."""
+    return key.replace("_", "-")
+
+
 #: the settings that are each client's ``TrainConfig`` (its local optimizer
-#: and schedule), by their flag / TOML name; FLSettings holds them as ``train``
-LOCAL_TRAIN_KEYS = {
-    "batch_size": "batch_size",
-    "micro_batch_size": "micro_batch_size",
-    "lr": "lr",
-    "min_lr": "min_lr",
-    "warmup": "warmup_steps",
-    "weight_decay": "weight_decay",
-    "grad_clip": "grad_clip",
-    "seed": "seed",
-    "device": "device",
-}
-#: federated defaults of those (the TrainConfig's own suit pre-training):
-#: (value, type); a key whose value is None is absent from a TOML file
+#: and schedule), by their flag / TOML name, with their federated defaults
+#: (the TrainConfig's own suit pre-training): (value, type); a key whose value
+#: is None is absent from a TOML file
 LOCAL_TRAIN_DEFAULTS: dict[str, tuple[object, type]] = {
     "batch_size": (16, int),
     "micro_batch_size": (None, int),  # None: no gradient accumulation
@@ -56,20 +55,26 @@ LOCAL_TRAIN_DEFAULTS: dict[str, tuple[object, type]] = {
     "seed": (1234, int),
     "device": ("auto", str),
 }
+#: the TrainConfig field of each of those, the one whose flag it is (they differ
+#: in ``warmup``: ``warmup_steps``); FLSettings holds them as ``train``
+LOCAL_TRAIN_KEYS = {
+    key: name
+    for key in LOCAL_TRAIN_DEFAULTS
+    for name, f in SETTINGS.items()
+    if f.metadata["flag"] == "--" + _shown(key)
+}
 
 #: bounds of numeric settings (``validate.number_problem`` keywords); a field
-#: not listed need only be finite
+#: not listed need only be finite. The local-training keys' are TrainConfig's.
 NUMBER_RANGES: dict[str, dict] = {
     "rounds": {"low": 1},
     "local_steps": {"low": 1},
-    "batch_size": {"low": 1},
-    "micro_batch_size": {"low": 0},  # 0: no gradient accumulation
-    "lr": {"low": 0, "low_open": True},
-    "min_lr": {"low": 0},
-    "warmup": {"low": 0},
-    "weight_decay": {"low": 0},
-    "grad_clip": {"low": 0},
-    "seed": SEED_RANGE,
+    **{
+        k: SETTINGS[f].metadata["bounds"]
+        for k, f in LOCAL_TRAIN_KEYS.items()
+        if SETTINGS[f].metadata["bounds"]
+    },
+    "micro_batch_size": {"low": 0},  # 0 here: no gradient accumulation
     "lora_rank": {"low": 1},
     "lora_alpha": {"low": 0, "low_open": True},
     "proximal_mu": {"low": 0},
@@ -115,9 +120,9 @@ class FLSettings:
     # "continue": one cosine schedule over all rounds' steps; "restart": per round
     schedule: str = "continue"
     # what is trained (and so what travels)
-    method: str = "full"
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
+    method: str = Method.name
+    lora_rank: int = Method.rank
+    lora_alpha: float = Method.alpha
     # aggregation
     strategy: str = "fedavg"
     proximal_mu: float = 0.01  # FedProx
@@ -159,12 +164,9 @@ class FLSettings:
     dp_noise_multiplier: float = 1.0
     dp_clipping_norm: float = 1.0
     dp_sampled_clients: int = 0
-    dp_delta: float = 1e-5
+    dp_delta: float = DEFAULT_DELTA
 
     def __post_init__(self) -> None:
-        if self.rounds < 1 or self.local_steps < 1:
-            raise ValueError("rounds and local-steps must be >= 1")
-        self.train = replace(self.train, steps=self.total_local_steps)
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"unknown strategy {self.strategy!r}; expected one of {STRATEGIES}"
@@ -173,12 +175,6 @@ class FLSettings:
             raise ValueError(
                 f"unknown schedule {self.schedule!r}; expected one of {SCHEDULES}"
             )
-        if self.min_clients < 1:
-            raise ValueError(f"min-clients must be >= 1, got {self.min_clients}")
-        if self.round_timeout <= 0:
-            raise ValueError("round-timeout must be positive")
-        if self.max_examples < 0:
-            raise ValueError(f"max-examples must be >= 0, got {self.max_examples}")
         if self.max_examples_ratio != 0 and not self.max_examples_ratio >= 1:
             raise ValueError(
                 "max-examples-ratio must be 0 (off) or >= 1, got "
@@ -188,8 +184,18 @@ class FLSettings:
             raise ValueError(
                 f"max-norm-ratio must be 0 (off) or >= 1, got {self.max_norm_ratio}"
             )
+        trim = NUMBER_RANGES["trim_fraction"]
+        if number_problem(self.trim_fraction, **trim):
+            raise ValueError(
+                f"trim-fraction must be in [{trim['low']}, {trim['high']}), got "
+                f"{self.trim_fraction}"
+            )
+        # the local-training keys are their TrainConfig's to check
+        _check_numbers(
+            {k: v for k, v in self.to_dict().items() if k not in LOCAL_TRAIN_KEYS}
+        )
+        self.train = replace(self.train, steps=self.total_local_steps)
         self._check_aggregation()
-        _check_numbers(self.to_dict())
         self._check_privacy()
         self.method_spec()  # validates method / rank
 
@@ -199,22 +205,16 @@ class FLSettings:
             raise ValueError(
                 f"unknown aggregation {a!r}; expected one of {AGGREGATIONS}"
             )
-        if a != "mean" and self.strategy not in ("fedavg", "fedprox"):
+        if a != "mean" and self.strategy not in MEAN_STRATEGIES:
             raise ValueError(
                 f"aggregation {a!r} replaces FedAvg's mean: use it with strategy "
                 f"fedavg or fedprox, not {self.strategy}"
-            )
-        if not 0 <= self.trim_fraction < 0.5:
-            raise ValueError(
-                f"trim-fraction must be in [0, 0.5), got {self.trim_fraction}"
             )
         if a == "trimmed-mean" and int(self.trim_fraction * n) < 1:
             raise ValueError(
                 f"trim-fraction {self.trim_fraction} of {n} clients trims nothing "
                 "(the plain mean); raise it or min-clients"
             )
-        if f < 0:
-            raise ValueError(f"assumed-attackers must be >= 0, got {f}")
         if n < min_updates(a, f):
             raise ValueError(
                 f"aggregation {a!r} with assumed-attackers {f} needs min-clients "
@@ -234,7 +234,7 @@ class FLSettings:
                     f"dp-sampled-clients {self.dp_sampled_clients} exceeds "
                     f"min-clients {self.min_clients}"
                 )
-            if self.strategy not in ("fedavg", "fedprox") or self.aggregation != "mean":
+            if self.strategy not in MEAN_STRATEGIES or self.aggregation != "mean":
                 name = self.strategy if self.aggregation == "mean" else self.aggregation
                 raise ValueError(
                     f"client DP noises the plain mean of the clipped updates: use "
@@ -366,7 +366,7 @@ def _check_numbers(flat: dict) -> None:
     in the TOML file and the flags."""
     for name, value in flat.items():
         if isinstance(value, int | float) and not isinstance(value, bool):
-            check_number(name.replace("_", "-"), value, **NUMBER_RANGES.get(name, {}))
+            check_number(_shown(name), value, **NUMBER_RANGES.get(name, {}))
 
 
 def setting_types() -> dict[str, type]:

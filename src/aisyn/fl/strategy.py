@@ -76,7 +76,7 @@ from aisyn.fl.records import (
     payload_bytes,
     round_examples_bound,
 )
-from aisyn.fl.settings import FLSettings, min_updates
+from aisyn.fl.settings import MEAN_STRATEGIES, FLSettings, min_updates
 
 log = logging.getLogger("aisyn.fl.server")
 
@@ -124,7 +124,7 @@ class UpdateGuard:
         self.assumed_attackers = settings.assumed_attackers
         # FedAdam / FedAvgM step away from the clients' mean; every other
         # aggregate combines the updates within their range, coordinate-wise.
-        self.within_range = settings.strategy in ("fedavg", "fedprox")
+        self.within_range = settings.strategy in MEAN_STRATEGIES
         self.expected: dict[str, tuple[int, ...]] = {}
         self.global_arrays: dict[str, np.ndarray] = {}
         self.round_log: dict[int, dict] = {}

@@ -31,6 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from torch import nn
 
+from aisyn.accountant import finite_or_none
 from aisyn.data.sft import SFTData
 from aisyn.fl.dp import sample_rate, settings_epsilon
 from aisyn.fl.records import (
@@ -42,7 +43,6 @@ from aisyn.fl.secure import SecAggPlusGrid
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import guard_of, make_strategy
 from aisyn.train.device import resolve_device
-from aisyn.train.dp import finite_or_none
 from aisyn.train.engine import Engine
 from aisyn.train.executor import LocalExecutor, save_model
 from aisyn.train.lora import (

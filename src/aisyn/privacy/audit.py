@@ -21,7 +21,7 @@ import csv
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from aisyn.privacy.attacks import (
     invert_activations,
     recovery,
 )
-from aisyn.train.dp_calibration import blocks_of, cut_traffic
+from aisyn.split.calibration import blocks_of, cut_traffic
 from aisyn.train.models import load_run_model
 
 log = logging.getLogger(__name__)
@@ -69,21 +69,38 @@ def crossing(model: CausalLM, rows: torch.Tensor, partition: Partition) -> Cross
     return Crossing(rows[:, :-1], rows[:, 1:], acts, out, grad)
 
 
-def public_pairs(
+def public_crossing(
     model: CausalLM, rows: torch.Tensor, partition: Partition, batch: int = 32
-) -> tuple[torch.Tensor, ...]:
+) -> Crossing:
     """B's training material for the learned decoders: public rows run through
-    the model B knows, as A's would be (acts, inputs, grads, labels)."""
+    the model B knows, as A's would be, ``batch`` rows at a time."""
     parts = [
         crossing(model, rows[i : i + batch], partition)
         for i in range(0, len(rows), batch)
     ]
-    return (
-        torch.cat([c.acts for c in parts]),
-        torch.cat([c.inputs for c in parts]),
-        torch.cat([c.grad for c in parts]),
-        torch.cat([c.labels for c in parts]),
+    return Crossing(
+        *(torch.cat([getattr(c, f.name) for c in parts]) for f in fields(Crossing))
     )
+
+
+def learned_decoders(
+    public: Crossing, vocab: int
+) -> dict[tuple[str, str], LearnedDecoder]:
+    """B's learned attacks, by (attack, direction), fitted on what ``public``
+    rows send: each ``predict``s tokens from the activations (forward) or
+    the gradient (backward) it is given."""
+    dim = public.acts.shape[-1]
+    return {
+        ("learned", "forward"): LearnedDecoder(dim, vocab).fit(
+            public.acts, public.inputs
+        ),
+        ("learned in context", "forward"): context_decoder(
+            public.acts, public.inputs, vocab
+        ),
+        ("learned", "backward"): LearnedDecoder(dim, vocab, normalise=True).fit(
+            public.grad, public.labels
+        ),
+    }
 
 
 def audit(
@@ -149,19 +166,8 @@ def audit(
                 guess = infer_labels(attacker, seen.out, seen.grad, back, steps=s.steps)
                 add(cut, weights, knows, "white-box", "backward", guess, seen.labels)
             if learned is None:  # B's decoders, fitted once per cut on public text
-                acts, toks, grads, labels = public_pairs(base_model, pub_rows, cut)
-                vocab = cfg.vocab_size
-                learned = {
-                    ("learned", "forward"): LearnedDecoder(acts.shape[-1], vocab).fit(
-                        acts, toks
-                    ),
-                    ("learned in context", "forward"): context_decoder(
-                        acts, toks, vocab
-                    ),
-                    ("learned", "backward"): LearnedDecoder(
-                        grads.shape[-1], vocab, normalise=True
-                    ).fit(grads, labels),
-                }
+                public_seen = public_crossing(base_model, pub_rows, cut)
+                learned = learned_decoders(public_seen, cfg.vocab_size)
             for (attack, direction), decoder in learned.items():
                 forward = direction == "forward"
                 guess = decoder.predict(seen.acts if forward else seen.grad)

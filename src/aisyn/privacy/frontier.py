@@ -12,7 +12,7 @@ attacks are ``attacks.py``'s, made *adaptive*: B is assumed to know the
 mechanism and its strength (not the noise it draws), so its learned decoders
 (a linear one and an MLP over five positions) are fitted on public text sent
 through the same mechanism. Per point: both losses and their cost against no
-defence, ε (``train.dp``, from the run's own accounting), bytes on the link
+defence, ε (``split.cut_dp``, from the run's own accounting), bytes on the link
 per step, and the best recovery of each direction beside the frequent-token
 rate.
 """
@@ -32,21 +32,19 @@ from aisyn.model.causal_lm import CausalLM
 from aisyn.model.families import ModelConfig
 from aisyn.model.segments import parse_partition
 from aisyn.privacy.attacks import (
-    LearnedDecoder,
-    context_decoder,
     frequent_token_rate,
     infer_labels,
     invert_activations,
     recovery,
 )
-from aisyn.privacy.audit import Crossing, crossing
+from aisyn.privacy.audit import Crossing, crossing, learned_decoders
+from aisyn.split import cut_dp as dp
+from aisyn.split.calibration import Clips, blocks_of, calibrate
 from aisyn.split.evaluate import open_split_model
 from aisyn.split.merge import merge
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
-from aisyn.train import dp
 from aisyn.train.config import TrainConfig
-from aisyn.train.dp_calibration import Clips, blocks_of, calibrate
 from aisyn.train.models import load_run_model
 from aisyn.train.objective import evaluate_loss
 
@@ -184,11 +182,7 @@ def attack_point(
     first, _, back = blocks_of(partition)
     # B's decoders, fitted on public text sent through the same mechanism.
     pub = protected(crossing(base_model, public, partition), defence)
-    vocab = base_model.config.vocab_size
-    dim = pub.acts.shape[-1]
-    fwd = LearnedDecoder(dim, vocab).fit(pub.acts, pub.inputs)
-    fwd_context = context_decoder(pub.acts, pub.inputs, vocab)
-    bwd = LearnedDecoder(dim, vocab, normalise=True).fit(pub.grad, pub.labels)
+    learned = learned_decoders(pub, base_model.config.vocab_size)
     out = []
     for weights, victim in victims.items():
         seen = protected(crossing(victim, rows, partition), defence)
@@ -196,12 +190,13 @@ def attack_point(
             ("forward", "white-box"): invert_activations(
                 base_model, seen.acts, first, steps=steps
             ),
-            ("forward", "learned"): fwd.predict(seen.acts),
-            ("forward", "learned in context"): fwd_context.predict(seen.acts),
             ("backward", "white-box"): infer_labels(
                 base_model, seen.out, seen.grad, back, steps=steps
             ),
-            ("backward", "learned"): bwd.predict(seen.grad),
+            **{
+                (d, a): decoder.predict(seen.acts if d == "forward" else seen.grad)
+                for (a, d), decoder in learned.items()
+            },
         }
         for direction, truth in (("forward", seen.inputs), ("backward", seen.labels)):
             rates = {

@@ -21,6 +21,7 @@ from aisyn.flagtable import (
     model_flag,
 )
 from aisyn.link.codec import CODECS
+from aisyn.split.cut_dp import DEFENCES, RECOMMENDED
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
@@ -30,8 +31,8 @@ from aisyn.split.transport import (
     parse_timeout,
 )
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
-from aisyn.train.dp import DEFENCES, RECOMMENDED
 from aisyn.train.flags import add_train_args
+from aisyn.train.lora import METHODS, Method
 from aisyn.validate import (
     nonneg_float,
     nonneg_int,
@@ -161,9 +162,9 @@ def cmd_train(args) -> None:
     --method / --compute-method lora train LoRA adapters on either party's
     blocks instead, the base frozen."""
 
+    from aisyn.split.cut_dp import CutDefence, defence_from_flags, undefended_warning
     from aisyn.split.session import SplitOptions
     from aisyn.split.train import secret_seed, split_train
-    from aisyn.train.dp import CutDefence, defence_from_flags, undefended_warning
     from aisyn.train.flags import train_config_from_args
     from aisyn.train.lora import Method
 
@@ -487,23 +488,23 @@ def _add_train(ssub: argparse._SubParsersAction) -> None:
         QUIET,
         (
             "--method",
-            ["full", "lora"],
-            "full",
+            list(METHODS),
+            Method.name,
             "the data party's blocks: train them (full) or LoRA adapters on "
             "them, the base frozen (needs --init-from or --model hf:DIR)",
         ),
         (
             "--compute-method",
-            ["full", "lora"],
+            list(METHODS),
             None,
             "the compute party's blocks (default: --method); lora keeps its "
             "copy of the base unchanged and its checkpoints small",
         ),
-        ("--lora-rank", positive_int, 8, "rank of the LoRA adapters"),
+        ("--lora-rank", positive_int, Method.rank, "rank of the LoRA adapters"),
         (
             "--lora-alpha",
             positive_float,
-            16.0,
+            Method.alpha,
             "LoRA scale alpha (delta = alpha/rank BA)",
         ),
         (

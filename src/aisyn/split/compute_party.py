@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import hmac
 import logging
-import re
 import shutil
 import time
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from aisyn.link.base import Link
-from aisyn.link.codec import CODECS
 from aisyn.link.errors import HandshakeError
 from aisyn.link.memory import IN_PROCESS
 from aisyn.model.causal_lm import masks_from_documents
@@ -53,36 +52,25 @@ from aisyn.train.run import RunDir
 log = logging.getLogger(__name__)
 
 
+@dataclass
 class Session:
     """What B agreed to in one handshake."""
 
-    def __init__(
-        self,
-        purpose: str,
-        run_id: str,
-        train: TrainConfig,
-        start_step: int,
-        codec: str = "none",
-        seeds: dict[str, int] | None = None,
-        lora: tuple[Method, dict[str, int]] | None = None,
-        *,
-        cfg: ModelConfig | None = None,
-        owner: str = "",
-    ) -> None:
-        self.codec = codec
-        self.purpose = purpose
-        self.run_id = run_id
-        self.train = train
-        self.start_step = start_step
-        #: init seeds of B's parameters (a fresh run from random init)
-        self.seeds = seeds
-        #: LoRA on B's frozen blocks: (method, seeds of the A matrices)
-        self.lora = lora
-        #: the run's model config: B's, with the data party's vocabulary when
-        #: B's own tensors do not depend on it (see ComputeParty.session_config)
-        self.cfg = cfg
-        #: the identity of the data party this session's run is bound to
-        self.owner = owner
+    purpose: str
+    run_id: str
+    train: TrainConfig
+    start_step: int
+    codec: str = "none"
+    #: init seeds of B's parameters (a fresh run from random init)
+    seeds: dict[str, int] | None = None
+    #: LoRA on B's frozen blocks: (method, seeds of the A matrices)
+    lora: tuple[Method, dict[str, int]] | None = None
+    _: KW_ONLY
+    #: the run's model config: B's, with the data party's vocabulary when
+    #: B's own tensors do not depend on it (see ComputeParty.session_config)
+    cfg: ModelConfig | None = None
+    #: the identity of the data party this session's run is bound to
+    owner: str = ""
 
 
 class ComputeParty:
@@ -174,16 +162,13 @@ class ComputeParty:
         if not identity:
             # Nothing vouches for this peer: it could pass for any run's owner.
             raise proto.ProtocolError("the link does not identify the data party")
-        h = proto.decode_json(hello_text, "hello")
-        run_id = proto.check_run_id(h.get("run_id"))
-        purpose = h.get("purpose")
-        if purpose not in proto.PURPOSES:
-            raise proto.ProtocolError(f"hello: unknown purpose {purpose!r}")
+        h = proto.parse_hello(hello_text)
+        run_id, purpose = h.run_id, h.purpose
         run = self.run_dir(run_id)
         if run is not None:
             # First: a stranger learns nothing of another's run (not its steps).
             check_owner(run, run_id, identity, accept_unbound=self.accept_unbound)
-        theirs = h.get("model")
+        theirs = h.model
         cfg = self.session_config(theirs)
         mine = cfg.to_dict()
         if theirs != mine:
@@ -196,38 +181,29 @@ class ComputeParty:
             raise proto.ProtocolError(
                 f"model config differs from this compute party's in {diff}"
             )
-        if h.get("partition") != self.partition.to_dict():
+        if h.partition != self.partition.to_dict():
             raise proto.ProtocolError(
-                f"cut {h.get('partition')} differs from this compute party's "
+                f"cut {h.partition} differs from this compute party's "
                 f"{self.partition.to_dict()} ({self.partition.spec})"
             )
-        train = proto.parse_compute_party_train(h.get("train"))
-        seeds = proto.parse_init_seeds(h.get("init_seeds"), self.own_parameters)
-        lora = proto.parse_lora(h.get("lora"), self.lora_a_names)
+        seeds = proto.parse_init_seeds(h.init_seeds, self.own_parameters)
+        lora = proto.parse_lora(h.lora, self.lora_a_names)
         if lora is not None and self.base is None:
             raise proto.ProtocolError(
                 "LoRA on the compute party's blocks trains adapters on a base "
                 "model, and this compute party has none: start it with "
                 "--init-from BASE (or --model hf:DIR)"
             )
-        codec = h.get("codec", "none")
-        if codec not in CODECS:
-            raise proto.ProtocolError(f"hello: unknown codec {codec!r}")
-        a_steps = h.get("a_steps")
-        if not isinstance(a_steps, list) or not all(
-            isinstance(s, int) and s >= 0 for s in a_steps
-        ):
-            raise proto.ProtocolError("hello: a_steps must be a list of steps")
         b_steps = ckpt.complete_steps(run.checkpoints) if run is not None else []
         if purpose in ("eval", "generate"):
-            step = h.get("eval_step")
+            step = h.eval_step
             if not isinstance(step, int) or step not in b_steps:
                 raise proto.ProtocolError(
                     f"run {run_id}: no checkpoint at step {step} to {purpose} from "
                     f"(this party has {b_steps or 'none'})"
                 )
             start = step
-        elif not h.get("resume"):
+        elif not h.resume:
             if b_steps:
                 raise proto.ProtocolError(
                     f"run {run_id} already has checkpoints here (steps {b_steps}); "
@@ -235,31 +211,27 @@ class ComputeParty:
                 )
             start = 0
         else:
-            common = sorted(set(a_steps) & set(b_steps))
+            common = sorted(set(h.a_steps) & set(b_steps))
             if common:
                 start = common[-1]
-            elif not a_steps and not b_steps:
+            elif not h.a_steps and not b_steps:
                 start = 0
             else:
                 raise proto.ProtocolError(
                     f"run {run_id}: no checkpoint step both parties have (data "
-                    f"party {a_steps or 'none'}, compute party {b_steps or 'none'})"
+                    f"party {h.a_steps or 'none'}, compute party {b_steps or 'none'})"
                 )
-        init = h.get("init")
-        if init is not None and not (
-            isinstance(init, str) and re.fullmatch(r"[0-9a-f]{64}", init)
-        ):
-            raise proto.ProtocolError("hello: init must be a sha256 hex digest")
         mine_init = self.base.fingerprint if self.base else None
-        if purpose == "train" and start == 0 and init != mine_init:
+        fresh = purpose == "train" and start == 0
+        if fresh and h.init != mine_init:
             # Each side loads its own part of the base: a fresh run from two
             # different starting points would train a model that never existed.
             raise proto.ProtocolError(
-                f"the data party starts from {base_label(init)}, this compute "
+                f"the data party starts from {base_label(h.init)}, this compute "
                 f"party from {base_label(mine_init)}; a fresh run needs both to "
                 "--init-from the same base model"
             )
-        if purpose == "train" and start == 0 and self.base is None and seeds is None:
+        if fresh and self.base is None and seeds is None:
             raise proto.ProtocolError(
                 "hello: a fresh run from random init needs the init seeds of this "
                 "party's parameters"
@@ -277,7 +249,15 @@ class ComputeParty:
         # Nothing is written here: a refused, failed or fuzzed session leaves
         # B's disk as it was. config.json comes with the first checkpoint.
         return proto.encode_json(proto.reply(start, b_steps)), Session(
-            purpose, run_id, train, start, codec, seeds, lora, cfg=cfg, owner=identity
+            purpose,
+            run_id,
+            h.train,
+            start,
+            h.codec,
+            seeds,
+            lora,
+            cfg=cfg,
+            owner=identity,
         )
 
     def lora_a_names(self, method: Method) -> list[str]:
@@ -526,13 +506,21 @@ class _Rounds:
             mask, _ = masks_from_documents(doc.to(self.state.device, torch.int64))
         return x.to(self.state.device), mask
 
-    def _train(self, r: int, c: proto.Control) -> None:
+    def _at_next_step(self, c: proto.Control, name: str) -> None:
+        """A round that moves training on (TRAIN, SAVE) comes only in a
+        training session, at the step this party is at; ``name``: the round
+        as the messages call it."""
         if self.session.purpose != "train":
-            raise proto.ProtocolError("TRAIN round in an evaluation session")
+            raise proto.ProtocolError(
+                f"{proto.OPS[c.op]} round in an evaluation session"
+            )
         if c.step != self.next_step:
             raise proto.ProtocolError(
-                f"TRAIN round for step {c.step}, this party is at step {self.next_step}"
+                f"{name} for step {c.step}, this party is at step {self.next_step}"
             )
+
+    def _train(self, r: int, c: proto.Control) -> None:
+        self._at_next_step(c, "TRAIN round")
         self.state.train(True)
         inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         shape = (c.micro_size, c.seq_len, self.hidden)
@@ -617,12 +605,7 @@ class _Rounds:
         self.link.send("out", y, step=r, codec=self.session.codec)
 
     def _save(self, r: int, c: proto.Control) -> None:
-        if self.session.purpose != "train":
-            raise proto.ProtocolError("SAVE round in an evaluation session")
-        if c.step != self.next_step:
-            raise proto.ProtocolError(
-                f"SAVE for step {c.step}, this party is at step {self.next_step}"
-            )
+        self._at_next_step(c, "SAVE")
         run = self.party.run_dir(self.session.run_id)
         if run is None:
             log.warning("asked to checkpoint step %d but serving without --out", c.step)

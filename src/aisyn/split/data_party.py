@@ -9,7 +9,7 @@ backward runs once with the gradient received for its output
 (``torch.autograd.backward(output, grad)``), so no forward is ever recomputed
 and every parameter gets the gradient of the unsplit model. The loss is
 accumulated exactly as ``train.executor.LocalExecutor`` does. Under a cut
-defence (``train.dp``) the model computed is the defended one: B's blocks see
+defence (``split.cut_dp``) the model computed is the defended one: B's blocks see
 the noised activations and gradient, A's residual stream stays clean
 (``DataSession._restore``).
 """
@@ -26,9 +26,9 @@ from aisyn.link.base import Link
 from aisyn.model.causal_lm import document_index
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
+from aisyn.split.cut_dp import CutGuard
 from aisyn.split.party import PartyState
 from aisyn.train.device import autocast_for
-from aisyn.train.dp import CutGuard
 from aisyn.train.objective import LossOf, MicroBatch
 
 
@@ -53,7 +53,7 @@ class DataSession:
         self.link = link
         self.eod_id = eod_id
         self.window = window
-        self.guard = guard  # the defence on what A sends (train.dp), if any
+        self.guard = guard  # the defence on what A sends (split.cut_dp), if any
         self.front, self.back = state.segments
         self.hidden_size = state.cfg.hidden_size
         self.round = 0

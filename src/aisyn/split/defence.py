@@ -1,10 +1,10 @@
 """``aisyn split train --defence recommended``: the recommended cut defence
-(``train.dp.RECOMMENDED``), its clipping bounds calibrated at the data party
+(``split.cut_dp.RECOMMENDED``), its clipping bounds calibrated at the data party
 before the run starts, as ``aisyn privacy calibrate`` calibrates them.
 
 Where the calibration's text and model come from, and why:
 
-* the text is the built-in public corpus (``train.dp_calibration``), encoded
+* the text is the built-in public corpus (``split.calibration``), encoded
   with the run's own tokenizer: never A's rows, so nothing of A's data sets
   the bounds (the accounting takes them for constants), and the user needs
   no file of public text;
@@ -24,9 +24,9 @@ import torch
 
 from aisyn.data.tokenizer import open_tokenizer
 from aisyn.model.families import ModelConfig, build_model
-from aisyn.train import dp
+from aisyn.split import cut_dp as dp
+from aisyn.split.calibration import CALIBRATION_ROWS, calibrate, public_rows
 from aisyn.train.config import TrainConfig
-from aisyn.train.dp_calibration import CALIBRATION_ROWS, calibrate, public_rows
 from aisyn.train.memory import check_fits, whole_model_bytes
 from aisyn.train.models import load_model_checkpoint
 from aisyn.train.run import RunDir

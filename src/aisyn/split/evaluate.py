@@ -21,6 +21,7 @@ import torch
 
 from aisyn.model.families import config_from_dict
 from aisyn.model.segments import DATA_PARTY, Partition
+from aisyn.split import cut_dp as dp
 from aisyn.split import protocol as proto
 from aisyn.split.data_party import DataSession, SplitModel
 from aisyn.split.party import (
@@ -33,7 +34,6 @@ from aisyn.split.party import (
 from aisyn.split.session import SplitOptions, open_session
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
-from aisyn.train import dp
 from aisyn.train.config import TrainConfig
 from aisyn.train.run import RunDir
 

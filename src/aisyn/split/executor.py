@@ -19,11 +19,12 @@ from pathlib import Path
 
 from torch import nn
 
+from aisyn.accountant import finite_or_none
 from aisyn.model.segments import DATA_PARTY
+from aisyn.split import cut_dp as dp
 from aisyn.split.data_party import DataSession, SplitModel
 from aisyn.split.party import place_weights
 from aisyn.train import checkpoint as ckpt
-from aisyn.train import dp
 from aisyn.train.models import BaseModel
 from aisyn.train.objective import Objective, StepBatch
 from aisyn.train.regime import Executor
@@ -108,7 +109,7 @@ class SplitExecutor(Executor):
     def _epsilon(self, k: int) -> float | None:
         """ε of ``k`` releases (None: no finite bound); changes once an epoch."""
         if k not in self._eps:
-            self._eps[k] = dp.finite_or_none(
+            self._eps[k] = finite_or_none(
                 dp.epsilon(self.session.guard.defence, k, coordinates=self._coords())
             )
         return self._eps[k]
@@ -128,7 +129,7 @@ class SplitExecutor(Executor):
             "dp_epsilon": self._epsilon(k),
             # validation rows cross forward only, once per validation
             "validations_this_session": self.validations,
-            "dp_epsilon_validation_rows": dp.finite_or_none(
+            "dp_epsilon_validation_rows": finite_or_none(
                 dp.epsilon(
                     defence,
                     self.validations,

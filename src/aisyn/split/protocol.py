@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aisyn.link.codec import CODECS
 from aisyn.train.config import TrainConfig
 from aisyn.train.lora import Method
 from aisyn.validate import name_differences
@@ -317,6 +318,63 @@ def hello(
         "codec": codec,
         "init": init,  # fingerprint of the base a fresh run starts from
     }
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A data party's hello, each field checked as far as it can be without
+    the compute party (``parse_hello``). What only the compute party can
+    judge, against its own model, cut, base and checkpoints, it judges in
+    ``ComputeParty.negotiate``, the names of the seeds with ``parse_init_seeds``
+    and ``parse_lora`` once it knows the cut is its own."""
+
+    purpose: str
+    run_id: str
+    model: object  # as sent: the compute party names how it differs from its own
+    partition: object  # likewise
+    train: TrainConfig
+    init_seeds: object  # as sent, for parse_init_seeds
+    lora: object  # as sent, for parse_lora
+    resume: bool
+    a_steps: list[int]
+    eval_step: object  # as sent: it must be one of the compute party's checkpoints
+    codec: str
+    init: str | None  # fingerprint of the base a fresh run starts from
+
+
+def parse_hello(text: str) -> Hello:
+    """The data party's hello, checked field by field (see ``Hello``)."""
+    h = decode_json(text, "hello")
+    run_id = check_run_id(h.get("run_id"))
+    purpose = h.get("purpose")
+    if purpose not in PURPOSES:
+        raise ProtocolError(f"hello: unknown purpose {purpose!r}")
+    train = parse_compute_party_train(h.get("train"))
+    codec = h.get("codec", "none")
+    if codec not in CODECS:
+        raise ProtocolError(f"hello: unknown codec {codec!r}")
+    a_steps = h.get("a_steps")
+    if not isinstance(a_steps, list) or not all(map(_is_step, a_steps)):
+        raise ProtocolError("hello: a_steps must be a list of steps")
+    init = h.get("init")
+    if init is not None and not (
+        isinstance(init, str) and re.fullmatch(r"[0-9a-f]{64}", init)
+    ):
+        raise ProtocolError("hello: init must be a sha256 hex digest")
+    return Hello(
+        purpose,
+        run_id,
+        h.get("model"),
+        h.get("partition"),
+        train,
+        h.get("init_seeds"),
+        h.get("lora"),
+        bool(h.get("resume")),
+        a_steps,
+        h.get("eval_step"),
+        codec,
+        init,
+    )
 
 
 def reply(start_step: int, b_steps: list[int]) -> dict:

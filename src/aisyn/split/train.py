@@ -29,6 +29,7 @@ from aisyn.model.segments import (
     init_seeds,
     parse_partition,
 )
+from aisyn.split import cut_dp as dp
 from aisyn.split import protocol as proto
 from aisyn.split.data_party import DataSession
 from aisyn.split.defence import calibrated_defence, recorded_defence
@@ -41,7 +42,6 @@ from aisyn.split.party import (
 )
 from aisyn.split.session import SPAWN_DIR, SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
-from aisyn.train import dp
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import resolve_device
 from aisyn.train.engine import Engine, finished
@@ -89,7 +89,7 @@ def split_train(
 ) -> dict:
     """Train as the data party; returns a summary like ``train.pretrain.train``.
 
-    ``defence``: clipping and noise on what A sends (``train.dp``); its
+    ``defence``: clipping and noise on what A sends (``split.cut_dp``); its
     privacy budget is in each metrics record (``dp_epsilon``), the summary
     and the run's ``privacy.json``. B is not told. ``dp.Recommended()``: the
     recommended defence, calibrated here on public text (``split.defence``).

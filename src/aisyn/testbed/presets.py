@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from aisyn.model.families import preset_fields
 from aisyn.train.config import TrainConfig
+from aisyn.train.lora import Method
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Preset:
     min_lr: float | None = None
     warmup: int = 10
     weight_decay: float = 0.0
-    method: str = "full"
+    method: str = Method.name
     # federated
     rounds: int = 2
     strategy: str = "fedavg"

@@ -9,7 +9,7 @@ an L2 norm ``clip`` and noise N(0, (noise · clip)²) is added to every element.
 The reference's *EmbeddingDP* is here too as a comparison point: 1-bit
 quantisation of the activations (> 0) and randomized response on every bit.
 
-The budget is accounted by Google's ``dp-accounting`` (RDP), never by hand:
+The budget is accounted by Google's ``dp-accounting`` (RDP, ``aisyn.accountant``):
 
 * the unit of privacy is one row of A's data (a token window, or one SFT
   example); neighbouring datasets differ by *replacing* one row, so a clipped
@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from aisyn import accountant
+from aisyn.accountant import DEFAULT_DELTA
 from aisyn.validate import check_number
-
-DEFAULT_DELTA = 1e-5
 
 
 @dataclass(frozen=True)
@@ -338,11 +338,6 @@ def releases(rows_sent: int, dataset_rows: int) -> int:
     return math.ceil(rows_sent / dataset_rows) if rows_sent > 0 else 0
 
 
-def finite_or_none(eps: float) -> float | None:
-    """ε as JSON holds it: ``None`` where there is no finite bound."""
-    return eps if math.isfinite(eps) else None
-
-
 def epsilon(
     defence: CutDefence, k: int, *, backward: bool = True, coordinates: int = 0
 ) -> float:
@@ -353,9 +348,6 @@ def epsilon(
     EmbeddingDP is ε-LDP per coordinate: a row of ``coordinates`` bits
     (positions × hidden size) composes to ``ε · coordinates`` per release.
     """
-    from dp_accounting import dp_event
-    from dp_accounting.rdp import rdp_privacy_accountant
-
     if k == 0:
         return 0.0
     pure = 0.0  # EmbeddingDP's part: pure ε composes by adding
@@ -368,8 +360,6 @@ def epsilon(
         return math.inf
     if not gaussians:
         return pure
-    accountant = rdp_privacy_accountant.RdpAccountant()
-    for g in gaussians:
-        # Replacing one row moves its clipped tensor by up to 2·clip.
-        accountant.compose(dp_event.GaussianDpEvent(g.noise / 2), k)
-    return pure + float(accountant.get_epsilon(defence.delta))
+    # Replacing one row moves its clipped tensor by up to 2·clip.
+    sigmas = [g.noise / 2 for g in gaussians]
+    return pure + accountant.epsilon(sigmas, 1.0, k, defence.delta)
