@@ -17,7 +17,7 @@ from aisyn.fl.settings import (
     load_settings,
     setting_types,
 )
-from aisyn.flagtable import DEVICE, add_group
+from aisyn.flagtable import DEVICE, REQUIRED, add_flags, add_group
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
 from aisyn.train.lora import METHODS
 
@@ -245,15 +245,13 @@ def register(sub) -> None:
         "run the federation, stop them. Writes OUT/server (global model, per-round "
         "metrics), OUT/clients/NAME (local models) and OUT/runtime (Flower logs).",
     )
-    s.add_argument("--base", required=True, help="base model run folder")
-    s.add_argument(
-        "--client",
-        action="append",
-        required=True,
-        help="NAME=SFT_DIR (repeat; one per organisation)",
+    add_flags(
+        s,
+        ("--base", None, REQUIRED, "base model run folder"),
+        ("--client", "append", REQUIRED, "NAME=SFT_DIR (repeat; one per organisation)"),
+        ("--out", None, REQUIRED, "run folder"),
+        ("--echo", "store_true", None, "stream the server log"),
     )
-    s.add_argument("--out", required=True, help="run folder")
-    s.add_argument("--echo", action="store_true", help="stream the server log")
     add_settings_args(s)
     s.set_defaults(func=cmd_simulate)
 
@@ -263,11 +261,12 @@ def register(sub) -> None:
         description="Start a SuperLink on --host:--port and run the federation once "
         "--min-clients clients joined. TLS is required unless --host is loopback.",
     )
-    sv.add_argument("--base", required=True, help="base model run folder")
-    sv.add_argument("--out", required=True, help="server run folder")
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sv.add_argument(
-        "--port", type=validate.port, default=9092, help="port to listen on"
+    add_flags(
+        sv,
+        ("--base", None, REQUIRED, "base model run folder"),
+        ("--out", None, REQUIRED, "server run folder"),
+        ("--host", None, "127.0.0.1", "address to listen on"),
+        ("--port", validate.port, 9092, "port to listen on"),
     )
     add_tls_files(
         sv,
@@ -281,10 +280,14 @@ def register(sub) -> None:
         "allow plaintext on a non-loopback address (not recommended)",
         old="--insecure-remote",
     )
-    sv.add_argument(
-        "--client-key",
-        action="append",
-        help="a client's public key (repeat; with TLS only these clients can join)",
+    add_flags(
+        sv,
+        (
+            "--client-key",
+            "append",
+            None,
+            "a client's public key (repeat; with TLS only these clients can join)",
+        ),
     )
     add_settings_args(sv)
     sv.set_defaults(func=cmd_server)
@@ -295,13 +298,14 @@ def register(sub) -> None:
         description="Connect to the server's SuperLink and train on this "
         "organisation's SFT data when asked; runs until stopped (Ctrl-C).",
     )
-    c.add_argument(
-        "--superlink", type=validate.host_port, required=True, help="server HOST:PORT"
+    add_flags(
+        c,
+        ("--superlink", validate.host_port, REQUIRED, "server HOST:PORT"),
+        ("--name", None, REQUIRED, "this client's name"),
+        ("--data", None, REQUIRED, "SFT folder (aisyn prepare-sft)"),
+        ("--base", None, REQUIRED, "base model run folder"),
+        ("--out", None, REQUIRED, "this client's run folder"),
     )
-    c.add_argument("--name", required=True, help="this client's name")
-    c.add_argument("--data", required=True, help="SFT folder (aisyn prepare-sft)")
-    c.add_argument("--base", required=True, help="base model run folder")
-    c.add_argument("--out", required=True, help="this client's run folder")
     add_tls_files(
         c,
         cert=None,  # a client proves who it is with --auth-key
@@ -314,10 +318,14 @@ def register(sub) -> None:
         "allow plaintext to a non-loopback server (not recommended)",
         old="--insecure-remote",
     )
-    c.add_argument(
-        "--auth-key",
-        default=None,
-        help="this client's private key (with TLS; the server registers its .pub)",
+    add_flags(
+        c,
+        (
+            "--auth-key",
+            None,
+            None,
+            "this client's private key (with TLS; the server registers its .pub)",
+        ),
     )
     c.set_defaults(func=cmd_client)
 
@@ -327,8 +335,11 @@ def register(sub) -> None:
         description="Write NAME.key (private: stays with the client, --auth-key) "
         "and NAME.pub (for the server: --client-key) into --out.",
     )
-    k.add_argument("--name", required=True, help="key file name (the client's)")
-    k.add_argument("--out", required=True, help="folder for the two files")
+    add_flags(
+        k,
+        ("--name", None, REQUIRED, "key file name (the client's)"),
+        ("--out", None, REQUIRED, "folder for the two files"),
+    )
     k.set_defaults(func=cmd_keygen)
 
     pt = fsub.add_parser(
@@ -337,10 +348,11 @@ def register(sub) -> None:
         description="Pool the given SFT folders and deal their items at random into "
         "--parts folders of the same distribution.",
     )
-    pt.add_argument("--data", action="append", required=True, help="SFT folder")
-    pt.add_argument(
-        "--parts", type=validate.positive_int, default=2, help="IID parts to deal"
+    add_flags(
+        pt,
+        ("--data", "append", REQUIRED, "SFT folder"),
+        ("--parts", validate.positive_int, 2, "IID parts to deal"),
+        ("--out", None, REQUIRED, "folder for part0, part1, ..."),
+        ("--seed", validate.seed, 0, "seed of the deal"),
     )
-    pt.add_argument("--out", required=True, help="folder for part0, part1, ...")
-    pt.add_argument("--seed", type=validate.seed, default=0, help="seed of the deal")
     pt.set_defaults(func=cmd_partition)

@@ -55,13 +55,13 @@ LOCAL_TRAIN_DEFAULTS: dict[str, tuple[object, type]] = {
     "seed": (1234, int),
     "device": ("auto", str),
 }
-#: the TrainConfig field of each of those, the one whose flag it is (they differ
-#: in ``warmup``: ``warmup_steps``); FLSettings holds them as ``train``
+#: the TrainConfig field of each of those: of the same name, or the one whose
+#: flag it is (``warmup``: ``warmup_steps``); FLSettings holds them as ``train``
 LOCAL_TRAIN_KEYS = {
     key: name
     for key in LOCAL_TRAIN_DEFAULTS
     for name, f in SETTINGS.items()
-    if f.metadata["flag"] == "--" + _shown(key)
+    if name == key or f.metadata["flag"] == "--" + _shown(key)
 }
 
 #: bounds of numeric settings (``validate.number_problem`` keywords); a field
