@@ -245,24 +245,15 @@ class SplitModel(nn.Module):
         self.inner = session.state.model  # A's partly materialised model
         self.config = self.inner.config
 
-    def hidden(
-        self,
-        tokens: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.session.hidden(tokens, attn_mask, position_ids)
+    def hidden(self, *args) -> torch.Tensor:
+        """(tokens, attn_mask, position_ids), as ``DataSession.hidden``."""
+        return self.session.hidden(*args)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner.logits(x)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.logits(self.hidden(tokens, attn_mask, position_ids))
+    def forward(self, *args) -> torch.Tensor:
+        return self.logits(self.hidden(*args))
 
 
 class SplitDecoder:

@@ -186,7 +186,6 @@ class LMObjective(Objective):
         )
 
 
-@torch.no_grad()
 def evaluate_loss(
     model: CausalLM,
     shards: TokenShards,
@@ -197,23 +196,36 @@ def evaluate_loss(
     device: torch.device | None = None,
 ) -> float:
     """Mean next-token loss over (the first ``max_batches`` batches of) a split."""
-    was_training = model.training
-    model.eval()
     device = device or next(model.parameters()).device
     n = len(shards)
     stop = n if max_batches is None else min(n, max_batches * batch_size)
-    total, count = 0.0, 0
-    with autocast_for(device):
+
+    def loss_sums():
         for start in range(0, stop, batch_size):
             batch = shards.batch(range(start, min(stop, start + batch_size))).to(device)
             for inputs, targets, mask, pos in micro_batches(batch, len(batch), eod_id):
                 loss = lm_loss(model(inputs, mask, pos), targets)
-                total += loss.item() * targets.numel()
-                count += targets.numel()
-    model.train(was_training)
+                yield loss.item() * targets.numel(), targets.numel()
+
+    total, count = _summed(model, device, loss_sums())
     if count == 0:
         raise ValueError(f"{shards.data_dir}: the {shards.split!r} split is empty")
     return total / count
+
+
+@torch.no_grad()
+def _summed(model, device: torch.device, loss_sums) -> tuple[float, int]:
+    """The summed losses and counts ``loss_sums`` yields, run with ``model`` in
+    eval mode (and back to the mode it was in) under the device's autocast."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with autocast_for(device):
+        for loss_sum, k in loss_sums:
+            total += loss_sum
+            count += k
+    model.train(was_training)
+    return total, count
 
 
 # --- supervised fine-tuning --------------------------------------------------------
@@ -354,7 +366,6 @@ class SFTObjective(Objective):
         )
 
 
-@torch.no_grad()
 def sft_eval_loss(
     model: CausalLM,
     data: SFTData,
@@ -363,16 +374,14 @@ def sft_eval_loss(
     max_items: int | None = None,
 ) -> float:
     """Mean loss per supervised token over (the first ``max_items`` of) a split."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     n = len(data) if max_items is None else min(len(data), max_items)
-    total, count = 0.0, 0
-    with autocast_for(device):
+
+    def loss_sums():
         for start in range(0, n, batch_size):
             inputs, targets = data.batch(range(start, min(n, start + batch_size)))
             loss_sum, k = sft_loss_sum(model, inputs.to(device), targets.to(device))
-            total += loss_sum.item()
-            count += k
-    model.train(was_training)
+            yield loss_sum.item(), k
+
+    total, count = _summed(model, device, loss_sums())
     return total / max(count, 1)
