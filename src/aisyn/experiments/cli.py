@@ -115,6 +115,7 @@ def cmd_finetune(args) -> None:
 
 
 def register(sub) -> None:
+    from aisyn.fl.settings import STRATEGIES
     from aisyn.flagtable import (
         DEVICE,
         QUIET,
@@ -124,6 +125,7 @@ def register(sub) -> None:
         add_group,
     )
     from aisyn.train.flags import add_train_args
+    from aisyn.train.lora import METHODS, Method
 
     esub = add_group(
         sub,
@@ -146,13 +148,8 @@ def register(sub) -> None:
         ("--out", None, REQUIRED, "report folder"),
         DEVICE,
         ("--rounds", positive_int, None, "override federated rounds"),
-        (
-            "--strategy",
-            ["fedavg", "fedprox", "fedadam", "fedavgm"],
-            None,
-            "override the federated strategy",
-        ),
-        ("--method", ["full", "lora"], None, "override: full weights or LoRA"),
+        ("--strategy", list(STRATEGIES), None, "override the federated strategy"),
+        ("--method", list(METHODS), None, "override: full weights or LoRA"),
         ("--steps", positive_int, None, "override the step budget"),
         ("--lr", positive_float, None, "override the fine-tuning lr"),
         ("--echo", "store_true", None, "stream the Flower server log"),
@@ -207,9 +204,9 @@ def register(sub) -> None:
         ("--base", None, REQUIRED, "base model run folder"),
         ("--data", "append", REQUIRED, "SFT folder (repeat)"),
         ("--out", None, REQUIRED, "run folder"),
-        ("--method", ["full", "lora"], "full", "full weights or LoRA adapters"),
-        ("--lora-rank", positive_int, 8, "rank of the LoRA adapters"),
-        ("--lora-alpha", positive_float, 16.0, "LoRA scale alpha"),
+        ("--method", list(METHODS), Method.name, "full weights or LoRA adapters"),
+        ("--lora-rank", positive_int, Method.rank, "rank of the LoRA adapters"),
+        ("--lora-alpha", positive_float, Method.alpha, "LoRA scale alpha"),
         QUIET,
     )
     add_train_args(f, steps=200)
