@@ -10,7 +10,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -20,10 +19,6 @@ from pathlib import Path
 from aisyn import validate
 
 log = logging.getLogger("aisyn")
-
-
-def _print_json(obj) -> None:
-    print(json.dumps(obj, indent=2, ensure_ascii=False))
 
 
 # --- data ---------------------------------------------------------------------

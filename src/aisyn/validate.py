@@ -137,7 +137,6 @@ def number_type(kind: type, name: str | None = None, **bounds) -> Callable:
 
 positive_int = number_type(int, "positive_int", low=1)
 nonneg_int = number_type(int, "nonneg_int", low=0)
-finite_float = number_type(float, "finite_float")
 positive_float = number_type(float, "positive_float", low=0, low_open=True)
 nonneg_float = number_type(float, "nonneg_float", low=0)
 probability = number_type(float, "probability", low=0, high=1)

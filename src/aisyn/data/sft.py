@@ -153,8 +153,9 @@ def prepare_sft(
         "splits": {},
     }
     padding = domain_nouns(corpus)  # once, not once per split
-    for split in ("train", "valid"):
-        items = build_items(
+
+    def items_of(split: str, per_document: int) -> list[ClozeItem]:
+        return build_items(
             corpus,
             split,
             per_document=per_document,
@@ -162,6 +163,9 @@ def prepare_sft(
             max_documents=max_documents,
             padding=padding,
         )
+
+    for split in ("train", "valid"):
+        items = items_of(split, per_document)
         if not items:
             raise SFTError(f"corpus {corpus.name!r}: no cloze items in {split} split")
         tensors = encode_items(items, tok, seq_len)
@@ -173,14 +177,7 @@ def prepare_sft(
             "sha256": file_sha256(tmp / f"{split}.safetensors"),
         }
         log.info("%s: %d supervised cloze items", split, len(items))
-    test = build_items(
-        corpus,
-        "test",
-        per_document=test_per_document,
-        seed=seed,
-        max_documents=max_documents,
-        padding=padding,
-    )
+    test = items_of("test", test_per_document)
     (tmp / TEST_ITEMS).write_text(
         "".join(it.to_json() + "\n" for it in test), encoding="utf-8"
     )

@@ -9,12 +9,12 @@ from pathlib import Path
 from aisyn.data.cloze import build_items, read_items
 from aisyn.data.corpora import BUILTIN_CORPORA, load_corpora
 from aisyn.data.shards import TokenShards, read_manifest
-from aisyn.data.tokenizer import open_tokenizer
 from aisyn.eval.cloze import cloze_accuracy
+from aisyn.eval.generate import run_tokenizer
 from aisyn.train.device import resolve_device
 from aisyn.train.models import load_run_model
 from aisyn.train.objective import evaluate_loss
-from aisyn.train.run import TOKENIZER, RunDir, write_json_atomic
+from aisyn.train.run import RunDir, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,7 @@ def evaluate_run(
         model, config = load_run_model(run_dir.path, dev)
     else:
         config = run_dir.read_config()
-    tok_path = run_dir.path / TOKENIZER
-    tok = open_tokenizer(tok_path, config.get("tokenizer"))
-    if tok.sha256 != config["tokenizer"]["sha256"]:
-        raise ValueError(f"{tok_path}: is not the tokenizer this run was trained with")
+    tok = run_tokenizer(run_dir, config)
     # Fine-tuned runs (standalone, or split with --sft) learnt the prompt format.
     fine_tuned = config.get("kind") == "finetune" or config.get("objective") == "sft"
     fmt = cloze_format or ("prompt" if fine_tuned else "lm")

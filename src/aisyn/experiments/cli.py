@@ -96,7 +96,6 @@ def cmd_finetune(args) -> None:
 
     from aisyn.train.finetune import finetune
     from aisyn.train.flags import train_config_from_args
-    from aisyn.train.lora import Method
 
     summary = finetune(
         args.base,
@@ -126,6 +125,7 @@ def register(sub) -> None:
         add_group,
     )
     from aisyn.train.flags import add_train_args
+    from aisyn.train.lora import Method
 
     esub = add_group(
         sub,
@@ -148,12 +148,7 @@ def register(sub) -> None:
         ("--out", None, REQUIRED, "report folder"),
         DEVICE,
         ("--rounds", positive_int, None, "override federated rounds"),
-        (
-            "--strategy",
-            list(STRATEGIES),
-            None,
-            "override the federated strategy",
-        ),
+        ("--strategy", list(STRATEGIES), None, "override the federated strategy"),
         ("--method", list(METHODS), None, "override: full weights or LoRA"),
         ("--steps", positive_int, None, "override the step budget"),
         ("--lr", positive_float, None, "override the fine-tuning lr"),

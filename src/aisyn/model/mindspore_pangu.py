@@ -400,17 +400,11 @@ def expected_shapes(cfg: PanguConfig) -> dict[str, tuple[int, ...]]:
         "transformer.wpe.weight": (cfg.seq_len, h),
         "transformer.wqe.weight": (cfg.seq_len, h),
     }
-    per_layer = {
-        "ln_1.weight": (h,),
-        "ln_1.bias": (h,),
-        "attn.q_proj.weight": (h, h),
-        "attn.q_proj.bias": (h,),
-        "attn.k_proj.weight": (h, h),
-        "attn.k_proj.bias": (h,),
-        "attn.v_proj.weight": (h, h),
-        "attn.v_proj.bias": (h,),
-        "attn.c_proj.weight": (h, h),
-        "attn.c_proj.bias": (h,),
+    per_layer: dict[str, tuple[int, ...]] = {"ln_1.weight": (h,), "ln_1.bias": (h,)}
+    for proj in ("q_proj", "k_proj", "v_proj", "c_proj"):
+        per_layer[f"attn.{proj}.weight"] = (h, h)
+        per_layer[f"attn.{proj}.bias"] = (h,)
+    per_layer |= {
         "ln_2.weight": (h,),
         "ln_2.bias": (h,),
         "mlp.c_fc.weight": (f, h),

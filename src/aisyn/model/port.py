@@ -133,17 +133,24 @@ def _read_file(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _weights_file(folder: Path, required: bool = True) -> str | None:
+    """The first of ``WEIGHT_FILES`` in ``folder``; PortError if there is none,
+    unless not ``required`` (then None)."""
+    name = next((f for f in WEIGHT_FILES if (folder / f).is_file()), None)
+    if name is None and required:
+        raise PortError(
+            f"{folder}: no weights (expected one of {', '.join(WEIGHT_FILES)})"
+        )
+    return name
+
+
 def weight_files(folder: str | Path) -> dict[str, Path]:
     """Which file of a model folder holds each stored tensor name (read from
     the shard index, or from the one file's header)."""
     from safetensors import safe_open
 
     folder = Path(folder)
-    name = next((f for f in WEIGHT_FILES if (folder / f).is_file()), None)
-    if name is None:
-        raise PortError(
-            f"{folder}: no weights (expected one of {', '.join(WEIGHT_FILES)})"
-        )
+    name = _weights_file(folder)
     if name.endswith(".index.json"):
         weight_map = _shard_index(folder / name)
         return {k: folder / v for k, v in weight_map.items()}
@@ -163,7 +170,7 @@ def stored_shapes(folder: str | Path) -> dict[str, tuple[int, ...]] | None:
     from safetensors import safe_open
 
     folder = Path(folder)
-    name = next((f for f in WEIGHT_FILES if (folder / f).is_file()), None)
+    name = _weights_file(folder, required=False)
     if name is None:
         return None
     files = [name]
@@ -207,11 +214,7 @@ def _shard_index(path: Path) -> dict[str, str]:
 def read_folder_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a model folder's weight files (all shards), as stored."""
     folder = Path(folder)
-    name = next((f for f in WEIGHT_FILES if (folder / f).is_file()), None)
-    if name is None:
-        raise PortError(
-            f"{folder}: no weights (expected one of {', '.join(WEIGHT_FILES)})"
-        )
+    name = _weights_file(folder)
     if not name.endswith(".index.json"):
         return _read_file(folder / name)
     weight_map = _shard_index(folder / name)
@@ -276,11 +279,8 @@ def read_port(folder: str | Path) -> tuple[PanguConfig, dict[str, torch.Tensor]]
     dict with ``train.checkpoint.load_weights``, which checks every name and
     shape."""
     cfg = read_port_config(folder)
+    _weights_file(Path(folder))  # PortError if there are none
     shapes = stored_shapes(folder)
-    if shapes is None:
-        raise PortError(
-            f"{folder}: no weights (expected one of {', '.join(WEIGHT_FILES)})"
-        )
     try:
         check_against_weights(cfg, shapes, str(folder), "num_layers")
     except PortError:
