@@ -146,7 +146,7 @@ def cmd_train(args) -> None:
     """Train PanGu-α on prepared data; writes config.json, metrics.jsonl, loss.png
     and checkpoints to --out."""
 
-    from aisyn.train.flags import train_config_from_args
+    from aisyn.train.flags import print_summary, train_config_from_args
     from aisyn.train.pretrain import train
 
     if args.resume:
@@ -161,11 +161,9 @@ def cmd_train(args) -> None:
         progress=not args.quiet,
         tensorboard=args.tensorboard,
     )
-    print(
-        f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
-        f"({summary['tokens']} tokens, {summary['elapsed_s']:.1f} s)"
+    print_summary(
+        summary, f"({summary['tokens']} tokens, {summary['elapsed_s']:.1f} s)"
     )
-    print(f"run folder: {summary['run']}  loss plot: {summary['plot']}")
 
 
 def cmd_eval(args) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from aisyn.fl.settings import FLSettings, load_settings, shipped_configs
+from aisyn.fl.settings import FLSettings, load_settings
+from aisyn.flagfile import shipped_configs
 from aisyn.train.config import TrainConfig
 
 

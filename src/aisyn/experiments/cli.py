@@ -95,7 +95,7 @@ def cmd_finetune(args) -> None:
     format."""
 
     from aisyn.train.finetune import finetune
-    from aisyn.train.flags import train_config_from_args
+    from aisyn.train.flags import print_summary, train_config_from_args
 
     summary = finetune(
         args.base,
@@ -107,12 +107,11 @@ def cmd_finetune(args) -> None:
         progress=not args.quiet,
         tensorboard=args.tensorboard,
     )
-    print(
-        f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
+    print_summary(
+        summary,
         f"({summary['epochs']:.2f} epochs, {summary['elapsed_s']:.1f} s, "
-        f"{summary['trainable_parameters']} trainable parameters)"
+        f"{summary['trainable_parameters']} trainable parameters)",
     )
-    print(f"run folder: {summary['run']}  loss plot: {summary['plot']}")
 
 
 def register(sub) -> None:
@@ -124,7 +123,7 @@ def register(sub) -> None:
         add_flags,
         add_group,
     )
-    from aisyn.train.flags import add_train_args
+    from aisyn.train.flags import LORA_FLAGS, add_train_args
     from aisyn.train.lora import Method
 
     esub = add_group(
@@ -205,8 +204,7 @@ def register(sub) -> None:
         ("--data", "append", REQUIRED, "SFT folder (repeat)"),
         ("--out", None, REQUIRED, "run folder"),
         ("--method", list(METHODS), Method.name, "full weights or LoRA adapters"),
-        ("--lora-rank", positive_int, Method.rank, "rank of the LoRA adapters"),
-        ("--lora-alpha", positive_float, Method.alpha, "LoRA scale alpha"),
+        *LORA_FLAGS,
         QUIET,
     )
     add_train_args(f, steps=200)

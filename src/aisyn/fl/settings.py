@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass, field, fields, replace
-from importlib import resources
 from pathlib import Path
 
 from aisyn.accountant import DEFAULT_DELTA
+from aisyn.flagfile import config_path
 from aisyn.train.config import SETTINGS, TrainConfig
 from aisyn.train.lora import Method
 from aisyn.validate import check_number, number_problem
@@ -411,25 +411,8 @@ def load_settings(path: str | Path | None, **overrides) -> FLSettings:
     )
 
 
-def shipped_configs() -> list[str]:
-    root = resources.files("aisyn") / "configs"
-    return sorted(
-        p.name.removesuffix(".toml") for p in root.iterdir() if p.name.endswith(".toml")
-    )
-
-
 def read_settings_file(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file() and "/" not in str(path) and not str(path).endswith(".toml"):
-        asset = resources.files("aisyn") / "configs" / f"{path}.toml"
-        if not asset.is_file():
-            raise ValueError(
-                f"no file or shipped configuration {str(path)!r} "
-                f"(shipped: {', '.join(shipped_configs())})"
-            )
-        p = Path(str(asset))
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: federated configuration not found")
+    p = config_path(str(path))  # a file, or a shipped configuration's name
     try:
         d = tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

@@ -31,7 +31,7 @@ from aisyn.split.transport import (
     parse_timeout,
 )
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
-from aisyn.train.flags import add_train_args
+from aisyn.train.flags import LORA_FLAGS, add_train_args
 from aisyn.train.lora import METHODS, Method
 from aisyn.validate import (
     nonneg_float,
@@ -165,7 +165,7 @@ def cmd_train(args) -> None:
     from aisyn.split.cut_dp import CutDefence, defence_from_flags, undefended_warning
     from aisyn.split.session import SplitOptions
     from aisyn.split.train import secret_seed, split_train
-    from aisyn.train.flags import train_config_from_args
+    from aisyn.train.flags import print_summary, train_config_from_args
     from aisyn.train.lora import Method
 
     if args.resume:
@@ -241,13 +241,12 @@ def cmd_train(args) -> None:
             f"({summary['privacy']['releases_per_row']} pass(es) over the data; "
             "privacy.json)"
         )
-    print(
-        f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
+    print_summary(
+        summary,
         f"({summary['tokens']} tokens, {summary['elapsed_s']:.1f} s); link "
         f"{summary['bytes_sent_per_step'] / 1e6:.2f} MB sent and "
-        f"{summary['bytes_received_per_step'] / 1e6:.2f} MB received per step"
+        f"{summary['bytes_received_per_step'] / 1e6:.2f} MB received per step",
     )
-    print(f"run folder: {summary['run']}  loss plot: {summary['plot']}")
 
 
 def cmd_serve(args) -> None:
@@ -500,13 +499,7 @@ def _add_train(ssub: argparse._SubParsersAction) -> None:
             "the compute party's blocks (default: --method); lora keeps its "
             "copy of the base unchanged and its checkpoints small",
         ),
-        ("--lora-rank", positive_int, Method.rank, "rank of the LoRA adapters"),
-        (
-            "--lora-alpha",
-            positive_float,
-            Method.alpha,
-            "LoRA scale alpha (delta = alpha/rank BA)",
-        ),
+        *LORA_FLAGS,
         (
             "--defence",
             list(DEFENCES),

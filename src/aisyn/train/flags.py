@@ -12,8 +12,20 @@ import argparse
 from dataclasses import fields
 
 from aisyn import validate
-from aisyn.flagtable import DEVICE, add_flags
+from aisyn.flagtable import DEVICE, Row, add_flags
 from aisyn.train.config import TrainConfig
+from aisyn.train.lora import Method
+
+#: the LoRA flags of every command that fine-tunes (with its own --method)
+LORA_FLAGS = (
+    Row("--lora-rank", validate.positive_int, Method.rank, "rank of the LoRA adapters"),
+    Row(
+        "--lora-alpha",
+        validate.positive_float,
+        Method.alpha,
+        "LoRA scale alpha (delta = alpha/rank BA)",
+    ),
+)
 
 #: the argparse types of the ranges TrainConfig's fields have
 _TYPES = {
@@ -78,3 +90,13 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         **{f.name: getattr(args, flag[2:].replace("-", "_")) for f, flag in FLAGGED},
         device=args.device,
     )
+
+
+def print_summary(summary: dict, details: str) -> None:
+    """A training command's last two lines (scripts read them): the final loss
+    after its steps, then ``details``; its run folder and loss plot."""
+    print(
+        f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
+        + details
+    )
+    print(f"run folder: {summary['run']}  loss plot: {summary['plot']}")
