@@ -17,7 +17,7 @@ from aisyn.fl.settings import (
     load_settings,
     setting_types,
 )
-from aisyn.flagtable import DEVICE, REQUIRED, add_flags, add_group
+from aisyn.flagtable import DEVICE, REQUIRED, add_command, add_flags, add_group
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
 from aisyn.train.lora import METHODS
 
@@ -155,6 +155,9 @@ def _print_result(result: dict) -> None:
 
 
 def cmd_simulate(args) -> None:
+    """Start a SuperLink and one SuperNode per --client on loopback, run the
+    federation, stop them. Writes OUT/server (global model, per-round metrics),
+    OUT/clients/NAME (local models) and OUT/runtime (Flower logs)."""
     from aisyn.fl.launch import simulate
 
     clients = parse_clients(args.client)
@@ -177,6 +180,8 @@ def _config_keys(config: str | None) -> set[str]:
 
 
 def cmd_server(args) -> None:
+    """Start a SuperLink on --host:--port and run the federation once
+    --min-clients clients joined. TLS is required unless --host is loopback."""
     from aisyn.fl.launch import serve
     from aisyn.fl.runtime import ServerTls
 
@@ -198,6 +203,8 @@ def cmd_server(args) -> None:
 
 
 def cmd_client(args) -> None:
+    """Connect to the server's SuperLink and train on this organisation's SFT
+    data when asked; runs until stopped (Ctrl-C)."""
     from aisyn.fl.launch import join
 
     rc = join(
@@ -215,6 +222,8 @@ def cmd_client(args) -> None:
 
 
 def cmd_keygen(args) -> None:
+    """Write NAME.key (private: stays with the client, --auth-key) and NAME.pub
+    (for the server: --client-key) into --out."""
     from aisyn.fl.node_keys import make_node_keys
 
     keys = make_node_keys(args.out, args.name)
@@ -222,6 +231,8 @@ def cmd_keygen(args) -> None:
 
 
 def cmd_partition(args) -> None:
+    """Pool the given SFT folders and deal their items at random into --parts
+    folders of the same distribution."""
     from aisyn.fl.partition import partition_iid
 
     dirs = partition_iid(args.data, args.out, args.parts, seed=args.seed)
@@ -238,12 +249,8 @@ def register(sub) -> None:
         "FedAvg / FedProx / FedAdam / FedAvgM. Full weights or LoRA adapters.",
     )
 
-    s = fsub.add_parser(
-        "simulate",
-        help="all parties on this machine (loopback)",
-        description="Start a SuperLink and one SuperNode per --client on loopback, "
-        "run the federation, stop them. Writes OUT/server (global model, per-round "
-        "metrics), OUT/clients/NAME (local models) and OUT/runtime (Flower logs).",
+    s = add_command(
+        fsub, "simulate", cmd_simulate, "all parties on this machine (loopback)"
     )
     add_flags(
         s,
@@ -253,13 +260,9 @@ def register(sub) -> None:
         ("--echo", "store_true", None, "stream the server log"),
     )
     add_settings_args(s)
-    s.set_defaults(func=cmd_simulate)
 
-    sv = fsub.add_parser(
-        "server",
-        help="the server side: a SuperLink, then the run",
-        description="Start a SuperLink on --host:--port and run the federation once "
-        "--min-clients clients joined. TLS is required unless --host is loopback.",
+    sv = add_command(
+        fsub, "server", cmd_server, "the server side: a SuperLink, then the run"
     )
     add_flags(
         sv,
@@ -290,13 +293,9 @@ def register(sub) -> None:
         ),
     )
     add_settings_args(sv)
-    sv.set_defaults(func=cmd_server)
 
-    c = fsub.add_parser(
-        "client",
-        help="one organisation's client (a SuperNode)",
-        description="Connect to the server's SuperLink and train on this "
-        "organisation's SFT data when asked; runs until stopped (Ctrl-C).",
+    c = add_command(
+        fsub, "client", cmd_client, "one organisation's client (a SuperNode)"
     )
     add_flags(
         c,
@@ -327,26 +326,21 @@ def register(sub) -> None:
             "this client's private key (with TLS; the server registers its .pub)",
         ),
     )
-    c.set_defaults(func=cmd_client)
 
-    k = fsub.add_parser(
-        "keygen",
-        help="a client's key pair for SuperNode authentication",
-        description="Write NAME.key (private: stays with the client, --auth-key) "
-        "and NAME.pub (for the server: --client-key) into --out.",
+    k = add_command(
+        fsub, "keygen", cmd_keygen, "a client's key pair for SuperNode authentication"
     )
     add_flags(
         k,
         ("--name", None, REQUIRED, "key file name (the client's)"),
         ("--out", None, REQUIRED, "folder for the two files"),
     )
-    k.set_defaults(func=cmd_keygen)
 
-    pt = fsub.add_parser(
+    pt = add_command(
+        fsub,
         "partition",
-        help="split pooled SFT data into IID parts (scenario 4)",
-        description="Pool the given SFT folders and deal their items at random into "
-        "--parts folders of the same distribution.",
+        cmd_partition,
+        "split pooled SFT data into IID parts (scenario 4)",
     )
     add_flags(
         pt,
@@ -355,4 +349,3 @@ def register(sub) -> None:
         ("--out", None, REQUIRED, "folder for part0, part1, ..."),
         ("--seed", validate.seed, 0, "seed of the deal"),
     )
-    pt.set_defaults(func=cmd_partition)
