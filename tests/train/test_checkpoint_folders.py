@@ -20,3 +20,23 @@ def test_complete_steps_lists_only_finished_checkpoints(tmp_path):
     assert ckpt.step_folder(root, 30).name == "step_00000030"
     assert ckpt.latest(root) == saved[-1]
     assert ckpt.complete_steps(tmp_path / "none") == []
+
+
+def test_a_hostile_state_file_is_one_line_not_a_parser_crash(tmp_path):
+    """state.json may come with a base model from another organisation: one
+    nested to exhaust the parser, or not an object at all, is refused in one
+    line naming the file; a folder without one is not a checkpoint."""
+    import pytest
+
+    folder = tmp_path / "step_00000001"
+    folder.mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint"):
+        ckpt.read_state(folder)
+    (folder / ckpt.STATE_FILE).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ckpt.CheckpointError, match="state.json: nested deeper"):
+        ckpt.read_state(folder)
+    (folder / ckpt.STATE_FILE).write_text("[1, 2]")
+    with pytest.raises(ckpt.CheckpointError, match="state.json"):
+        ckpt.read_state(folder)
+    (folder / ckpt.STATE_FILE).write_text('{"step": 3}')
+    assert ckpt.read_state(folder) == {"step": 3}

@@ -29,7 +29,7 @@ from aisyn.data.cache import cache_dir
 from aisyn.data.folder import publish_dir
 from aisyn.model.families import hf_folder
 from aisyn.model.hf import read_hf_tensors
-from aisyn.validate import name_differences
+from aisyn.validate import name_differences, read_json
 
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
@@ -259,12 +259,13 @@ def latest(root: Path) -> Path | None:
 
 
 def read_state(ckpt: Path) -> dict:
-    try:
-        return json.loads((ckpt / STATE_FILE).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{ckpt}: not a checkpoint (no {STATE_FILE})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{ckpt / STATE_FILE}: corrupt ({e})") from None
+    """A checkpoint's ``state.json``, read bounded (a base model's checkpoint
+    may come from another organisation): CheckpointError in one line for a
+    missing, oversized, too deeply nested or non-object file."""
+    path = Path(ckpt) / STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt}: not a checkpoint (no {STATE_FILE})")
+    return read_json(path, error=CheckpointError)
 
 
 def model_file(path: str | Path) -> Path:
