@@ -81,3 +81,57 @@ def test_children_get_child_env_by_default(tmp_path):
         env=child_env(AISYN_X="1"),
     )
     assert marked.wait(30) == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_ends_when_its_parent_is_killed_with_sigkill(tmp_path):
+    """A parent killed with SIGKILL runs no cleanup; its child (a spawned
+    compute party, a SuperNode) must not run on: the kernel sends it SIGTERM."""
+    import signal
+    import subprocess
+
+    # Prepare: a parent that starts a sleeping child the project's way
+    pid_file = tmp_path / "child.pid"
+    parent_code = (
+        "import sys, time, pathlib\n"
+        "from aisyn.procs import ChildProcess\n"
+        "c = ChildProcess('sleeper', [sys.executable, '-c', "
+        "'import time; time.sleep(120)'], pathlib.Path(sys.argv[1]) / 'c.log')\n"
+        "pathlib.Path(sys.argv[1], 'child.pid').write_text(str(c.pid))\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code, str(tmp_path)])
+    try:
+        for _ in range(200):
+            if pid_file.is_file() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        assert not _gone_or_zombie(child)
+        # Execute
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        # Assert: the child is gone within seconds
+        for _ in range(200):
+            if _gone_or_zombie(child):
+                break
+            time.sleep(0.05)
+        assert _gone_or_zombie(child)
+    finally:
+        parent.kill()
+        if pid_file.is_file() and not _gone_or_zombie(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_missing_program_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-program-aisyn"):
+        ChildProcess("x", ["no-such-program-aisyn"], tmp_path / "l")
+
+
+def _gone_or_zombie(pid: int) -> bool:
+    """Ended: no such process, or a zombie its new parent has not reaped."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"

@@ -5,7 +5,10 @@ spawned by ``aisyn split train --spawn-backbone``) is a :class:`ChildProcess`:
 started in its own process group with :func:`child_env` and its output in a log
 file, awaited with :meth:`ChildProcess.wait_ready`, and stopped by its PID's
 group, SIGTERM first, SIGKILL after a grace period, so that its own children
-(Flower's SuperExec and App processes) stop with it.
+(Flower's SuperExec and App processes) stop with it. On Linux it also gets
+SIGTERM from the kernel when the thread that started it ends: a parent killed
+with SIGKILL runs no cleanup, and its children would otherwise run on (a
+spawned compute party holding its port and memory, SuperNodes still polling).
 
 Run from a virtualenv that is not activated (``/path/to/venv/bin/aisyn ...``, as
 cron, systemd or pipx do), ``PATH`` does not hold the venv's ``bin`` folder, so a
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +53,29 @@ def child_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, 
     return env
 
 
+#: what a child runs first on Linux: ask for SIGTERM when its parent (thread)
+#: ends -- the setting survives exec -- give up if the parent is already gone,
+#: then become the command (same PID, nothing left in between)
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('its parent ended before it started')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def dying_with_parent(cmd: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """``cmd``, run so that it ends with this process (Linux; elsewhere as
+    it is). Its program is looked up on ``env``'s PATH here, so that a missing
+    one is still this call's FileNotFoundError, not a child's exit."""
+    if sys.platform != "linux":
+        return list(cmd)
+    if shutil.which(cmd[0], path=env.get("PATH")) is None:
+        raise FileNotFoundError(f"{cmd[0]}: no such program on PATH")
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+
+
 class ChildExitedError(OSError):
     """A started process ended before it was ready."""
 
@@ -72,10 +99,11 @@ class ChildProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.debug("starting %s: %s", name, " ".join(cmd))
+        env = dict(child_env() if env is None else env)
         with self.log_path.open("ab") as out:  # the child keeps its own handle
             self.popen = subprocess.Popen(
-                list(cmd),
-                env=dict(child_env() if env is None else env),
+                dying_with_parent(cmd, env),
+                env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
