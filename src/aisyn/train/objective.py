@@ -74,13 +74,15 @@ class Objective:
         """Bind to the device the batches go to (after the run folder exists)."""
         raise NotImplementedError
 
-    def next_step(self, batch_size: int) -> StepBatch:
+    def next_step(self, batch_size: int, shard=None) -> StepBatch:
+        """The next step's batch; ``shard(batch)`` takes this rank's share of
+        it under data parallelism."""
         raise NotImplementedError
 
     def record_fields(self) -> dict:
         raise NotImplementedError
 
-    def log_prefix(self, done: int, batch_size: int) -> str:
+    def log_prefix(self, done: int) -> str:
         return ""
 
     def validate(self, model) -> float | None:
@@ -158,8 +160,7 @@ class LMObjective(Objective):
         )
 
     def next_step(self, batch_size: int, shard=None) -> StepBatch:
-        """The step's micro-batches; ``shard`` takes this rank's share of the
-        batch under data parallelism (the tokens metric stays the step's)."""
+        """(The tokens metric stays the whole step's under data parallelism.)"""
         batch = self.sampler.next_batch(batch_size)
         if shard is not None:
             batch = shard(batch)
@@ -170,7 +171,7 @@ class LMObjective(Objective):
     def record_fields(self) -> dict:
         return {"epoch": self.sampler.epoch}
 
-    def log_prefix(self, done: int, batch_size: int) -> str:
+    def log_prefix(self, done: int) -> str:
         return f"epoch {(done - 1) // self.steps_per_epoch} "
 
     def validate(self, model) -> float | None:
@@ -349,6 +350,7 @@ class SFTObjective(Objective):
             self.valid = SFTData.open(self.data_dirs[0], "valid")
 
     def next_step(self, batch_size: int, shard=None) -> StepBatch:
+        # (fine-tuning runs on one device: no data-parallel share to take)
         inputs, targets = self.batches.next(batch_size)
         return sft_step_batch(inputs, targets, self.cfg.micro)
 

@@ -77,12 +77,10 @@ class Regime:
         fields: dict | None = None,
         keep: int | None = None,
     ) -> None:
-        self.objective, self.executor, self.cfg, self.run = (
-            objective,
-            executor,
-            cfg,
-            run,
-        )
+        self.objective = objective
+        self.executor = executor
+        self.cfg = cfg
+        self.run = run
         self.fields = fields or {}
         self.keep = cfg.keep_checkpoints if keep is None else keep
         self.tokens_per_step = 0  # the objective's, set each step
@@ -100,7 +98,7 @@ class Regime:
 
     def log_line(self, done: int, total: int, record: dict) -> str:
         return (
-            f"{self.objective.log_prefix(done, self.cfg.batch_size)}step "
+            f"{self.objective.log_prefix(done)}step "
             f"{done}/{total} loss: {record['loss']:.6f}"
             f"{self.executor.log_suffix(record)}"
         )
