@@ -106,7 +106,7 @@ def split_train(
 
     ``sft``: split fine-tuning. ``data_dirs`` are SFT folders (``aisyn
     prepare-sft``) instead of token shards, the loss covers the answer tokens
-    only (``train.finetune``'s), and a fresh run needs ``init_from``. The
+    only (``train.objective.SFTObjective``), and a fresh run needs ``init_from``. The
     compute party cannot tell the difference: it gets the same rounds, with a
     sequence length that changes from step to step.
     """
