@@ -88,3 +88,32 @@ def test_a_finished_finetune_resumed_trains_nothing_and_reports_its_summary(
     assert again == first
     with pytest.raises(ValueError, match="--steps 1 is below the 2 steps"):
         finetune(base_run, data, out, _cfg(steps=1), resume=True, progress=False)
+
+
+def test_a_resume_that_does_not_fit_the_run_is_one_line_and_loses_nothing(
+    tmp_path, base_run, sft_dirs, base_run_factory, fl_config, tokenizer
+):
+    # Prepare: a LoRA run with its checkpoint, and what it looks like on disk
+    data = [sft_dirs["news"]]
+    out = tmp_path / "run"
+    lora = Method("lora", rank=4)
+    finetune(base_run, data, out, _cfg(steps=3), lora, progress=False)
+    config_before = (out / "config.json").read_bytes()
+    last = ckpt.latest(out / "checkpoints")
+    other_base = base_run_factory(tmp_path / "other", fl_config, tokenizer, seed=9)
+
+    # Execute / Assert: another method, another base, a tampered adapters file
+    with pytest.raises(ValueError, match="fine-tuned with --method lora"):
+        finetune(base_run, data, out, _cfg(), Method(), resume=True, progress=False)
+    with pytest.raises(ValueError, match="resume it from the same base"):
+        finetune(other_base, data, out, _cfg(), lora, resume=True, progress=False)
+    assert (out / "config.json").read_bytes() == config_before
+    adapters = ckpt.read_tensors(last / "adapters.safetensors")
+    name = next(iter(adapters))
+    bad = {**adapters, name: torch.zeros(3, 3)}
+    from safetensors.torch import save_file
+
+    save_file(bad, str(last / "adapters.safetensors"))
+    with pytest.raises(ckpt.CheckpointError, match=f"{name} has shape"):
+        finetune(base_run, data, out, _cfg(), lora, resume=True, progress=False)
+    assert ckpt.latest(out / "checkpoints") == last  # nothing newer was written

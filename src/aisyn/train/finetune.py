@@ -76,6 +76,7 @@ def finetune(
     last = ckpt.latest(run.checkpoints) if resume else None
     if last is not None:
         run.check_same_model(config)
+        check_same_start(run, config)
         if (done := finished(run, last, cfg.steps)) is not None:
             summary = run.path / SUMMARY
             return read_json(summary) if summary.is_file() else done
@@ -109,3 +110,24 @@ def finetune(
     }
     (run.path / SUMMARY).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def check_same_start(run: RunDir, config: dict) -> None:
+    """Refuse to resume a fine-tuning run with another method or base than it
+    started with, before its folder is touched: its checkpoint holds the
+    optimizer (and adapters) of that method, trained on that base."""
+    old = run.read_config()
+    if old.get("method") != config["method"]:
+        was = Method.from_dict(old.get("method") or {})
+        raise ValueError(
+            f"{run.path}: fine-tuned with --method {was.name} (rank {was.rank}, "
+            f"alpha {was.alpha:g}); resume it with the same --method, --lora-rank "
+            "and --lora-alpha"
+        )
+    was = (old.get("base") or {}).get("fingerprint")
+    now = config["base"]["fingerprint"]
+    if was != now:
+        raise ValueError(
+            f"{run.path}: fine-tuned from base {str(was)[:12]}, but --base "
+            f"{config['base']['path']} is {now[:12]}; resume it from the same base"
+        )
