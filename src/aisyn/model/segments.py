@@ -25,7 +25,7 @@ checkpoints merge by plain union.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -80,6 +80,10 @@ class Partition:
     layout: Layout
     front: int
     back: int | None = 0
+    #: the blocks of B's middle that one rank of a pipelined compute party
+    #: holds (``rank_share``); None: all of them. Not part of the cut the
+    #: parties agree on (``to_dict``): a data party cannot tell.
+    share: range | None = None
 
     def __post_init__(self) -> None:
         n = self.num_blocks
@@ -91,6 +95,21 @@ class Partition:
                 f"{self.spec}: party B would hold no block (the model has {n} "
                 f"ordinary blocks before its head; A takes {taken})"
             )
+        if self.share is not None and not (
+            len(self.share)
+            and self.share.step == 1
+            and self.middle.start <= self.share.start
+            and self.share.stop <= self.middle.stop
+        ):
+            raise PartitionError(
+                f"{self.spec}: a rank's share {self.share} is not a non-empty "
+                f"run of B's blocks {self.middle}"
+            )
+
+    def rank_share(self, blocks: range) -> Partition:
+        """This cut as one rank of a pipelined compute party sees it: party B
+        holds only ``blocks`` of its middle (the rest stays on meta)."""
+        return replace(self, share=blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -122,7 +141,7 @@ class Partition:
             return first, Stage(COMPUTE_PARTY, self.middle, head=True)
         return (
             first,
-            Stage(COMPUTE_PARTY, self.middle),
+            Stage(COMPUTE_PARTY, self.middle if self.share is None else self.share),
             Stage(DATA_PARTY, range(n - self.back, n), head=True),
         )
 

@@ -258,26 +258,42 @@ def cmd_serve(args) -> None:
     from aisyn.model.families import hf_folder, load_config
     from aisyn.model.segments import parse_partition
     from aisyn.split.compute_party import ComputeParty
+    from aisyn.split.pipeline import Ranks, serve_ranks
     from aisyn.split.server import SplitServer
+    from aisyn.train import distributed
+    from aisyn.train.device import resolve_device
 
     cfg = load_config(args.model)
+    partition = parse_partition(args.cut, cfg)
+    device, ranks = args.device, None
+    if distributed.world_size() > 1:
+        # torchrun: B's blocks as pipeline stages over the ranks (rank 0
+        # alone listens); every wait between ranks is bounded by the idle
+        # timeout, as the wait for the data party is.
+        timeout = args.idle_timeout or COMPUTE_PARTY_IDLE_TIMEOUT_S
+        ranks, device = Ranks.join(partition, resolve_device(device), timeout)
     # A pretrained folder (hf:DIR) is also where B's blocks start from.
     init_from = args.init_from or (args.model if hf_folder(args.model) else None)
     party = ComputeParty(
         cfg,
-        parse_partition(args.cut, cfg),
+        partition,
         args.out,
-        device=args.device,
+        device=str(device),
         keep_checkpoints=args.keep_checkpoints,
         init_from=init_from,
         accept_unbound=args.accept_unbound_runs,
     )
+    party.ranks = ranks
+    if ranks is not None and ranks.rank != 0:
+        serve_ranks(party)
+        return
     options = link_options(recv_timeout_s=args.idle_timeout)
     server = SplitServer(
         party, _settings(args, args.listen), options, args.hello_timeout
     )
     server.start(args.address_file)
-    print(f"compute party listening on {server.address}", flush=True)
+    stages = "" if ranks is None else f" (blocks over {ranks.world} ranks)"
+    print(f"compute party listening on {server.address}{stages}", flush=True)
     try:
         server.serve_forever(args.max_sessions)
     finally:
@@ -425,6 +441,10 @@ def _add_plan(ssub: argparse._SubParsersAction) -> None:
     )
 
 
+#: the cut both parties take when not told (the data party's default too)
+DEFAULT_CUT = "u:1,1"
+
+
 def _add_train(ssub: argparse._SubParsersAction) -> None:
     t = add_command(
         ssub,
@@ -444,7 +464,7 @@ def _add_train(ssub: argparse._SubParsersAction) -> None:
             "--init-from BASE, the loss on the answer tokens only (repeat)",
         ),
         ("--out", None, REQUIRED, "run folder"),
-        ("--cut", None, "u:1,1", "u:FRONT,BACK blocks kept by A (see plan)"),
+        ("--cut", None, DEFAULT_CUT, "u:FRONT,BACK blocks kept by A (see plan)"),
         ("--mode", ["local", "grpc"], "local", "local: both parties in this process"),
         ("--peer", validate.host_port, None, "compute party HOST:PORT (grpc)"),
         (
@@ -562,7 +582,7 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
         v,
         ("--listen", validate.listen_address, REQUIRED, "HOST:PORT (port 0: any free)"),
         model_flag(REQUIRED),
-        ("--cut", None, REQUIRED, "u:FRONT,BACK (as the data party's)"),
+        ("--cut", None, DEFAULT_CUT, "u:FRONT,BACK (as the data party's)"),
         ("--out", None, None, "checkpoint root (none: cannot checkpoint)"),
         DEVICE,
         ("--keep-checkpoints", positive_int, 2, "checkpoints kept per run"),

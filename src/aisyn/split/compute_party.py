@@ -35,13 +35,18 @@ from aisyn.model.segments import (
     own_tensor_shapes,
 )
 from aisyn.split import protocol as proto
-from aisyn.split import schedule
+from aisyn.split import schedule, shards
 from aisyn.split.party import (
     PartyState,
     SkippedStep,
     base_label,
     open_base,
     place_weights,
+)
+from aisyn.split.pipeline import (
+    Ranks,
+    announce_session,
+    pipelined_rounds,
 )
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
@@ -71,6 +76,9 @@ class Session:
     cfg: ModelConfig | None = None
     #: the identity of the data party this session's run is bound to
     owner: str = ""
+    #: the hello it was agreed from (the other ranks of a pipelined compute
+    #: party agree to it again, each against its own checkpoints)
+    hello: str = ""
 
 
 class ComputeParty:
@@ -106,6 +114,9 @@ class ComputeParty:
         self.device = resolve_device(device)
         self.keep = keep_checkpoints
         self.accept_unbound = accept_unbound
+        #: the torchrun job this party's blocks are spread over (None: this
+        #: process holds them all); see ``split.pipeline``
+        self.ranks: Ranks | None = None
         self.own_parameters = partition.parameter_names(
             build_model(cfg, device="meta"), COMPUTE_PARTY
         )
@@ -194,7 +205,12 @@ class ComputeParty:
                 "model, and this compute party has none: start it with "
                 "--init-from BASE (or --model hf:DIR)"
             )
-        b_steps = ckpt.complete_steps(run.checkpoints) if run is not None else []
+        b_steps = shards.complete_steps(run.checkpoints) if run is not None else []
+        if purpose == "generate" and self.ranks is not None:
+            raise proto.ProtocolError(
+                "generation on a compute party spread over several ranks is not "
+                "supported; serve the run from one process to generate"
+            )
         if purpose in ("eval", "generate"):
             step = h.eval_step
             if not isinstance(step, int) or step not in b_steps:
@@ -241,9 +257,8 @@ class ComputeParty:
             assert run is not None
             folder = ckpt.step_folder(run.checkpoints, start)
             state = ckpt.read_state(folder)
-            for name in (ckpt.MODEL_FILE, ckpt.OPTIM_FILE):
-                if not (folder / name).is_file():
-                    raise ckpt.CheckpointError(f"{folder / name}: missing")
+            if missing := shards.missing_files(folder):
+                raise ckpt.CheckpointError(f"{missing[0]}: missing")
             if state.get("run_id") != run_id:
                 raise ckpt.CheckpointError(f"{folder}: belongs to another run")
         # Nothing is written here: a refused, failed or fuzzed session leaves
@@ -258,6 +273,7 @@ class ComputeParty:
             lora,
             cfg=cfg,
             owner=identity,
+            hello=hello_text,
         )
 
     def lora_a_names(self, method: Method) -> list[str]:
@@ -281,6 +297,8 @@ class ComputeParty:
             "partition": self.partition.to_dict(),
             "train": proto.compute_party_train(session.train),
             "device": str(self.device),
+            # the ranks of the torchrun job B's blocks ran over (split.pipeline)
+            "world_size": 1 if self.ranks is None else self.ranks.world,
             # LoRA: B's checkpoints hold its adapters; its weights are the base's
             "lora": (
                 None
@@ -303,13 +321,24 @@ class ComputeParty:
         ``first_round_timeout_s`` bounds the wait for the first round (None:
         the link's own receive timeout, as for every later one)."""
         method, lora_seeds = session.lora or (None, None)
+        ranks = self.ranks
+        if ranks is not None and ranks.rank == 0:
+            announce_session(ranks, session)
+        partition, seeds = self.partition, session.seeds
+        if ranks is not None:
+            partition = ranks.share(self.partition)
+            if seeds is not None:  # of this rank's parameters only
+                mine = partition.parameter_names(
+                    build_model(session.cfg or self.cfg, device="meta"), COMPUTE_PARTY
+                )
+                seeds = {n: seeds[n] for n in mine}
         state = PartyState(
             session.cfg or self.cfg,
-            self.partition,
+            partition,
             COMPUTE_PARTY,
             session.train,
             self.device,
-            seeds=session.seeds,
+            seeds=seeds,
             method=method,
             lora_seeds=lora_seeds,
         )
@@ -318,13 +347,76 @@ class ComputeParty:
             run = self.run_dir(session.run_id)
             assert run is not None  # negotiate() only resumes with a folder
             folder = ckpt.step_folder(run.checkpoints, session.start_step)
-        place_weights(state, self.base, folder, fresh_train=session.purpose == "train")
+        place_weights(
+            state,
+            self.base,
+            folder,
+            fresh_train=session.purpose == "train",
+            rank=0 if ranks is None else ranks.rank,
+            world=1 if ranks is None else ranks.world,
+        )
         if folder is not None:
             log.info("loaded %s", folder)
         elif self.base is not None and session.purpose == "train":
             log.info("initialised from %s", self.base.checkpoint)
-        server = _Rounds(self, state, link, session, first_round_timeout_s)
-        server.run()
+        rounds = _Rounds if ranks is None else pipelined_rounds(_Rounds)
+        rounds(self, state, link, session, first_round_timeout_s).run()
+
+    def save_share(self, rounds: _Rounds, r: int, c: proto.Control) -> None:
+        """A SAVE round on every rank of a pipelined party: each saves its
+        share (``split.shards``); rank 0 makes the run folder first and
+        answers A once all have saved."""
+        ranks = self.ranks
+        assert ranks is not None
+        session, first = rounds.session, ranks.rank == 0
+        run = self.run_dir(session.run_id)
+        new_folder = run is not None and not run.path.exists()
+        ok = run is not None
+        if ok and first and not (run.path / "config.json").is_file():
+            try:
+                run.create(self.run_config(session), resume=False)
+            except OSError as e:
+                log.error("checkpoint of step %d failed: %s", c.step, e)
+                ok = False
+        ok = ranks.all_ok(ok)  # the folder is there before any rank writes
+        if ok:
+            state = {
+                "party": COMPUTE_PARTY,
+                "run_id": session.run_id,
+                "model": rounds.state.cfg.to_dict(),
+                "partition": self.partition.to_dict(),
+                "train": proto.compute_party_train(session.train),
+                "rank": ranks.rank,
+                "blocks": [
+                    rounds.state.partition.share.start,
+                    rounds.state.partition.share.stop,
+                ],
+            }
+            if first:
+                state[shards.WORLD] = ranks.world
+            try:
+                ckpt.save(
+                    shards.rank_root(run.checkpoints, ranks.rank),
+                    c.step,
+                    rounds.state.tensors(),
+                    state,
+                    keep=self.keep,
+                )
+            except (OSError, ckpt.CheckpointError) as e:
+                log.error(
+                    "rank %d: checkpoint of step %d failed: %s", ranks.rank, c.step, e
+                )
+                ok = False
+            ok = ranks.all_ok(ok)
+        if not first:
+            return
+        if run is None:
+            log.warning("asked to checkpoint step %d but serving without --out", c.step)
+        elif not ok and new_folder:
+            shutil.rmtree(run.path, ignore_errors=True)
+        if ok:
+            log.info("saved step %d on %d ranks", c.step, ranks.world)
+        rounds.link.send_scalar("saved", float(c.step) if ok else -1.0, step=r)
 
 
 #: the key of B's run config.json naming the data party the run is bound to
@@ -449,38 +541,8 @@ class _Rounds:
             self.gen_cache = None  # a generation left open ends with the session
 
     def _rounds(self) -> None:
-        from aisyn.link.errors import PeerClosedError, PeerLostError
-
         r = 0
-        while True:
-            try:
-                t = self.link.recv(
-                    "ctl",
-                    step=r,
-                    shape=(7,),
-                    dtype=torch.int64,
-                    # A hello and silence must not hold the server for long.
-                    timeout=self.first_round_timeout_s if r == 0 else None,
-                )
-            except PeerClosedError:
-                # A said goodbye between rounds: the normal end of a session.
-                log.info(
-                    "session for run %s ended: the data party closed it after "
-                    "%d round(s)",
-                    self.session.run_id,
-                    r,
-                )
-                return
-            except PeerLostError as e:
-                # A went away between rounds: nothing is half done, but it did
-                # not say goodbye, so say what happened.
-                log.warning(
-                    "session for run %s ended between rounds: %s",
-                    self.session.run_id,
-                    e,
-                )
-                return
-            c = proto.Control.parse(t, self.state.cfg.seq_len)
+        while (c := self._next_control(r)) is not None:
             if c.op == proto.TRAIN:
                 self._train(r, c)
             elif c.op == proto.EVAL:
@@ -490,6 +552,36 @@ class _Rounds:
             else:
                 self._save(r, c)
             r += 1
+
+    def _next_control(self, r: int) -> proto.Control | None:
+        """Round ``r``'s control from A; None when A ended the session."""
+        from aisyn.link.errors import PeerClosedError, PeerLostError
+
+        try:
+            t = self.link.recv(
+                "ctl",
+                step=r,
+                shape=(7,),
+                dtype=torch.int64,
+                # A hello and silence must not hold the server for long.
+                timeout=self.first_round_timeout_s if r == 0 else None,
+            )
+        except PeerClosedError:
+            # A said goodbye between rounds: the normal end of a session.
+            log.info(
+                "session for run %s ended: the data party closed it after %d round(s)",
+                self.session.run_id,
+                r,
+            )
+            return None
+        except PeerLostError as e:
+            # A went away between rounds: nothing is half done, but it did
+            # not say goodbye, so say what happened.
+            log.warning(
+                "session for run %s ended between rounds: %s", self.session.run_id, e
+            )
+            return None
+        return proto.Control.parse(t, self.state.cfg.seq_len)
 
     def _recv_act(self, r: int, i: int, c: proto.Control) -> tuple[torch.Tensor, ...]:
         shape = (c.micro_size, c.seq_len, self.hidden)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from aisyn.model.segments import (
     own_tensor_shapes,
     segments_of,
 )
+from aisyn.split import shards
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.lora import Method, apply_method, lora_parameter_names
@@ -199,26 +201,50 @@ class PartyState:
         tensors = ckpt.read_some_tensors(base.checkpoint, shapes, whose)
         load_own_weights(self, tensors, str(base.checkpoint))
 
-    def load(self, folder: Path) -> dict:
+    def load(self, folder: Path, *, rank: int = 0, world: int = 1) -> dict:
         """Load this party's weights, optimizer and RNG from a checkpoint folder;
-        returns its state.json."""
+        returns its state.json. ``rank`` of ``world``: which rank of a
+        pipelined compute party this is (``split.shards``: any world size
+        reads a checkpoint any other saved)."""
         state = ckpt.read_state(folder)
         if state.get("party") not in (None, self.party):
             raise ckpt.CheckpointError(
                 f"{folder}: a checkpoint of party {state.get('party')}, not "
                 f"{self.party}"
             )
-        weights = ckpt.read_tensors(folder / ckpt.MODEL_FILE)
-        if self.lora:
-            load_adapters(self, weights, str(folder / ckpt.MODEL_FILE))
+        if shards.saved_world(state, folder) == 1 and self.partition.share is None:
+            weights = ckpt.read_tensors(folder / ckpt.MODEL_FILE)
+            opt = ckpt.read_tensors(folder / ckpt.OPTIM_FILE)
         else:
-            load_own_weights(self, weights, str(folder / ckpt.MODEL_FILE))
-        opt = ckpt.read_tensors(folder / ckpt.OPTIM_FILE)
+            weights, opt = self._read_share(folder, rank, world)
+        source = str(folder / ckpt.MODEL_FILE)
+        if self.lora:
+            load_adapters(self, weights, source)
+        else:
+            load_own_weights(self, weights, source)
         ckpt.load_optimizer_tensors(
             self.optimizer, dict(self.named), opt, str(folder / ckpt.OPTIM_FILE)
         )
         ckpt.restore_rng(opt)
         return state
+
+    def _read_share(
+        self, folder: Path, rank: int, world: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(weights, optimizer + RNG tensors) of this party's blocks from the
+        shares of a step that several ranks saved (or of a whole one)."""
+        named = dict(self.named)
+        if self.lora:
+            mine, every = set(named), None
+        else:
+            mine = set(own_state_dict(self.model, self.partition, self.party))
+            whole = replace(self.partition, share=None)
+            every = set(own_tensor_shapes(self.cfg, whole, self.party))
+        weights = shards.read_share(folder, ckpt.MODEL_FILE, mine.__contains__, every)
+        opt = shards.read_share(
+            folder, ckpt.OPTIM_FILE, lambda k: k.rpartition("::")[0] in named
+        )
+        return weights, {**opt, **shards.rank_rng(folder, rank, world)}
 
 
 def open_base(
@@ -301,7 +327,13 @@ def compute_lora_hello(
 
 
 def place_weights(
-    state: PartyState, base: BaseModel | None, start: Path | None, *, fresh_train: bool
+    state: PartyState,
+    base: BaseModel | None,
+    start: Path | None,
+    *,
+    fresh_train: bool,
+    rank: int = 0,
+    world: int = 1,
 ) -> dict | None:
     """Put a party's weights in place: a LoRA party loads the base and adds
     its adapters first (its checkpoints hold only those); then the checkpoint
@@ -316,7 +348,7 @@ def place_weights(
         state.init_from(base)
         state.adapt()
     if start is not None:
-        return state.load(start)
+        return state.load(start, rank=rank, world=world)
     if fresh_train and base is not None and not state.lora:
         state.init_from(base)
     return None

@@ -22,6 +22,7 @@ from aisyn.link.base import LinkOptions, PeerHello
 from aisyn.link.errors import LinkError
 from aisyn.link.grpc_link import Accept, GrpcLinkServer
 from aisyn.split.compute_party import ComputeParty, Session
+from aisyn.split.pipeline import RanksOutOfStep, stop_ranks
 from aisyn.split.session import failure_reason
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
@@ -109,6 +110,12 @@ class SplitServer:
                 link, session, first_round_timeout_s=self.hello_timeout_s
             )
             ok = True
+        except RanksOutOfStep as e:
+            # A pipelined party's ranks stopped at different points of a
+            # round: nothing lines them up again, so the job ends (its state
+            # on disk is the last checkpoint's, on every rank).
+            link.abort(failure_reason(e))
+            raise
         except Exception as e:  # a broken session must never take the server down
             if isinstance(e, LinkError | ValueError):  # incl. ProtocolError
                 log.warning("session for run %s failed: %s", session.run_id, e)
@@ -127,6 +134,8 @@ class SplitServer:
         while max_sessions is None or n < max_sessions:
             self.serve_one()
             n += 1
+        if self.party.ranks is not None:
+            stop_ranks(self.party.ranks)
 
     def stop(self) -> None:
         self.server.stop()

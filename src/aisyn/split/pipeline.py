@@ -1,0 +1,462 @@
+"""Party B's backbone over the ranks of a torchrun job: pipeline stages.
+
+``torchrun --nproc-per-node R -m aisyn.cli split serve ...`` spreads the
+middle blocks over R ranks (``stage_blocks``: contiguous runs, the earlier
+ranks taking one more when they do not divide evenly), each rank
+materialising only its own (``Partition.rank_share``). They run as the
+stages of a ``torch.distributed.pipelining`` pipeline. Rank 0 alone listens
+for data parties and talks to them; a data party cannot tell a pipelined
+compute party from a single process.
+
+Per round, rank 0 receives A's control tensor and broadcasts it. In a TRAIN
+round every rank runs, for its stage, the order of forwards and backwards a
+single compute party runs (``split.schedule``'s list for A's window), as a
+custom schedule of the pipelining runtime: stage 0 takes each micro-batch's
+activations from the link as they arrive, so A's window decides what is in
+flight; the last stage hands its output to a relay thread on rank 0, which
+sends it to A and passes A's gradient back to it; stage 0's input gradient
+goes to A from a hook. The squared gradient norms of the ranks are summed;
+rank 0 exchanges the sum with A and broadcasts A's, and every rank steps its
+own optimizer with the same two numbers, so the update is the single
+process's. An EVAL round runs the same pipeline forward only; a SAVE round
+has every rank save its share (``split.shards``).
+
+Failures: a round refused before it starts (a step out of order) ends the
+session on every rank alike, and B goes on serving. A failure inside a round
+leaves the ranks at different points of it, with no way to line them up again:
+the job ends (``RanksOutOfStep``) with one line, as a killed rank ends it, and
+torchrun (``--max-restarts``) or the operator starts it again from the last
+checkpoint, which every rank still has.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+)
+
+from aisyn.model.causal_lm import masks_from_documents
+from aisyn.model.segments import Partition, PartitionError
+from aisyn.split import protocol as proto
+from aisyn.split import schedule
+from aisyn.split.party import SkippedStep
+from aisyn.train.device import autocast_for
+
+log = logging.getLogger(__name__)
+
+#: how long a rank waits for the next session (rank 0 may idle for days)
+IDLE_WAIT = timedelta(days=365)
+#: the control word that ends a session on the other ranks
+END = -1
+
+
+class RanksOutOfStep(RuntimeError):
+    """A round failed part-way: the ranks cannot agree where they are."""
+
+
+def stage_blocks(middle: range, ranks: int) -> list[range]:
+    """B's middle blocks as ``ranks`` contiguous runs, earlier ones longer."""
+    per, extra = divmod(len(middle), ranks)
+    out, start = [], middle.start
+    for k in range(ranks):
+        stop = start + per + (k < extra)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+@dataclass
+class Ranks:
+    """The torchrun job a pipelined compute party runs as."""
+
+    rank: int
+    world: int
+    blocks: list[range]
+    #: control broadcasts and the sums of the ranks' norms (gloo: CPU tensors)
+    ctl: dist.ProcessGroup
+    #: the last stage and rank 0: its outputs to A, A's gradients back
+    relay: dist.ProcessGroup
+
+    @classmethod
+    def join(cls, partition: Partition, device: torch.device, timeout_s: float):
+        """Join the job torchrun describes, for the cut ``partition``.
+
+        Refuses, before joining, a world larger than B's blocks (a rank with
+        no block would only relay). Every collective between ranks times out
+        after ``timeout_s``, except the wait for the next session."""
+        from aisyn.train import distributed
+
+        world = distributed.world_size()
+        middle = partition.middle
+        if world > len(middle):
+            raise PartitionError(
+                f"{world} ranks for a compute party that holds {len(middle)} "
+                f"blocks (cut {partition.spec}): each rank runs at least one; "
+                f"start at most {len(middle)} (torchrun --nproc-per-node)"
+            )
+        ctx, device = distributed.setup(device, timeout_s=timeout_s)
+        ctl = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+        relay = dist.new_group([0, world - 1])
+        return cls(ctx.rank, world, stage_blocks(middle, world), ctl, relay), device
+
+    @property
+    def last(self) -> int:
+        return self.world - 1
+
+    def share(self, partition: Partition) -> Partition:
+        return partition.rank_share(self.blocks[self.rank])
+
+    def broadcast_json(self, obj: object = None) -> object:
+        """Rank 0's ``obj`` on every rank, as JSON (nothing is unpickled)."""
+        if self.rank == 0:
+            data = torch.frombuffer(
+                bytearray(json.dumps(obj).encode()), dtype=torch.uint8
+            )
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.ctl)
+        if self.rank != 0:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(data, 0, group=self.ctl)
+        return json.loads(bytes(data.numpy()).decode())
+
+    def broadcast_control(self, t: torch.Tensor | None = None) -> torch.Tensor:
+        """Rank 0's control tensor (or ``END``) on every rank."""
+        if t is None:
+            t = torch.full((7,), END, dtype=torch.int64)
+        t = t.clone() if self.rank == 0 else torch.empty(7, dtype=torch.int64)
+        dist.broadcast(t, 0, group=self.ctl)
+        return t
+
+    def broadcast_float(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.broadcast(t, 0, group=self.ctl)
+        return float(t)
+
+    def sum_float(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=self.ctl)
+        return float(t)
+
+    def all_ok(self, ok: bool) -> bool:
+        t = torch.tensor([int(ok)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctl)
+        return bool(t)
+
+
+class _ToRelay(torch.autograd.Function):
+    """The last stage's output leaves for rank 0 (and A); in backward, A's
+    gradient of it comes back. Its value is a zero scalar: the pipeline's
+    "loss", whose gradient (one) is replaced by A's."""
+
+    @staticmethod
+    def forward(ctx, y, rounds):
+        ctx.rounds, ctx.shape = rounds, y.shape
+        dist.send(y.detach().float().contiguous(), 0, group=rounds.ranks.relay)
+        return y.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _one):
+        rounds = ctx.rounds
+        g = torch.empty(ctx.shape, device=rounds.state.device)
+        dist.recv(g, 0, group=rounds.ranks.relay)
+        rounds.state.checked(g, "the gradient of the output")
+        return g, None
+
+
+class _Stage(nn.Module):
+    """This rank's blocks as a pipeline stage. Between stages travel the
+    hidden states, the micro-batch's index and, with EOD-reset attention, its
+    document ids (each stage makes the masks from them)."""
+
+    def __init__(self, rounds) -> None:
+        super().__init__()
+        self.rounds = (rounds,)  # not a submodule: parameters stay the model's
+
+    def forward(self, *inputs):
+        rounds = self.rounds[0]
+        first, last = rounds.ranks.rank == 0, rounds.ranks.rank == rounds.ranks.last
+        if first:
+            (index,) = inputs
+            x, doc = rounds.act_from_link(int(index[0]))
+        else:
+            x, index, *rest = inputs
+            doc = rest[0] if rest else None
+        mask = None
+        if doc is not None:
+            mask, _ = masks_from_documents(doc.to(torch.int64))
+        with autocast_for(rounds.state.device):
+            y = rounds.middle(x, mask)
+        if last:
+            return _ToRelay.apply(y, rounds)
+        y = y.float()
+        return (y, index) if doc is None else (y, index, doc)
+
+
+def _actions(order: list[tuple[str, int]], stage: int) -> list[_Action]:
+    kinds = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
+    return [_Action(stage, kinds[k], i) for k, i in order]
+
+
+def _runtime(
+    stage: PipelineStage,
+    ranks: Ranks,
+    order: list[tuple[str, int]],
+    m: int,
+    train: bool,
+) -> _PipelineScheduleRuntime:
+    """The pipelining runtime over ``order`` on every stage. Gradients are
+    A's, summed over micro-batches as a single compute party sums them (no
+    scaling); the "loss" is ``_ToRelay``'s zero."""
+    runtime = _PipelineScheduleRuntime(
+        [stage],
+        m,
+        loss_fn=(lambda token, _index: token) if train else None,
+        scale_grads=False,
+    )
+    runtime._prepare_schedule_with_comms(
+        {k: _actions(order, k) for k in range(ranks.world)}
+    )
+    return runtime
+
+
+def pipelined_rounds(base):
+    """The pipelined variant of the compute party's rounds class ``base``
+    (``compute_party._Rounds``), for a party that runs as ``Ranks``."""
+
+    class PipelinedRounds(base):
+        def __init__(self, party, state, link, session, first_round_timeout_s=None):
+            super().__init__(party, state, link, session, first_round_timeout_s)
+            self.ranks: Ranks = party.ranks
+            self.module = _Stage(self)
+            self.runtimes: dict[
+                tuple, tuple[_PipelineScheduleRuntime, torch.Tensor]
+            ] = {}
+            self.round: tuple[int, proto.Control] | None = None
+
+        # --- control ---------------------------------------------------------
+
+        def _next_control(self, r: int) -> proto.Control | None:
+            if self.ranks.rank == 0:
+                try:
+                    c = super()._next_control(r)
+                except BaseException:
+                    self.ranks.broadcast_control()  # the others end it too
+                    raise
+                self.ranks.broadcast_control(None if c is None else c.tensor())
+                return c
+            t = self.ranks.broadcast_control()
+            if int(t[0]) == END:
+                return None
+            return proto.Control.parse(t, self.state.cfg.seq_len)
+
+        # --- the pipeline ------------------------------------------------------
+
+        def act_from_link(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """Stage 0's input for micro-batch ``i``: A's activations (a leaf
+            whose gradient goes back to A) and document ids."""
+            r, c = self.round
+            shape = (c.micro_size, c.seq_len, self.hidden)
+            x = self.link.recv("act", step=r, micro=i, shape=shape, dtype=torch.float32)
+            doc = None
+            if c.eod:
+                doc = self.link.recv(
+                    "doc", step=r, micro=i, shape=shape[:2], dtype=torch.int32
+                ).to(self.state.device)
+            x = self.state.checked(x, f"the activations (micro-batch {i})")
+            x = x.to(self.state.device)
+            if torch.is_grad_enabled():
+                x.requires_grad_()
+                x.register_hook(partial(self._gact_to_link, r, i))
+            return x, doc
+
+        def _gact_to_link(self, r: int, i: int, g: torch.Tensor) -> None:
+            self.link.send("gact", g, step=r, micro=i, codec=self.session.codec)
+
+        def _runtime_for(self, c: proto.Control, train: bool):
+            order = schedule.make(c.micro_batches, c.window).b if train else [("F", 0)]
+            key = (train, c.micro_batches, c.micro_size, c.seq_len, c.eod, c.window)
+            if key not in self.runtimes:
+                dev = self.state.device
+                h = torch.zeros(c.micro_size, c.seq_len, self.hidden, device=dev)
+                h.requires_grad_(train)
+                index = torch.zeros(1, dtype=torch.int64, device=dev)
+                carried = (h, index)
+                if c.eod:
+                    doc = torch.zeros(c.micro_size, c.seq_len, dtype=torch.int32)
+                    carried += (doc.to(dev),)
+                rank = self.ranks.rank
+                stage = PipelineStage(
+                    self.module,
+                    rank,
+                    self.ranks.world,
+                    dev,
+                    input_args=(index,) if rank == 0 else carried,
+                    output_args=(
+                        (torch.zeros((), device=dev),)
+                        if rank == self.ranks.last
+                        else carried
+                    ),
+                )
+                runtime = _runtime(stage, self.ranks, order, c.micro_batches, train)
+                self.runtimes[key] = (runtime, order)
+            return self.runtimes[key]
+
+        def _run_pipeline(self, r: int, c: proto.Control, train: bool) -> None:
+            runtime, order = self._runtime_for(c, train)
+            self.round = (r, c)
+            m = c.micro_batches
+            indices = torch.arange(m, device=self.state.device)
+            relay = None
+            if self.ranks.rank == 0:
+                relay = _Relay(self, r, c, order)
+                relay.start()
+            try:
+                if self.ranks.rank == 0:
+                    runtime.step(indices, return_outputs=False)
+                elif self.ranks.rank == self.ranks.last:
+                    runtime.step(target=indices, return_outputs=False)
+                else:
+                    runtime.step(return_outputs=False)
+            finally:
+                if relay is not None:
+                    relay.join()
+            if relay is not None and relay.error is not None:
+                raise relay.error
+
+        # --- rounds --------------------------------------------------------------
+
+        def _train(self, r: int, c: proto.Control) -> None:
+            self._at_next_step(c, "TRAIN round")  # refused alike on every rank
+            self.state.train(True)
+            with _out_of_step(f"TRAIN round for step {c.step}"):
+                self._run_pipeline(r, c, train=True)
+                mine = self.ranks.sum_float(self.state.local_sq_norm())
+                if self.ranks.rank == 0:
+                    self.link.send_scalar("sqnorm", mine, step=r)
+                    theirs = self.ranks.broadcast_float(
+                        self.link.recv_scalar("sqnorm", step=r)
+                    )
+                else:
+                    theirs = self.ranks.broadcast_float(0.0)
+            try:
+                self.state.apply_step(c.step, theirs, mine)
+            except SkippedStep as e:
+                if self.ranks.rank == 0:
+                    log.warning("run %s: %s", self.session.run_id, e)
+                return
+            self.next_step = c.step + 1
+
+        @torch.no_grad()
+        def _eval(self, r: int, c: proto.Control) -> None:
+            self.state.train(False)
+            with _out_of_step("EVAL round"):
+                self._run_pipeline(r, c, train=False)
+
+        def _generate(self, r: int, c: proto.Control) -> None:
+            raise proto.ProtocolError(
+                "generation on a compute party spread over several ranks is not "
+                "supported; serve the run from one process to generate"
+            )
+
+        def _save(self, r: int, c: proto.Control) -> None:
+            self._at_next_step(c, "SAVE")
+            with _out_of_step(f"SAVE of step {c.step}"):
+                self.party.save_share(self, r, c)
+
+    return PipelinedRounds
+
+
+class _out_of_step:
+    """Turn any failure inside a round into ``RanksOutOfStep``."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, RanksOutOfStep):
+            raise RanksOutOfStep(
+                f"the compute party's ranks fell out of step in a {self.what}: {exc}"
+            ) from exc
+        return False
+
+
+class _Relay(threading.Thread):
+    """Rank 0's side of the last stage: its outputs to A, A's gradients back,
+    in the order the stage runs them."""
+
+    def __init__(self, rounds, r: int, c: proto.Control, order) -> None:
+        super().__init__(name="aisyn-pipeline-relay", daemon=True)
+        self.rounds, self.r, self.c, self.order = rounds, r, c, order
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        rounds, r, c = self.rounds, self.r, self.c
+        ranks, link, codec = rounds.ranks, rounds.link, rounds.session.codec
+        shape = (c.micro_size, c.seq_len, rounds.hidden)
+        try:
+            for kind, i in self.order:
+                if kind == "F":
+                    y = torch.empty(shape, device=rounds.state.device)
+                    dist.recv(y, ranks.last, group=ranks.relay)
+                    link.send("out", y, step=r, micro=i, codec=codec)
+                else:
+                    g = link.recv(
+                        "gout", step=r, micro=i, shape=shape, dtype=torch.float32
+                    )
+                    g = g.to(rounds.state.device).contiguous()
+                    dist.send(g, ranks.last, group=ranks.relay)
+        except BaseException as e:  # noqa: BLE001 -- re-raised by the main thread
+            self.error = e
+            link.abort(f"compute party: {e}")
+
+
+def serve_ranks(party) -> None:
+    """What every rank but 0 of a pipelined compute party does: run each
+    session rank 0 announces (its hello, checked again here against this
+    rank's disk), until rank 0 says stop."""
+    ranks: Ranks = party.ranks
+    while True:
+        news = ranks.broadcast_json()
+        if not isinstance(news, dict) or "hello" not in news:
+            return
+        _, session = party.negotiate(news["hello"], news["identity"])
+        if session.start_step != news["start"]:
+            raise RanksOutOfStep(
+                f"run {session.run_id}: rank {ranks.rank} would start at step "
+                f"{session.start_step}, rank 0 at {news['start']} (a rank's "
+                "checkpoints are missing or differ)"
+            )
+        try:
+            party.serve_session(None, session)
+        except (ValueError, OSError) as e:  # refused alike on every rank
+            log.debug("rank %d: session ended: %s", ranks.rank, e)
+
+
+def announce_session(ranks: Ranks, session) -> None:
+    """Rank 0: tell the other ranks to serve ``session``."""
+    ranks.broadcast_json(
+        {"hello": session.hello, "identity": session.owner, "start": session.start_step}
+    )
+
+
+def stop_ranks(ranks: Ranks) -> None:
+    """Rank 0: the server stops; so do the other ranks."""
+    ranks.broadcast_json({"stop": True})
