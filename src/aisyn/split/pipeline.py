@@ -49,10 +49,11 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from aisyn.model.causal_lm import masks_from_documents
-from aisyn.model.segments import Partition, PartitionError
+from aisyn.model.segments import Partition
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import SkippedStep
+from aisyn.split.rounds import Rounds
 from aisyn.train.device import autocast_for
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,11 @@ log = logging.getLogger(__name__)
 IDLE_WAIT = timedelta(days=365)
 #: the control word that ends a session on the other ranks
 END = -1
+#: why a session of a pipelined (or replicated) compute party cannot generate
+NO_GENERATION = (
+    "generation on a compute party spread over several ranks is not supported; "
+    "serve the run from one process to generate"
+)
 
 
 class RanksOutOfStep(RuntimeError):
@@ -84,7 +90,12 @@ class Ranks:
 
     rank: int
     world: int
+    #: each rank's blocks: a pipeline stage each, or (``replicas``) all of
+    #: them on every rank
     blocks: list[range]
+    #: more ranks than blocks: every rank holds all of B's blocks and runs a
+    #: share of each micro-batch's rows (``replicated_rounds``)
+    replicas: bool
     #: control broadcasts and the sums of the ranks' norms (gloo: CPU tensors)
     ctl: dist.ProcessGroup
     #: the last stage and rank 0: its outputs to A, A's gradients back
@@ -94,30 +105,48 @@ class Ranks:
     def join(cls, partition: Partition, device: torch.device, timeout_s: float):
         """Join the job torchrun describes, for the cut ``partition``.
 
-        Refuses, before joining, a world larger than B's blocks (a rank with
-        no block would only relay). Every collective between ranks times out
-        after ``timeout_s``, except the wait for the next session."""
+        Up to one rank per block, the blocks are pipeline stages; with more
+        ranks than blocks, every rank holds them all and takes a share of the
+        rows. Every collective between ranks times out after ``timeout_s``,
+        except the wait for the next session."""
         from aisyn.train import distributed
 
         world = distributed.world_size()
         middle = partition.middle
-        if world > len(middle):
-            raise PartitionError(
-                f"{world} ranks for a compute party that holds {len(middle)} "
-                f"blocks (cut {partition.spec}): each rank runs at least one; "
-                f"start at most {len(middle)} (torchrun --nproc-per-node)"
-            )
+        replicas = world > len(middle)
+        blocks = [middle] * world if replicas else stage_blocks(middle, world)
         ctx, device = distributed.setup(device, timeout_s=timeout_s)
         ctl = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
         relay = dist.new_group([0, world - 1])
-        return cls(ctx.rank, world, stage_blocks(middle, world), ctl, relay), device
+        return cls(ctx.rank, world, blocks, replicas, ctl, relay), device
 
     @property
     def last(self) -> int:
         return self.world - 1
 
     def share(self, partition: Partition) -> Partition:
+        """The cut as this rank holds it."""
+        if self.replicas:
+            return partition
         return partition.rank_share(self.blocks[self.rank])
+
+    def describe(self) -> str:
+        if self.replicas:
+            return f"all blocks on each of {self.world} ranks, rows shared"
+        return f"blocks over {self.world} pipeline stages"
+
+    def problem_with(self, micro_size: int) -> str | None:
+        """Why this layout cannot train on micro-batches of ``micro_size``
+        rows (an evaluation batch of fewer rows leaves ranks idle, no more)."""
+        if self.replicas and micro_size < self.world:
+            return (
+                f"this compute party shares each micro-batch's rows over its "
+                f"{self.world} ranks (more ranks than its {len(self.blocks[0])} "
+                f"block(s)), and micro-batches of {micro_size} row(s) would leave "
+                f"ranks idle: use --micro-batch-size of at least {self.world}, or "
+                f"start it on at most {max(micro_size, len(self.blocks[0]))} ranks"
+            )
+        return None
 
     def broadcast_json(self, obj: object = None) -> object:
         """Rank 0's ``obj`` on every rank, as JSON (nothing is unpickled)."""
@@ -234,151 +263,294 @@ def _runtime(
     return runtime
 
 
-def pipelined_rounds(base):
-    """The pipelined variant of the compute party's rounds class ``base``
-    (``compute_party._Rounds``), for a party that runs as ``Ranks``."""
+class PipelinedRounds(Rounds):
+    """The rounds of a compute party whose blocks are pipeline stages, one
+    per rank (see the module's docstring)."""
 
-    class PipelinedRounds(base):
-        def __init__(self, party, state, link, session, first_round_timeout_s=None):
-            super().__init__(party, state, link, session, first_round_timeout_s)
-            self.ranks: Ranks = party.ranks
-            self.module = _Stage(self)
-            self.runtimes: dict[
-                tuple, tuple[_PipelineScheduleRuntime, torch.Tensor]
-            ] = {}
-            self.round: tuple[int, proto.Control] | None = None
+    def __init__(self, party, state, link, session, first_round_timeout_s=None):
+        super().__init__(party, state, link, session, first_round_timeout_s)
+        self.ranks: Ranks = party.ranks
+        self.module = _Stage(self)
+        self.runtimes: dict[tuple, tuple[_PipelineScheduleRuntime, torch.Tensor]] = {}
+        self.round: tuple[int, proto.Control] | None = None
 
-        # --- control ---------------------------------------------------------
+    # --- control ---------------------------------------------------------
 
-        def _next_control(self, r: int) -> proto.Control | None:
+    def _next_control(self, r: int) -> proto.Control | None:
+        return _broadcast_control(self, r, super()._next_control)
+
+    # --- the pipeline ------------------------------------------------------
+
+    def act_from_link(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage 0's input for micro-batch ``i``: A's activations (a leaf
+        whose gradient goes back to A) and document ids."""
+        r, c = self.round
+        shape = (c.micro_size, c.seq_len, self.hidden)
+        x = self.link.recv("act", step=r, micro=i, shape=shape, dtype=torch.float32)
+        doc = None
+        if c.eod:
+            doc = self.link.recv(
+                "doc", step=r, micro=i, shape=shape[:2], dtype=torch.int32
+            ).to(self.state.device)
+        x = self.state.checked(x, f"the activations (micro-batch {i})")
+        x = x.to(self.state.device)
+        if torch.is_grad_enabled():
+            x.requires_grad_()
+            x.register_hook(partial(self._gact_to_link, r, i))
+        return x, doc
+
+    def _gact_to_link(self, r: int, i: int, g: torch.Tensor) -> None:
+        self.link.send("gact", g, step=r, micro=i, codec=self.session.codec)
+
+    def _runtime_for(self, c: proto.Control, train: bool):
+        order = schedule.make(c.micro_batches, c.window).b if train else [("F", 0)]
+        key = (train, c.micro_batches, c.micro_size, c.seq_len, c.eod, c.window)
+        if key not in self.runtimes:
+            dev = self.state.device
+            h = torch.zeros(c.micro_size, c.seq_len, self.hidden, device=dev)
+            h.requires_grad_(train)
+            index = torch.zeros(1, dtype=torch.int64, device=dev)
+            carried = (h, index)
+            if c.eod:
+                doc = torch.zeros(c.micro_size, c.seq_len, dtype=torch.int32)
+                carried += (doc.to(dev),)
+            rank = self.ranks.rank
+            stage = PipelineStage(
+                self.module,
+                rank,
+                self.ranks.world,
+                dev,
+                input_args=(index,) if rank == 0 else carried,
+                output_args=(
+                    (torch.zeros((), device=dev),)
+                    if rank == self.ranks.last
+                    else carried
+                ),
+            )
+            runtime = _runtime(stage, self.ranks, order, c.micro_batches, train)
+            self.runtimes[key] = (runtime, order)
+        return self.runtimes[key]
+
+    def _run_pipeline(self, r: int, c: proto.Control, train: bool) -> None:
+        runtime, order = self._runtime_for(c, train)
+        self.round = (r, c)
+        m = c.micro_batches
+        indices = torch.arange(m, device=self.state.device)
+        relay = None
+        if self.ranks.rank == 0:
+            relay = _Relay(self, r, c, order)
+            relay.start()
+        try:
             if self.ranks.rank == 0:
-                try:
-                    c = super()._next_control(r)
-                except BaseException:
-                    self.ranks.broadcast_control()  # the others end it too
-                    raise
-                self.ranks.broadcast_control(None if c is None else c.tensor())
-                return c
-            t = self.ranks.broadcast_control()
-            if int(t[0]) == END:
-                return None
-            return proto.Control.parse(t, self.state.cfg.seq_len)
+                runtime.step(indices, return_outputs=False)
+            elif self.ranks.rank == self.ranks.last:
+                runtime.step(target=indices, return_outputs=False)
+            else:
+                runtime.step(return_outputs=False)
+        finally:
+            if relay is not None:
+                relay.join()
+        if relay is not None and relay.error is not None:
+            raise relay.error
 
-        # --- the pipeline ------------------------------------------------------
+    # --- rounds --------------------------------------------------------------
 
-        def act_from_link(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-            """Stage 0's input for micro-batch ``i``: A's activations (a leaf
-            whose gradient goes back to A) and document ids."""
-            r, c = self.round
-            shape = (c.micro_size, c.seq_len, self.hidden)
+    def _train(self, r: int, c: proto.Control) -> None:
+        self._at_next_step(c, "TRAIN round")  # refused alike on every rank
+        self.state.train(True)
+        with _out_of_step(f"TRAIN round for step {c.step}"):
+            self._run_pipeline(r, c, train=True)
+            mine = self.ranks.sum_float(self.state.local_sq_norm())
+            if self.ranks.rank == 0:
+                self.link.send_scalar("sqnorm", mine, step=r)
+                theirs = self.ranks.broadcast_float(
+                    self.link.recv_scalar("sqnorm", step=r)
+                )
+            else:
+                theirs = self.ranks.broadcast_float(0.0)
+        try:
+            self.state.apply_step(c.step, theirs, mine)
+        except SkippedStep as e:
+            if self.ranks.rank == 0:
+                log.warning("run %s: %s", self.session.run_id, e)
+            return
+        self.next_step = c.step + 1
+
+    @torch.no_grad()
+    def _eval(self, r: int, c: proto.Control) -> None:
+        self.state.train(False)
+        with _out_of_step("EVAL round"):
+            self._run_pipeline(r, c, train=False)
+
+    def _generate(self, r: int, c: proto.Control) -> None:
+        raise proto.ProtocolError(NO_GENERATION)
+
+    def _save(self, r: int, c: proto.Control) -> None:
+        self._at_next_step(c, "SAVE")
+        with _out_of_step(f"SAVE of step {c.step}"):
+            self.party.save_share(self, r, c)
+
+
+class ReplicatedRounds(Rounds):
+    """The rounds of a compute party with more ranks than blocks: every rank
+    holds all of B's blocks and runs a contiguous share of each micro-batch's
+    rows (``torch.tensor_split``), which rank 0 hands out and gathers back.
+
+    Rows are independent through the blocks, so the outputs are a single
+    process's. The gradients of the replicas are summed once, after the
+    step's last backward, with one ``all_reduce``: what DDP's ``no_sync`` and
+    a last synchronised backward compute, done by hand because A's window
+    interleaves the backwards of several micro-batches, which DDP's
+    per-forward bookkeeping cannot follow."""
+
+    def __init__(self, party, state, link, session, first_round_timeout_s=None):
+        super().__init__(party, state, link, session, first_round_timeout_s)
+        self.ranks: Ranks = party.ranks
+
+    def _next_control(self, r: int) -> proto.Control | None:
+        return _broadcast_control(self, r, super()._next_control)
+
+    def _rows(self, t: torch.Tensor | None, shape, dtype) -> torch.Tensor:
+        """Rank 0's ``t`` split by rows; this rank's share (rank 0 sends
+        the others theirs)."""
+        ranks, dev = self.ranks, self.state.device
+        sizes = [len(r) for r in torch.arange(shape[0]).tensor_split(ranks.world)]
+        if ranks.rank == 0:
+            parts = t.to(dev).tensor_split(ranks.world)
+            for k in range(1, ranks.world):
+                dist.send(parts[k].contiguous(), k)
+            return parts[0]
+        mine = torch.empty((sizes[ranks.rank], *shape[1:]), dtype=dtype, device=dev)
+        dist.recv(mine, 0)
+        return mine
+
+    def _gather(self, mine: torch.Tensor, shape) -> torch.Tensor | None:
+        """The whole of every rank's rows on rank 0 (None elsewhere)."""
+        ranks = self.ranks
+        if ranks.rank != 0:
+            dist.send(mine.detach().float().contiguous(), 0)
+            return None
+        sizes = [len(r) for r in torch.arange(shape[0]).tensor_split(ranks.world)]
+        parts = [mine.detach().float()]
+        for k in range(1, ranks.world):
+            part = torch.empty((sizes[k], *shape[1:]), device=mine.device)
+            dist.recv(part, k)
+            parts.append(part)
+        return torch.cat(parts)
+
+    def _forward_rows(self, r: int, i: int, c: proto.Control, grad: bool):
+        shape = (c.micro_size, c.seq_len, self.hidden)
+        x = doc = None
+        if self.ranks.rank == 0:
             x = self.link.recv("act", step=r, micro=i, shape=shape, dtype=torch.float32)
-            doc = None
+            x = self.state.checked(x, f"the activations (micro-batch {i})")
             if c.eod:
                 doc = self.link.recv(
                     "doc", step=r, micro=i, shape=shape[:2], dtype=torch.int32
-                ).to(self.state.device)
-            x = self.state.checked(x, f"the activations (micro-batch {i})")
-            x = x.to(self.state.device)
-            if torch.is_grad_enabled():
-                x.requires_grad_()
-                x.register_hook(partial(self._gact_to_link, r, i))
-            return x, doc
-
-        def _gact_to_link(self, r: int, i: int, g: torch.Tensor) -> None:
-            self.link.send("gact", g, step=r, micro=i, codec=self.session.codec)
-
-        def _runtime_for(self, c: proto.Control, train: bool):
-            order = schedule.make(c.micro_batches, c.window).b if train else [("F", 0)]
-            key = (train, c.micro_batches, c.micro_size, c.seq_len, c.eod, c.window)
-            if key not in self.runtimes:
-                dev = self.state.device
-                h = torch.zeros(c.micro_size, c.seq_len, self.hidden, device=dev)
-                h.requires_grad_(train)
-                index = torch.zeros(1, dtype=torch.int64, device=dev)
-                carried = (h, index)
-                if c.eod:
-                    doc = torch.zeros(c.micro_size, c.seq_len, dtype=torch.int32)
-                    carried += (doc.to(dev),)
-                rank = self.ranks.rank
-                stage = PipelineStage(
-                    self.module,
-                    rank,
-                    self.ranks.world,
-                    dev,
-                    input_args=(index,) if rank == 0 else carried,
-                    output_args=(
-                        (torch.zeros((), device=dev),)
-                        if rank == self.ranks.last
-                        else carried
-                    ),
                 )
-                runtime = _runtime(stage, self.ranks, order, c.micro_batches, train)
-                self.runtimes[key] = (runtime, order)
-            return self.runtimes[key]
+        x = self._rows(x, shape, torch.float32)
+        mask = None
+        if c.eod:
+            doc = self._rows(doc, shape[:2], torch.int32)
+            mask, _ = masks_from_documents(doc.to(torch.int64))
+        x.requires_grad_(grad)
+        with autocast_for(self.state.device):
+            y = self.middle(x, mask)
+        out = self._gather(y, shape)
+        if out is not None:
+            self.link.send("out", out, step=r, micro=i, codec=self.session.codec)
+        return x, y
 
-        def _run_pipeline(self, r: int, c: proto.Control, train: bool) -> None:
-            runtime, order = self._runtime_for(c, train)
-            self.round = (r, c)
-            m = c.micro_batches
-            indices = torch.arange(m, device=self.state.device)
-            relay = None
-            if self.ranks.rank == 0:
-                relay = _Relay(self, r, c, order)
-                relay.start()
-            try:
+    def _train(self, r: int, c: proto.Control) -> None:
+        self._at_next_step(c, "TRAIN round")  # refused alike on every rank
+        if why := self.ranks.problem_with(c.micro_size):
+            raise proto.ProtocolError(why)
+        self.state.train(True)
+        shape = (c.micro_size, c.seq_len, self.hidden)
+        inflight = {}
+        with _out_of_step(f"TRAIN round for step {c.step}"):
+            for kind, i in schedule.make(c.micro_batches, c.window).b:
+                if kind == "F":
+                    inflight[i] = self._forward_rows(r, i, c, grad=True)
+                    continue
+                g = None
                 if self.ranks.rank == 0:
-                    runtime.step(indices, return_outputs=False)
-                elif self.ranks.rank == self.ranks.last:
-                    runtime.step(target=indices, return_outputs=False)
-                else:
-                    runtime.step(return_outputs=False)
-            finally:
-                if relay is not None:
-                    relay.join()
-            if relay is not None and relay.error is not None:
-                raise relay.error
-
-        # --- rounds --------------------------------------------------------------
-
-        def _train(self, r: int, c: proto.Control) -> None:
-            self._at_next_step(c, "TRAIN round")  # refused alike on every rank
-            self.state.train(True)
-            with _out_of_step(f"TRAIN round for step {c.step}"):
-                self._run_pipeline(r, c, train=True)
-                mine = self.ranks.sum_float(self.state.local_sq_norm())
-                if self.ranks.rank == 0:
-                    self.link.send_scalar("sqnorm", mine, step=r)
-                    theirs = self.ranks.broadcast_float(
-                        self.link.recv_scalar("sqnorm", step=r)
+                    g = self.link.recv(
+                        "gout", step=r, micro=i, shape=shape, dtype=torch.float32
                     )
-                else:
-                    theirs = self.ranks.broadcast_float(0.0)
-            try:
-                self.state.apply_step(c.step, theirs, mine)
-            except SkippedStep as e:
-                if self.ranks.rank == 0:
-                    log.warning("run %s: %s", self.session.run_id, e)
-                return
-            self.next_step = c.step + 1
+                    self.state.checked(g, f"the gradient of the output ({i})")
+                g = self._rows(g, shape, torch.float32)
+                x, y = inflight.pop(i)
+                torch.autograd.backward(y, g)
+                gact = self._gather(x.grad, shape)
+                if gact is not None:
+                    self.link.send(
+                        "gact", gact, step=r, micro=i, codec=self.session.codec
+                    )
+            _sum_gradients(self.state.params)
+            # The replicas now hold the same gradients: B's norm is rank
+            # 0's; a problem any rank found makes it NaN.
+            mine = self.state.local_sq_norm()
+            mine = self.ranks.sum_float(mine if self.ranks.rank == 0 else 0.0 * mine)
+            if self.ranks.rank == 0:
+                self.link.send_scalar("sqnorm", mine, step=r)
+                theirs = self.ranks.broadcast_float(
+                    self.link.recv_scalar("sqnorm", step=r)
+                )
+            else:
+                theirs = self.ranks.broadcast_float(0.0)
+        try:
+            self.state.apply_step(c.step, theirs, mine)
+        except SkippedStep as e:
+            if self.ranks.rank == 0:
+                log.warning("run %s: %s", self.session.run_id, e)
+            return
+        self.next_step = c.step + 1
 
-        @torch.no_grad()
-        def _eval(self, r: int, c: proto.Control) -> None:
-            self.state.train(False)
-            with _out_of_step("EVAL round"):
-                self._run_pipeline(r, c, train=False)
+    @torch.no_grad()
+    def _eval(self, r: int, c: proto.Control) -> None:
+        self.state.train(False)
+        with _out_of_step("EVAL round"):
+            self._forward_rows(r, 0, c, grad=False)
 
-        def _generate(self, r: int, c: proto.Control) -> None:
-            raise proto.ProtocolError(
-                "generation on a compute party spread over several ranks is not "
-                "supported; serve the run from one process to generate"
-            )
+    def _generate(self, r: int, c: proto.Control) -> None:
+        raise proto.ProtocolError(NO_GENERATION)
 
-        def _save(self, r: int, c: proto.Control) -> None:
-            self._at_next_step(c, "SAVE")
-            with _out_of_step(f"SAVE of step {c.step}"):
-                self.party.save_share(self, r, c)
+    def _save(self, r: int, c: proto.Control) -> None:
+        self._at_next_step(c, "SAVE")
+        with _out_of_step(f"SAVE of step {c.step}"):
+            self.party.save_share(self, r, c)
 
-    return PipelinedRounds
+
+def _sum_gradients(params: list[nn.Parameter]) -> None:
+    """Sum the replicas' gradients (one flat all_reduce over all of them)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _broadcast_control(rounds: Rounds, r: int, from_link) -> proto.Control | None:
+    """Rank 0 receives round ``r``'s control from A (``from_link``) and hands
+    it to every rank (``END``: the session is over); the others take it."""
+    ranks: Ranks = rounds.ranks
+    if ranks.rank == 0:
+        try:
+            c = from_link(r)
+        except BaseException:
+            ranks.broadcast_control()  # the others end it too
+            raise
+        ranks.broadcast_control(None if c is None else c.tensor())
+        return c
+    t = ranks.broadcast_control()
+    if int(t[0]) == END:
+        return None
+    return proto.Control.parse(t, rounds.state.cfg.seq_len)
 
 
 class _out_of_step:

@@ -1,0 +1,253 @@
+"""The compute party's side of a session's rounds, in one process.
+
+``ComputeParty.serve_session`` runs one ``Rounds`` per session: it reads each
+round's control tensor from the data party and runs it -- a TRAIN step over
+the micro-batches in ``split.schedule``'s order, an EVAL forward, a generation
+step on B's share of the KV cache, a SAVE. ``split.pipeline`` runs the same
+rounds over the ranks of a torchrun job.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from aisyn.link.base import Link
+from aisyn.model.causal_lm import masks_from_documents
+from aisyn.model.segments import COMPUTE_PARTY, StageCache
+from aisyn.split import protocol as proto
+from aisyn.split import schedule
+from aisyn.split.party import PartyState, SkippedStep
+from aisyn.train import checkpoint as ckpt
+from aisyn.train.device import autocast_for
+
+if TYPE_CHECKING:
+    from aisyn.split.compute_party import ComputeParty, Session
+
+log = logging.getLogger(__name__)
+
+
+class Rounds:
+    """B's side of the rounds of one session: the control of each round from
+    the data party, and what B does for it (train, evaluate, generate, save)."""
+
+    def __init__(
+        self,
+        party: ComputeParty,
+        state: PartyState,
+        link: Link,
+        session: Session,
+        first_round_timeout_s: float | None = None,
+    ) -> None:
+        self.party = party
+        self.first_round_timeout_s = first_round_timeout_s
+        self.state = state
+        self.link = link
+        self.session = session
+        (self.middle,) = state.segments
+        self.next_step = session.start_step
+        self.hidden = state.cfg.hidden_size
+        #: the KV cache of B's blocks for the sequence being generated
+        self.gen_cache: StageCache | None = None
+
+    def run(self) -> None:
+        try:
+            self._rounds()
+        finally:
+            self.gen_cache = None  # a generation left open ends with the session
+
+    def _rounds(self) -> None:
+        r = 0
+        while (c := self._next_control(r)) is not None:
+            if c.op == proto.TRAIN:
+                self._train(r, c)
+            elif c.op == proto.EVAL:
+                self._eval(r, c)
+            elif c.op in proto.GEN_OPS:
+                self._generate(r, c)
+            else:
+                self._save(r, c)
+            r += 1
+
+    def _next_control(self, r: int) -> proto.Control | None:
+        """Round ``r``'s control from A; None when A ended the session."""
+        from aisyn.link.errors import PeerClosedError, PeerLostError
+
+        try:
+            t = self.link.recv(
+                "ctl",
+                step=r,
+                shape=(7,),
+                dtype=torch.int64,
+                # A hello and silence must not hold the server for long.
+                timeout=self.first_round_timeout_s if r == 0 else None,
+            )
+        except PeerClosedError:
+            # A said goodbye between rounds: the normal end of a session.
+            log.info(
+                "session for run %s ended: the data party closed it after %d round(s)",
+                self.session.run_id,
+                r,
+            )
+            return None
+        except PeerLostError as e:
+            # A went away between rounds: nothing is half done, but it did
+            # not say goodbye, so say what happened.
+            log.warning(
+                "session for run %s ended between rounds: %s", self.session.run_id, e
+            )
+            return None
+        return proto.Control.parse(t, self.state.cfg.seq_len)
+
+    def _recv_act(self, r: int, i: int, c: proto.Control) -> tuple[torch.Tensor, ...]:
+        shape = (c.micro_size, c.seq_len, self.hidden)
+        x = self.link.recv("act", step=r, micro=i, shape=shape, dtype=torch.float32)
+        mask = None
+        if c.eod:
+            doc = self.link.recv(
+                "doc",
+                step=r,
+                micro=i,
+                shape=(c.micro_size, c.seq_len),
+                dtype=torch.int32,
+            )
+            mask, _ = masks_from_documents(doc.to(self.state.device, torch.int64))
+        return x.to(self.state.device), mask
+
+    def _at_next_step(self, c: proto.Control, name: str) -> None:
+        """A round that moves training on (TRAIN, SAVE) comes only in a
+        training session, at the step this party is at; ``name``: the round
+        as the messages call it."""
+        if self.session.purpose != "train":
+            raise proto.ProtocolError(
+                f"{proto.OPS[c.op]} round in an evaluation session"
+            )
+        if c.step != self.next_step:
+            raise proto.ProtocolError(
+                f"{name} for step {c.step}, this party is at step {self.next_step}"
+            )
+
+    def _train(self, r: int, c: proto.Control) -> None:
+        self._at_next_step(c, "TRAIN round")
+        self.state.train(True)
+        inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        shape = (c.micro_size, c.seq_len, self.hidden)
+        for kind, i in schedule.make(c.micro_batches, c.window).b:
+            if kind == "F":
+                x, mask = self._recv_act(r, i, c)
+                self.state.checked(x, f"the activations (micro-batch {i})")
+                x.requires_grad_()
+                with autocast_for(self.state.device):  # as aisyn train
+                    y = self.middle(x, mask)
+                self.link.send("out", y, step=r, micro=i, codec=self.session.codec)
+                inflight[i] = (x, y)
+            else:
+                g = self.link.recv(
+                    "gout", step=r, micro=i, shape=shape, dtype=torch.float32
+                )
+                self.state.checked(g, f"the gradient of the output (micro-batch {i})")
+                x, y = inflight.pop(i)
+                torch.autograd.backward(y, g.to(self.state.device))
+                self.link.send(
+                    "gact", x.grad, step=r, micro=i, codec=self.session.codec
+                )
+        mine = self.state.local_sq_norm()  # NaN: this party skips the step
+        self.link.send_scalar("sqnorm", mine, step=r)
+        theirs = self.link.recv_scalar("sqnorm", step=r)
+        try:
+            self.state.apply_step(c.step, theirs, mine)
+        except SkippedStep as e:
+            # The data party takes the same decision from the same two numbers;
+            # B stays at this step, and the session goes on if A wants it to.
+            log.warning("run %s: %s", self.session.run_id, e)
+            return
+        self.next_step = c.step + 1
+
+    @torch.no_grad()
+    def _eval(self, r: int, c: proto.Control) -> None:
+        self.state.train(False)
+        x, mask = self._recv_act(r, 0, c)
+        with autocast_for(self.state.device):
+            y = self.middle(x, mask)
+        self.link.send("out", y, step=r, codec=self.session.codec)
+
+    @torch.no_grad()
+    def _generate(self, r: int, c: proto.Control) -> None:
+        """One generation round: open the cache, run the next positions through
+        it, or free it. Tokens never arrive, only the front's hidden states."""
+        if self.session.purpose != "generate":
+            raise proto.ProtocolError(
+                f"{proto.OPS[c.op]} round in a {self.session.purpose} session"
+            )
+        if c.op == proto.GEN_START:
+            if self.gen_cache is not None:
+                raise proto.ProtocolError(
+                    "GEN_START while a generation is open (end it first)"
+                )
+            self.state.train(False)
+            self.gen_cache = self.middle.new_cache(c.seq_len)
+            return
+        cache = self.gen_cache
+        if cache is None:
+            raise proto.ProtocolError(f"{proto.OPS[c.op]} with no generation open")
+        if c.op == proto.GEN_END:
+            self.gen_cache = None  # the keys and values go with it
+            return
+        first, count = c.step, c.seq_len
+        if first != cache.length or first + count > cache.capacity:
+            raise proto.ProtocolError(
+                f"GEN_STEP for positions [{first}, {first + count}): the cache "
+                f"holds {cache.length} of {cache.capacity}"
+            )
+        x = self.link.recv(
+            "act", step=r, shape=(1, count, self.hidden), dtype=torch.float32
+        )
+        if not bool(torch.isfinite(x).all()):
+            # Nothing to skip as in training: a bad position would poison every
+            # later one through the cache, so the session ends.
+            raise proto.ProtocolError(
+                f"non-finite activations for positions [{first}, {first + count})"
+            )
+        # fp32 on every device, as the data party and ``aisyn generate`` run
+        y = self.middle(x.to(self.state.device), cache=cache)
+        self.link.send("out", y, step=r, codec=self.session.codec)
+
+    def _save(self, r: int, c: proto.Control) -> None:
+        self._at_next_step(c, "SAVE")
+        run = self.party.run_dir(self.session.run_id)
+        if run is None:
+            log.warning("asked to checkpoint step %d but serving without --out", c.step)
+            self.link.send_scalar("saved", -1.0, step=r)
+            return
+        t0 = time.perf_counter()
+        # A run's first save makes its folder; if that save fails, no folder
+        # is left to pass for a run (nor for one bound to this data party).
+        new_folder = not run.path.exists()
+        try:
+            if not (run.path / "config.json").is_file():
+                run.create(self.party.run_config(self.session), resume=False)
+            folder = ckpt.save(
+                run.checkpoints,
+                c.step,
+                self.state.tensors(),
+                {
+                    "party": COMPUTE_PARTY,
+                    "run_id": self.session.run_id,
+                    "model": self.state.cfg.to_dict(),
+                    "partition": self.party.partition.to_dict(),
+                    "train": proto.compute_party_train(self.session.train),
+                },
+                keep=self.party.keep,
+            )
+        except (OSError, ckpt.CheckpointError) as e:
+            log.error("checkpoint of step %d failed: %s", c.step, e)
+            if new_folder:
+                shutil.rmtree(run.path, ignore_errors=True)
+            self.link.send_scalar("saved", -1.0, step=r)
+            return
+        log.info("saved %s (%.2f s)", folder, time.perf_counter() - t0)
+        self.link.send_scalar("saved", float(c.step), step=r)
