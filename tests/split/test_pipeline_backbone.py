@@ -23,10 +23,12 @@ from aisyn.link.errors import LinkError
 from aisyn.model.pangu import PanguConfig
 from aisyn.model.segments import Partition, PartitionError
 from aisyn.net import free_port
+from aisyn.split.merge import merge
 from aisyn.split.pipeline import stage_blocks
 from aisyn.split.session import SplitOptions
 from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
+from aisyn.train import checkpoint as ckpt
 from aisyn.train.pretrain import train
 
 REL = 1e-5
@@ -65,10 +67,20 @@ def six_json(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def six_baseline(tmp_path_factory, news_data) -> list[float]:
+def six_run(tmp_path_factory, news_data) -> Path:
     out = tmp_path_factory.mktemp("six-baseline") / "run"
     train(SIX, [news_data], out, train_cfg(), progress=False)
-    return losses(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def six_baseline(six_run) -> list[float]:
+    return losses(six_run)
+
+
+@pytest.fixture(scope="module")
+def unsplit_weights(six_run) -> dict[str, torch.Tensor]:
+    return ckpt.read_tensors(ckpt.model_file(six_run))
 
 
 class Job:
@@ -154,7 +166,7 @@ def test_a_rank_share_outside_the_compute_party_is_refused():
     ids=["2-stages-pipelined", "3-stages-lockstep"],
 )
 def test_pipelined_backbone_trains_what_one_process_trains(
-    tmp_path, news_data, six_json, six_baseline, nproc, window
+    tmp_path, news_data, six_json, six_baseline, unsplit_weights, nproc, window
 ):
     # Prepare: B's three blocks over nproc ranks
     with Job(tmp_path, nproc, str(six_json), tmp_path / "b") as job:
@@ -178,6 +190,12 @@ def test_pipelined_backbone_trains_what_one_process_trains(
     assert json.loads((run / "config.json").read_text())["world_size"] == nproc
     for rank in range(1, nproc):
         assert (run / "ranks" / str(rank) / "checkpoints" / "step_00000020").is_dir()
+    # ... and the shares merge into the one model unsplit training makes
+    folder = merge(tmp_path / "a", tmp_path / "b", tmp_path / "merged")
+    merged = ckpt.read_tensors(folder / ckpt.MODEL_FILE)
+    assert merged.keys() == unsplit_weights.keys()
+    worst = max((merged[k] - unsplit_weights[k]).abs().max() for k in merged)
+    assert worst < 1e-4, f"merged weights differ from unsplit by {worst:.3g}"
 
 
 def rank_pid(job: Job, rank: int) -> int:

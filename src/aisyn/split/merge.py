@@ -23,6 +23,7 @@ from aisyn.model.segments import (
     Partition,
     own_tensor_shapes,
 )
+from aisyn.split import shards
 from aisyn.split.party import run_methods
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.lora import ADAPTER_NAME, Method
@@ -72,7 +73,7 @@ def merge(
         if a_cfg[key] != b_cfg.get(key):
             raise MergeError(f"{b_run.path}: {key} differs from {a_run.path}'s")
     a_steps = ckpt.complete_steps(a_run.checkpoints)
-    b_steps = ckpt.complete_steps(b_run.checkpoints)
+    b_steps = shards.complete_steps(b_run.checkpoints)
     common = sorted(set(a_steps) & set(b_steps))
     if step is None:
         if not common:
@@ -101,7 +102,10 @@ def merge(
     for name in (ckpt.MODEL_FILE, ckpt.OPTIM_FILE):
         half = {}
         for party, (folder, method, base) in halves.items():
-            t = ckpt.read_tensors(folder / name)
+            if party == COMPUTE_PARTY:  # the union of its ranks' shares
+                t = shards.read_share(folder, name, lambda _name: True)
+            else:
+                t = ckpt.read_tensors(folder / name)
             if name == ckpt.MODEL_FILE:
                 t = plain_weights(mcfg, partition, party, t, method, base, folder)
             elif method.name == "lora":  # adapters' moments fit no plain weight
