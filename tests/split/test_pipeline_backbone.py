@@ -305,3 +305,22 @@ def test_replicas_refuse_micro_batches_too_small_to_share(tmp_path, news_data):
                 SplitOptions(cut="u:1,1", mode="grpc", peer=peer(job.address())),
                 progress=False,
             )
+
+
+@pytest.mark.slow
+def test_a_hugging_face_family_pipelined_over_two_ranks(tmp_path, news_data):
+    """Llama (no top query layer, RoPE, RMSNorm): its two middle blocks over
+    two pipeline stages train what one process trains."""
+    base = tmp_path / "unsplit"
+    cfg = train_cfg(steps=10)
+    train("llama-tiny", [news_data], base, cfg, progress=False)
+    with Job(tmp_path, 2, "llama-tiny", tmp_path / "b") as job:
+        split_train(
+            "llama-tiny",
+            [news_data],
+            tmp_path / "a",
+            cfg,
+            SplitOptions(cut="u:1,1", mode="grpc", window=2, peer=peer(job.address())),
+            progress=False,
+        )
+    assert_matches(losses(tmp_path / "a"), losses(base))
