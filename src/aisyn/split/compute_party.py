@@ -42,7 +42,7 @@ from aisyn.split.pipeline import (
     NO_GENERATION,
     PipelinedRounds,
     Ranks,
-    ReplicatedRounds,
+    ShardedRounds,
     announce_session,
 )
 from aisyn.split.rounds import Rounds
@@ -356,7 +356,7 @@ class ComputeParty:
             log.info("initialised from %s", self.base.checkpoint)
         rounds = Rounds
         if ranks is not None:
-            rounds = ReplicatedRounds if ranks.replicas else PipelinedRounds
+            rounds = ShardedRounds if ranks.sharded else PipelinedRounds
         rounds(self, state, link, session, first_round_timeout_s).run()
 
     def save_share(self, rounds: Rounds, r: int, c: proto.Control) -> None:
@@ -376,8 +376,10 @@ class ComputeParty:
                 log.error("checkpoint of step %d failed: %s", c.step, e)
                 ok = False
         ok = ranks.all_ok(ok)  # the folder is there before any rank writes
-        writes = first or not ranks.replicas  # replicas: rank 0's is the one
-        if ok and writes:
+        # Every rank takes part (sharded weights are gathered); FSDP2-sharded:
+        # rank 0 writes the whole.
+        files = rounds.checkpoint_tensors() if ok else {}
+        if ok and (first or not ranks.sharded):
             blocks = ranks.blocks[ranks.rank]
             state = {
                 "party": COMPUTE_PARTY,
@@ -387,13 +389,13 @@ class ComputeParty:
                 "train": proto.compute_party_train(session.train),
                 "blocks": [blocks.start, blocks.stop],
             }
-            if first and not ranks.replicas:
+            if first and not ranks.sharded:
                 state[shards.WORLD] = ranks.world
             try:
                 ckpt.save(
                     shards.rank_root(run.checkpoints, ranks.rank),
                     c.step,
-                    rounds.state.tensors(),
+                    files,
                     state,
                     keep=self.keep,
                 )

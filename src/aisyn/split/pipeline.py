@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,11 +50,12 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from aisyn.model.causal_lm import masks_from_documents
-from aisyn.model.segments import Partition
+from aisyn.model.segments import Partition, own_tensor_shapes
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import SkippedStep
 from aisyn.split.rounds import Rounds
+from aisyn.train import checkpoint as ckpt
 from aisyn.train.device import autocast_for
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ log = logging.getLogger(__name__)
 IDLE_WAIT = timedelta(days=365)
 #: the control word that ends a session on the other ranks
 END = -1
-#: why a session of a pipelined (or replicated) compute party cannot generate
+#: why a session of a pipelined (or sharded) compute party cannot generate
 NO_GENERATION = (
     "generation on a compute party spread over several ranks is not supported; "
     "serve the run from one process to generate"
@@ -90,12 +92,12 @@ class Ranks:
 
     rank: int
     world: int
-    #: each rank's blocks: a pipeline stage each, or (``replicas``) all of
+    #: each rank's blocks: a pipeline stage each, or (``sharded``) all of
     #: them on every rank
     blocks: list[range]
-    #: more ranks than blocks: every rank holds all of B's blocks and runs a
-    #: share of each micro-batch's rows (``replicated_rounds``)
-    replicas: bool
+    #: more ranks than blocks: B's blocks are FSDP2-sharded over all the
+    #: ranks, each running a share of each micro-batch's rows (``ShardedRounds``)
+    sharded: bool
     #: control broadcasts and the sums of the ranks' norms (gloo: CPU tensors)
     ctl: dist.ProcessGroup
     #: the last stage and rank 0: its outputs to A, A's gradients back
@@ -106,19 +108,19 @@ class Ranks:
         """Join the job torchrun describes, for the cut ``partition``.
 
         Up to one rank per block, the blocks are pipeline stages; with more
-        ranks than blocks, every rank holds them all and takes a share of the
-        rows. Every collective between ranks times out after ``timeout_s``,
-        except the wait for the next session."""
+        ranks than blocks, they are sharded over all of them (FSDP2), each
+        rank taking a share of the rows. Every collective between ranks
+        times out after ``timeout_s``, except the wait for the next session."""
         from aisyn.train import distributed
 
         world = distributed.world_size()
         middle = partition.middle
-        replicas = world > len(middle)
-        blocks = [middle] * world if replicas else stage_blocks(middle, world)
+        sharded = world > len(middle)
+        blocks = [middle] * world if sharded else stage_blocks(middle, world)
         ctx, device = distributed.setup(device, timeout_s=timeout_s)
         ctl = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
         relay = dist.new_group([0, world - 1])
-        return cls(ctx.rank, world, blocks, replicas, ctl, relay), device
+        return cls(ctx.rank, world, blocks, sharded, ctl, relay), device
 
     @property
     def last(self) -> int:
@@ -126,19 +128,19 @@ class Ranks:
 
     def share(self, partition: Partition) -> Partition:
         """The cut as this rank holds it."""
-        if self.replicas:
+        if self.sharded:
             return partition
         return partition.rank_share(self.blocks[self.rank])
 
     def describe(self) -> str:
-        if self.replicas:
-            return f"all blocks on each of {self.world} ranks, rows shared"
+        if self.sharded:
+            return f"blocks sharded over {self.world} ranks (FSDP2), rows shared"
         return f"blocks over {self.world} pipeline stages"
 
     def problem_with(self, micro_size: int) -> str | None:
         """Why this layout cannot train on micro-batches of ``micro_size``
         rows (an evaluation batch of fewer rows leaves ranks idle, no more)."""
-        if self.replicas and micro_size < self.world:
+        if self.sharded and micro_size < self.world:
             return (
                 f"this compute party shares each micro-batch's rows over its "
                 f"{self.world} ranks (more ranks than its {len(self.blocks[0])} "
@@ -391,21 +393,25 @@ class PipelinedRounds(Rounds):
             self.party.save_share(self, r, c)
 
 
-class ReplicatedRounds(Rounds):
-    """The rounds of a compute party with more ranks than blocks: every rank
-    holds all of B's blocks and runs a contiguous share of each micro-batch's
-    rows (``torch.tensor_split``), which rank 0 hands out and gathers back.
+class ShardedRounds(Rounds):
+    """The rounds of a compute party with more ranks than blocks: B's blocks
+    are sharded over all the ranks with FSDP2 (``fully_shard``: each rank
+    keeps 1/R of every weight, gradient and AdamW moment, and gathers a
+    block's weights only to run it), and every rank runs a contiguous share
+    of each micro-batch's rows (``torch.tensor_split``), which rank 0 hands
+    out and gathers back.
 
     Rows are independent through the blocks, so the outputs are a single
-    process's. The gradients of the replicas are summed once, after the
-    step's last backward, with one ``all_reduce``: what DDP's ``no_sync`` and
-    a last synchronised backward compute, done by hand because A's window
-    interleaves the backwards of several micro-batches, which DDP's
-    per-forward bookkeeping cannot follow."""
+    process's. Gradients accumulate unreduced over the step's micro-batches
+    and are reduce-scattered once, summed (not averaged: the step's gradient
+    is the sum over micro-batches, as A's loss scaling makes it), in the
+    step's last backward -- the last in ``split.schedule``'s order whatever
+    A's window."""
 
     def __init__(self, party, state, link, session, first_round_timeout_s=None):
         super().__init__(party, state, link, session, first_round_timeout_s)
         self.ranks: Ranks = party.ranks
+        self.sharded = _fully_shard(state, self.ranks)
 
     def _next_control(self, r: int) -> proto.Control | None:
         return _broadcast_control(self, r, super()._next_control)
@@ -481,17 +487,19 @@ class ReplicatedRounds(Rounds):
                     self.state.checked(g, f"the gradient of the output ({i})")
                 g = self._rows(g, shape, torch.float32)
                 x, y = inflight.pop(i)
+                last = not inflight and i == c.micro_batches - 1
+                for module in self.sharded:  # reduce-scatter in the last one
+                    module.set_requires_gradient_sync(last, recurse=False)
                 torch.autograd.backward(y, g)
                 gact = self._gather(x.grad, shape)
                 if gact is not None:
                     self.link.send(
                         "gact", gact, step=r, micro=i, codec=self.session.codec
                     )
-            _sum_gradients(self.state.params)
-            # The replicas now hold the same gradients: B's norm is rank
-            # 0's; a problem any rank found makes it NaN.
-            mine = self.state.local_sq_norm()
-            mine = self.ranks.sum_float(mine if self.ranks.rank == 0 else 0.0 * mine)
+            # Each rank holds a shard of every gradient: B's squared norm is
+            # the sum of theirs; a problem any rank found makes it NaN.
+            local = math.nan if self.state.problem else _shard_sq_norm(self.state)
+            mine = self.ranks.sum_float(local)
             if self.ranks.rank == 0:
                 self.link.send_scalar("sqnorm", mine, step=r)
                 theirs = self.ranks.broadcast_float(
@@ -521,18 +529,79 @@ class ReplicatedRounds(Rounds):
         with _out_of_step(f"SAVE of step {c.step}"):
             self.party.save_share(self, r, c)
 
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The whole of B's tensors, gathered from the shards one at a time
+        (every rank takes part; rank 0 writes them), as ``PartyState.tensors``
+        lays them out."""
+        st = self.state
+        if st.lora:
+            weights = {n: _full(p.detach()) for n, p in st.named}
+        else:
+            own = own_tensor_shapes(st.cfg, st.partition, st.party)
+            model = st.model.state_dict()
+            weights = {n: _full(model[n].detach()).contiguous() for n in own}
+        names = {p: n for n, p in st.named}
+        moments = ckpt.optimizer_tensors(st.optimizer, names)
+        return {
+            ckpt.MODEL_FILE: weights,
+            ckpt.OPTIM_FILE: {
+                **{k: _full(v) for k, v in moments.items()},
+                **ckpt.rng_tensors(),
+            },
+        }
 
-def _sum_gradients(params: list[nn.Parameter]) -> None:
-    """Sum the replicas' gradients (one flat all_reduce over all of them)."""
-    grads = [p.grad for p in params if p.grad is not None]
+
+def _fully_shard(state, ranks: Ranks) -> list:
+    """Shard B's blocks over the ranks with FSDP2, once their weights and
+    optimizer state are in place (loaded whole, then split): the optimizer
+    is rebuilt over the sharded parameters and its moments split alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from aisyn.train.optim import make_optimizer
+
+    mesh = init_device_mesh(state.device.type, (ranks.world,))
+    moments = {n: state.optimizer.state.get(p, {}) for n, p in state.named}
+    layout = state.cfg.layout
+    modules = []
+    for i in state.partition.middle:
+        module = state.model.get_submodule(layout.block_path(i))
+        fully_shard(module, mesh=mesh)
+        module.set_gradient_divide_factor(1.0)  # a sum over the rows' shares
+        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        modules.append(module)
+    params = dict(state.model.named_parameters())
+    state.named = [(n, params[n]) for n, _ in state.named]
+    state.params = [p for _, p in state.named]
+    state.optimizer = make_optimizer(state.named, state.train_cfg)
+    for name, p in state.named:
+        if moments[name]:
+            state.optimizer.state[p] = {
+                k: distribute_tensor(v, mesh, p.placements) if v.shape == p.shape else v
+                for k, v in moments[name].items()
+            }
+    return modules
+
+
+def _shard_sq_norm(state) -> float:
+    """This rank's share of the squared gradient norm (its shards' squares)."""
+    grads = [_local(p.grad) for p in state.params if p.grad is not None]
     if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+        return 0.0
+    return float(torch.stack([g.double().pow(2).sum() for g in grads]).sum())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _broadcast_control(rounds: Rounds, r: int, from_link) -> proto.Control | None:

@@ -54,6 +54,10 @@ class Rounds:
         #: the KV cache of B's blocks for the sequence being generated
         self.gen_cache: StageCache | None = None
 
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """This rank's checkpoint files (name -> tensors)."""
+        return self.state.tensors()
+
     def run(self) -> None:
         try:
             self._rounds()

@@ -1,0 +1,171 @@
+"""The compute party as a torchrun job: exactness and pipeline bubble.
+
+* Exactness: B's middle blocks over R = 2 and 3 pipeline stages (torchrun,
+  gloo, one thread per rank), the data party in this process over gRPC;
+  the largest relative difference of the per-step losses from ``aisyn
+  train``'s over 20 steps (fp32), for PanGu-α and Llama.
+* Bubble: seconds per step of the same run with B on one process and on R
+  stages, against the ideal ``(m + R - 1) / (m R)`` of a pipeline of R
+  stages over m micro-batches (each stage a 1/R share of B's compute; A's
+  share and the link are not in the ideal).
+
+    python bench/scale_pipeline.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from aisyn.data.corpora import load_corpus
+from aisyn.data.shards import prepare
+from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.model.families import load_config
+from aisyn.net import free_port
+from aisyn.split.session import SplitOptions
+from aisyn.split.train import split_train
+from aisyn.split.transport import LinkSettings
+from aisyn.train.config import TrainConfig
+from aisyn.train.pretrain import train
+from aisyn.train.run import read_metrics
+
+TOKEN = "bench-scale-pipeline"
+SIZE = dict(vocab_size=8000, hidden_size=64, num_heads=4, ffn_size=128, seq_len=64)
+#: six layers of PanGu-α and five of Llama: cut u:1,1 leaves B three blocks
+MODELS = {
+    "PanGu-α": {"num_layers": 6, **SIZE},
+    "Llama": {
+        **load_config("llama-tiny").to_dict(),
+        **SIZE,
+        "num_layers": 5,
+        "head_dim": 16,
+        "num_kv_heads": 2,
+    },
+}
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+
+class Job:
+    """``torchrun --nproc-per-node R -m aisyn.cli split serve``."""
+
+    def __init__(self, work: Path, ranks: int, model: Path) -> None:
+        self.address = work / f"address-{time.monotonic_ns()}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run",
+             "--nproc-per-node", str(ranks), "--master-port", str(free_port()),
+             "-m", "aisyn.cli", "split", "serve", "--listen", "127.0.0.1:0",
+             "--address-file", str(self.address), "--model", str(model),
+             "--insecure", "--out", str(work / f"b-{time.monotonic_ns()}")],
+            env={**os.environ, "AISYN_SPLIT_TOKEN": TOKEN},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def __enter__(self) -> LinkSettings:
+        deadline = time.monotonic() + 180
+        while not self.address.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the compute party did not start")
+            time.sleep(0.05)
+        return LinkSettings(self.address.read_text().strip(), insecure=True)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+
+def split_run(work: Path, model: Path, ranks: int, data: Path, cfg: TrainConfig):
+    """(losses, seconds per step) of a split run with B on ``ranks`` ranks."""
+    out = work / f"a-{ranks}-{time.monotonic_ns()}"
+    with Job(work, ranks, model) as peer:
+        summary = split_train(
+            model,
+            [data],
+            out,
+            cfg,
+            SplitOptions(cut="u:1,1", mode="grpc", window=2, peer=peer),
+            progress=False,
+        )
+    return losses(out), summary["elapsed_s"] / cfg.steps
+
+
+def exactness_lines(work: Path, data: Path) -> list[str]:
+    cfg = TrainConfig(steps=20, batch_size=8, micro_batch_size=2, lr=3e-3,
+                      warmup_steps=4, log_every=1, seed=11, device="cpu")  # fmt: skip
+    lines = []
+    for name, fields in MODELS.items():
+        model = work / f"{name}.json"
+        model.write_text(json.dumps(fields))
+        base = work / f"unsplit-{name}"
+        train(model, [data], base, cfg, progress=False)
+        want = losses(base)
+        for ranks in (2, 3):
+            got, _ = split_run(work, model, ranks, data, cfg)
+            worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+            lines.append(
+                f"backbone on {ranks} pipeline stages, {name}: max relative loss "
+                f"difference vs unsplit {worst:.2e} over {len(got)} steps (fp32, gloo)"
+            )
+    return lines
+
+
+def bubble_line(work: Path, data: Path, quick: bool) -> str:
+    ranks, m = 2, 4
+    fields = {**SIZE, "hidden_size": 128, "ffn_size": 512, "num_layers": 10}
+    model = work / "bubble.json"
+    model.write_text(json.dumps(fields))
+    cfg = TrainConfig(steps=6 if quick else 20, batch_size=4 * m, micro_batch_size=4,
+                      lr=1e-3, log_every=100, seed=1, device="cpu")  # fmt: skip
+    _, one = split_run(work, model, 1, data, cfg)
+    _, staged = split_run(work, model, ranks, data, cfg)
+    ideal = (m + ranks - 1) / (m * ranks)
+    return (
+        f"pipeline bubble: B's 7 blocks on {ranks} stages, m={m} micro-batches: "
+        f"{staged:.3f} s/step vs {one:.3f} on one process = {staged / one:.2f}x "
+        f"(ideal (m+R-1)/(mR) = {ideal:.2f}x; A's share, the link and "
+        f"{os.cpu_count()} CPU cores shared by A and the ranks are not in the ideal)"
+    )
+
+
+def data_dir(work: Path) -> Path:
+    out = work / "news"
+    prepare(load_corpus("news"), PanguTokenizer.load(), 64, out, max_documents=400,
+            corpus_specs=["news"])  # fmt: skip
+    return out
+
+
+def pipeline_lines(quick: bool = True) -> list[str]:
+    torch.set_num_threads(1)  # as torchrun gives each rank
+    os.environ["AISYN_SPLIT_TOKEN"] = TOKEN  # the one the compute party gets
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        data = data_dir(work)
+        return [*exactness_lines(work, data), bubble_line(work, data, quick)]
+
+
+def main() -> None:
+    logging.disable(logging.WARNING)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    for line in pipeline_lines(args.quick):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
