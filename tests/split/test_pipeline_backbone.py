@@ -19,16 +19,20 @@ import pytest
 import torch
 from conftest import TOKEN, losses, start_server, train_cfg
 
+from aisyn.eval.report import evaluate_run
 from aisyn.link.errors import LinkError
+from aisyn.model.generate import Sampling, decode, generate
 from aisyn.model.pangu import PanguConfig
 from aisyn.model.segments import Partition, PartitionError
 from aisyn.net import free_port
+from aisyn.split.evaluate import evaluate_split_run, open_data_session
 from aisyn.split.merge import merge
 from aisyn.split.pipeline import stage_blocks
 from aisyn.split.session import SplitOptions
 from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
+from aisyn.train.models import load_run_model
 from aisyn.train.pretrain import train
 
 REL = 1e-5
@@ -134,6 +138,25 @@ def peer(address: str) -> LinkSettings:
     return LinkSettings(address, insecure=True)  # the token: AISYN_SPLIT_TOKEN
 
 
+def assert_serves_as_merged(
+    run: Path, merged: Path, settings: LinkSettings, data: Path
+) -> None:
+    """A split run's test loss and a greedy continuation through the compute
+    party at ``settings`` equal those of its merged model."""
+    split = evaluate_split_run(run, peer=settings, device="cpu", data_dir=data)
+    whole = evaluate_run(merged, device="cpu", data_dir=data)
+    assert split["test"]["loss"] == pytest.approx(whole["test"]["loss"], rel=1e-5)
+    model, _ = load_run_model(merged)
+    prompt, new = [5, 17, 301, 42], 6
+    with open_data_session(run, "cpu", purpose="generate", peer=settings) as (s, _):
+        decoder = s.decoder(len(prompt) + new)
+        try:
+            tokens = decode(decoder, prompt, new, Sampling())
+        finally:
+            decoder.close()
+    assert tokens == generate(model.eval(), prompt, new)
+
+
 def assert_matches(got: list[float], want: list[float]) -> None:
     assert len(got) == len(want) and got
     worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
@@ -186,13 +209,16 @@ def test_pipelined_backbone_trains_what_one_process_trains(
         assert "link server listening" in job.rank_log(0)
         for rank in range(1, nproc):
             assert "listening" not in job.rank_log(rank)
+        # ... and the ranks evaluate and generate what the merged model does
+        merged = tmp_path / "merged"
+        merge(tmp_path / "a", tmp_path / "b", merged)
+        assert_serves_as_merged(tmp_path / "a", merged, peer(job.address()), news_data)
     (run,) = (tmp_path / "b").iterdir()
     assert json.loads((run / "config.json").read_text())["world_size"] == nproc
     for rank in range(1, nproc):
         assert (run / "ranks" / str(rank) / "checkpoints" / "step_00000020").is_dir()
-    # ... and the shares merge into the one model unsplit training makes
-    folder = merge(tmp_path / "a", tmp_path / "b", tmp_path / "merged")
-    merged = ckpt.read_tensors(folder / ckpt.MODEL_FILE)
+    # ... and the shares merged are the one model unsplit training makes
+    merged = ckpt.read_tensors(ckpt.model_file(tmp_path / "merged"))
     assert merged.keys() == unsplit_weights.keys()
     worst = max((merged[k] - unsplit_weights[k]).abs().max() for k in merged)
     assert worst < 1e-4, f"merged weights differ from unsplit by {worst:.3g}"
@@ -295,6 +321,10 @@ def test_the_issue_command_line_tiny_sharded_over_two_ranks(tmp_path, news_data)
     (run,) = (tmp_path / "b").iterdir()
     assert json.loads((run / "config.json").read_text())["world_size"] == 2
     sharded = merge(tmp_path / "grpc", tmp_path / "b", tmp_path / "m1")
+    with Job(tmp_path, 2, "tiny", tmp_path / "b") as job:  # evaluate, generate
+        assert_serves_as_merged(
+            tmp_path / "grpc", tmp_path / "m1", peer(job.address()), news_data
+        )
     single = merge(tmp_path / "local", tmp_path / "local" / "compute", tmp_path / "m2")
     got = ckpt.read_tensors(sharded / ckpt.MODEL_FILE)
     want = ckpt.read_tensors(single / ckpt.MODEL_FILE)

@@ -272,6 +272,7 @@ def cmd_serve(args) -> None:
         # timeout, as the wait for the data party is.
         timeout = args.idle_timeout or COMPUTE_PARTY_IDLE_TIMEOUT_S
         ranks, device = Ranks.join(partition, resolve_device(device), timeout)
+        ranks.check_shared(args.out)
     # A pretrained folder (hf:DIR) is also where B's blocks start from.
     init_from = args.init_from or (args.model if hf_folder(args.model) else None)
     party = ComputeParty(

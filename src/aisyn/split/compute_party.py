@@ -39,7 +39,6 @@ from aisyn.split.party import (
     place_weights,
 )
 from aisyn.split.pipeline import (
-    NO_GENERATION,
     PipelinedRounds,
     Ranks,
     ShardedRounds,
@@ -204,8 +203,6 @@ class ComputeParty:
                 "--init-from BASE (or --model hf:DIR)"
             )
         b_steps = shards.complete_steps(run.checkpoints) if run is not None else []
-        if purpose == "generate" and self.ranks is not None:
-            raise proto.ProtocolError(NO_GENERATION)
         if purpose in ("eval", "generate"):
             step = h.eval_step
             if not isinstance(step, int) or step not in b_steps:

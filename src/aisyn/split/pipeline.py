@@ -35,9 +35,11 @@ import json
 import logging
 import math
 import threading
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 
+from aisyn.errors import RunFailedError
 from aisyn.model.causal_lm import masks_from_documents
 from aisyn.model.segments import Partition, own_tensor_shapes
 from aisyn.split import protocol as proto
@@ -64,14 +67,11 @@ log = logging.getLogger(__name__)
 IDLE_WAIT = timedelta(days=365)
 #: the control word that ends a session on the other ranks
 END = -1
-#: why a session of a pipelined (or sharded) compute party cannot generate
-NO_GENERATION = (
-    "generation on a compute party spread over several ranks is not supported; "
-    "serve the run from one process to generate"
-)
+#: the stages' order in an evaluation round (its backward is skipped)
+EVAL_ORDER = [("F", 0), ("B", 0)]
 
 
-class RanksOutOfStep(RuntimeError):
+class RanksOutOfStep(RunFailedError):
     """A round failed part-way: the ranks cannot agree where they are."""
 
 
@@ -125,6 +125,31 @@ class Ranks:
     @property
     def last(self) -> int:
         return self.world - 1
+
+    def check_shared(self, root: Path | None) -> None:
+        """Refuse a checkpoint root the ranks do not share: rank 0 alone reads
+        the run's record and which steps every rank saved, so on several
+        nodes ``--out`` must be one shared filesystem."""
+        if root is None:
+            return
+        token = self.broadcast_json(uuid.uuid4().hex if self.rank == 0 else None)
+        probe = Path(root) / f".aisyn-ranks-{token}"
+        ok = True
+        if self.rank == 0:
+            try:
+                probe.parent.mkdir(parents=True, exist_ok=True)
+                probe.touch()
+            except OSError:
+                ok = False
+        ok = self.all_ok(ok)
+        seen = self.all_ok(ok and probe.is_file())
+        if self.rank == 0:
+            probe.unlink(missing_ok=True)
+        if not seen:
+            raise OSError(
+                f"--out {root}: the compute party's ranks do not all see the same "
+                "folder (on several nodes it must be one shared filesystem)"
+            )
 
     def share(self, partition: Partition) -> Partition:
         """The cut as this rank holds it."""
@@ -244,20 +269,14 @@ def _actions(order: list[tuple[str, int]], stage: int) -> list[_Action]:
 
 
 def _runtime(
-    stage: PipelineStage,
-    ranks: Ranks,
-    order: list[tuple[str, int]],
-    m: int,
-    train: bool,
+    stage: PipelineStage, ranks: Ranks, order: list[tuple[str, int]], m: int
 ) -> _PipelineScheduleRuntime:
     """The pipelining runtime over ``order`` on every stage. Gradients are
     A's, summed over micro-batches as a single compute party sums them (no
-    scaling); the "loss" is ``_ToRelay``'s zero."""
+    scaling); the "loss" is ``_ToRelay``'s zero. ``eval()`` runs it forward
+    only (the backwards are skipped)."""
     runtime = _PipelineScheduleRuntime(
-        [stage],
-        m,
-        loss_fn=(lambda token, _index: token) if train else None,
-        scale_grads=False,
+        [stage], m, loss_fn=lambda token, _index: token, scale_grads=False
     )
     runtime._prepare_schedule_with_comms(
         {k: _actions(order, k) for k in range(ranks.world)}
@@ -305,7 +324,8 @@ class PipelinedRounds(Rounds):
         self.link.send("gact", g, step=r, micro=i, codec=self.session.codec)
 
     def _runtime_for(self, c: proto.Control, train: bool):
-        order = schedule.make(c.micro_batches, c.window).b if train else [("F", 0)]
+        # An evaluation is one micro-batch, its backward skipped (``eval()``).
+        order = schedule.make(c.micro_batches, c.window).b if train else EVAL_ORDER
         key = (train, c.micro_batches, c.micro_size, c.seq_len, c.eod, c.window)
         if key not in self.runtimes:
             dev = self.state.device
@@ -329,7 +349,7 @@ class PipelinedRounds(Rounds):
                     else carried
                 ),
             )
-            runtime = _runtime(stage, self.ranks, order, c.micro_batches, train)
+            runtime = _runtime(stage, self.ranks, order, c.micro_batches)
             self.runtimes[key] = (runtime, order)
         return self.runtimes[key]
 
@@ -340,15 +360,16 @@ class PipelinedRounds(Rounds):
         indices = torch.arange(m, device=self.state.device)
         relay = None
         if self.ranks.rank == 0:
-            relay = _Relay(self, r, c, order)
+            relay = _Relay(self, r, c, order if train else order[:1])
             relay.start()
+        run = runtime.step if train else runtime.eval
         try:
             if self.ranks.rank == 0:
-                runtime.step(indices, return_outputs=False)
+                run(indices, return_outputs=False)
             elif self.ranks.rank == self.ranks.last:
-                runtime.step(target=indices, return_outputs=False)
+                run(target=indices, return_outputs=False)
             else:
-                runtime.step(return_outputs=False)
+                run(return_outputs=False)
         finally:
             if relay is not None:
                 relay.join()
@@ -384,8 +405,23 @@ class PipelinedRounds(Rounds):
         with _out_of_step("EVAL round"):
             self._run_pipeline(r, c, train=False)
 
-    def _generate(self, r: int, c: proto.Control) -> None:
-        raise proto.ProtocolError(NO_GENERATION)
+    # --- generation: the positions run down the stages, one rank after another
+
+    def _generation_input(self, r: int, count: int) -> torch.Tensor | None:
+        return _generation_input(self, r, count, super()._generation_input)
+
+    def _generation_step(self, r: int, x: torch.Tensor, cache) -> None:
+        ranks = self.ranks
+        with _out_of_step("generation step"):
+            y = self.middle(x, cache=cache)
+            if ranks.rank != ranks.last:
+                dist.send(y.contiguous(), ranks.rank + 1)
+            else:
+                dist.send(y.contiguous(), 0, group=ranks.relay)
+            if ranks.rank == 0:
+                out = torch.empty_like(y)
+                dist.recv(out, ranks.last, group=ranks.relay)
+                self.link.send("out", out, step=r, codec=self.session.codec)
 
     def _save(self, r: int, c: proto.Control) -> None:
         self._at_next_step(c, "SAVE")
@@ -521,8 +557,17 @@ class ShardedRounds(Rounds):
         with _out_of_step("EVAL round"):
             self._forward_rows(r, 0, c, grad=False)
 
-    def _generate(self, r: int, c: proto.Control) -> None:
-        raise proto.ProtocolError(NO_GENERATION)
+    # --- generation: every rank runs the blocks (their weights are gathered
+    # block by block), rank 0 on the sequence, the others on zeros
+
+    def _generation_input(self, r: int, count: int) -> torch.Tensor | None:
+        return _generation_input(self, r, count, super()._generation_input)
+
+    def _generation_step(self, r: int, x: torch.Tensor, cache) -> None:
+        with _out_of_step("generation step"):
+            y = self.middle(x, cache=cache)
+            if self.ranks.rank == 0:
+                self.link.send("out", y, step=r, codec=self.session.codec)
 
     def _save(self, r: int, c: proto.Control) -> None:
         self._at_next_step(c, "SAVE")
@@ -602,6 +647,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _generation_input(rounds, r: int, count: int, from_link) -> torch.Tensor | None:
+    """The first stage's input of a generation step on every rank that needs
+    one: rank 0's from A (``from_link``); the next stages' from the stage
+    before (pipelined), or zeros to run the sharded blocks alongside. None on
+    every rank when A's were not finite: the ranks refuse alike."""
+    ranks: Ranks = rounds.ranks
+    shape, dev = (1, count, rounds.hidden), rounds.state.device
+    x = from_link(r, count) if ranks.rank == 0 else None
+    if not ranks.all_ok(ranks.rank != 0 or x is not None):
+        return None
+    if ranks.rank == 0:
+        return x
+    if ranks.sharded:
+        return torch.zeros(shape, device=dev)
+    x = torch.empty(shape, device=dev)
+    dist.recv(x, ranks.rank - 1)
+    return x
 
 
 def _broadcast_control(rounds: Rounds, r: int, from_link) -> proto.Control | None:

@@ -207,17 +207,26 @@ class Rounds:
                 f"GEN_STEP for positions [{first}, {first + count}): the cache "
                 f"holds {cache.length} of {cache.capacity}"
             )
-        x = self.link.recv(
-            "act", step=r, shape=(1, count, self.hidden), dtype=torch.float32
-        )
-        if not bool(torch.isfinite(x).all()):
+        x = self._generation_input(r, count)
+        if x is None:
             # Nothing to skip as in training: a bad position would poison every
             # later one through the cache, so the session ends.
             raise proto.ProtocolError(
                 f"non-finite activations for positions [{first}, {first + count})"
             )
+        self._generation_step(r, x, cache)
+
+    def _generation_input(self, r: int, count: int) -> torch.Tensor | None:
+        """The front's hidden states of the next ``count`` positions (None:
+        they are not finite)."""
+        x = self.link.recv(
+            "act", step=r, shape=(1, count, self.hidden), dtype=torch.float32
+        )
+        return x.to(self.state.device) if bool(torch.isfinite(x).all()) else None
+
+    def _generation_step(self, r: int, x: torch.Tensor, cache: StageCache) -> None:
         # fp32 on every device, as the data party and ``aisyn generate`` run
-        y = self.middle(x.to(self.state.device), cache=cache)
+        y = self.middle(x, cache=cache)
         self.link.send("out", y, step=r, codec=self.session.codec)
 
     def _save(self, r: int, c: proto.Control) -> None:
