@@ -183,10 +183,9 @@ def test_a_rank_share_outside_the_compute_party_is_refused():
 # --- exactness ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the default suite: the kill -9 test trains on 2 stages
 @pytest.mark.parametrize(
-    "nproc,window",
-    [(2, 2), pytest.param(3, 0, marks=pytest.mark.slow)],
-    ids=["2-stages-pipelined", "3-stages-lockstep"],
+    "nproc,window", [(2, 2), (3, 0)], ids=["2-stages-pipelined", "3-stages-lockstep"]
 )
 def test_pipelined_backbone_trains_what_one_process_trains(
     tmp_path, news_data, six_json, six_baseline, unsplit_weights, nproc, window
@@ -321,10 +320,6 @@ def test_the_issue_command_line_tiny_sharded_over_two_ranks(tmp_path, news_data)
     (run,) = (tmp_path / "b").iterdir()
     assert json.loads((run / "config.json").read_text())["world_size"] == 2
     sharded = merge(tmp_path / "grpc", tmp_path / "b", tmp_path / "m1")
-    with Job(tmp_path, 2, "tiny", tmp_path / "b") as job:  # evaluate, generate
-        assert_serves_as_merged(
-            tmp_path / "grpc", tmp_path / "m1", peer(job.address()), news_data
-        )
     single = merge(tmp_path / "local", tmp_path / "local" / "compute", tmp_path / "m2")
     got = ckpt.read_tensors(sharded / ckpt.MODEL_FILE)
     want = ckpt.read_tensors(single / ckpt.MODEL_FILE)
@@ -363,3 +358,21 @@ def test_a_hugging_face_family_pipelined_over_two_ranks(tmp_path, news_data):
             progress=False,
         )
     assert_matches(losses(tmp_path / "a"), losses(base))
+
+
+@pytest.mark.slow
+def test_sharded_backbone_evaluates_and_generates_as_the_merged_model(
+    tmp_path, news_data
+):
+    a, b = tmp_path / "a", tmp_path / "b"
+    with Job(tmp_path, 2, "tiny", b) as job:
+        split_train(
+            "tiny",
+            [news_data],
+            a,
+            train_cfg(steps=3, ckpt_every=3),
+            SplitOptions(cut="u:1,1", mode="grpc", peer=peer(job.address())),
+            progress=False,
+        )
+        merge(a, b, tmp_path / "merged")
+        assert_serves_as_merged(a, tmp_path / "merged", peer(job.address()), news_data)
