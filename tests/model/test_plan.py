@@ -15,6 +15,7 @@ import pytest
 
 from aisyn.model.families import build_model, load_config
 from aisyn.model.plan import (
+    RUNTIME_BYTES,
     PartySpec,
     PlanError,
     Workload,
@@ -78,10 +79,17 @@ def test_2p6b_numbers_by_hand():
     assert a.weights_bytes == 2 * a_params
     assert a.grads_bytes == 2 * a_params
     assert b.optimizer_bytes == 12 * b_params
-    # Activations, one micro-batch of 1 x 1024 in flight: 1024·h·(34 + 5·32·1024/h)
-    # bytes per block at 16 bits (Korthikanti et al.).
-    per_block_act = 1024 * h * (34 + 5 * 32 * 1024 / h)
+    # Activations, one micro-batch of 1 x 1024 in flight: per block eight
+    # (T, h) and two (T, 4h) bf16 tensors, and per token two LayerNorms' mean
+    # and rstd and one log-sum-exp per head in fp32 (fused attention: no
+    # T x T scores).
+    per_block_act = 1024 * (2 * (8 * h + 2 * 4 * h) + 4 * (4 + 32))
     assert b.activation_bytes == pytest.approx(27 * per_block_act)
+    # B's peak: runtime, weights, optimizer and the larger of its gradients
+    # (54 GB) and activations (2.3 GB)
+    assert b.memory_bytes == pytest.approx(
+        RUNTIME_BYTES + 2 * b_params + 12 * b_params + 2 * b_params
+    )
     # Each way per step: an activation and a gradient, 8 x 1024 x h bf16 values
     assert a.sent_bytes == b.sent_bytes == 2 * 8 * 1024 * h * 2
     assert a.received_bytes == b.sent_bytes
