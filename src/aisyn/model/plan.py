@@ -147,7 +147,11 @@ class PartySpec:
                     f"--party {text!r}: device count {devices} must be 1 to {1 << 20}"
                 )
             mem = m.group(2)
-        return cls(name, throughput, parse_bytes(mem), devices)
+        try:
+            memory = parse_bytes(mem)
+        except PlanError as e:
+            raise PlanError(f"--party {text!r}: {e}") from None
+        return cls(name, throughput, memory, devices)
 
     @property
     def label(self) -> str:
@@ -226,6 +230,10 @@ class RankLoad:
     cache_bytes: float = 0.0  # autocast's bf16 copies of the weights
     activation_bytes: float = 0.0
     runtime_bytes: float = 0.0
+
+    def describe(self) -> str:
+        """``embedding + h[0:3] + h[29:31] + head``."""
+        return _pieces(self)
 
     @property
     def memory_bytes(self) -> float:
@@ -626,22 +634,24 @@ def party_load(
         if stage.head:
             fwd_per_token += head_forward_flops_per_token(cfg)
     ld.train_flops = 3.0 * fwd_per_token * tokens
-    # The party's blocks in forward order, spread over its ranks; the
-    # embedding goes to the first rank, the head to the last (a tied head's
-    # embedding is then held by both, as Megatron-LM keeps it).
-    blocks = [i for st in stages for i in st.blocks]
+    # The party's layers in forward order (the head's own, PanGu-α's top
+    # query layer, last), spread over its ranks; the embedding goes to the
+    # first rank, the rest of the head to the last (a tied head's embedding is
+    # then held by both, as Megatron-LM keeps it).
     embed = any(st.embed for st in stages)
     head = any(st.head for st in stages)
-    spread = pipeline_stage_blocks(len(blocks), devices) if devices > 1 else None
+    layers = [i for st in stages for i in st.blocks]
+    layers += [lay.num_blocks + j for j in range(lay.head_layers if head else 0)]
+    spread = pipeline_stage_blocks(len(layers), devices) if devices > 1 else None
     for k in range(devices):
-        idx = [blocks[i] for i in spread[k]] if spread else blocks
+        idx = [layers[i] for i in spread[k]] if spread else layers
         first, last = k == 0, k == devices - 1
         ld.ranks.append(
             rank_load(
                 sizes,
                 cfg,
                 w,
-                idx,
+                [i for i in idx if i < lay.num_blocks],
                 embed=embed and first,
                 head=head and last,
                 rank=k,
