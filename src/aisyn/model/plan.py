@@ -17,16 +17,17 @@ Training is 3x forward (backward = 2x forward).
 Memory, per rank of a party (a party on R devices is R pipeline stages,
 ``pipeline_stage_blocks``), is the peak of one optimizer step:
 
-    runtime + weights + optimizer + autocast cache + max(grads, activations)
+    runtime + weights + grads + optimizer + autocast cache + activations
 
-weights in the parameter dtype; AdamW moments (2 x fp32, plus an fp32 master
-copy when parameters are 16-bit); under bf16 autocast a bf16 copy of every
-matrix the blocks multiply by (autocast's cache, held until the step's
-backward ends); gradients and activations do not coexist in full, because
-gradients are freed after every step (``zero_grad(set_to_none=True)``) and
-backward frees each block's saved activations as it allocates that block's
-gradients, so the peak is the larger of the two. ``runtime`` is what the
-process holds before the model (``RUNTIME_BYTES``).
+weights and gradients in the parameter dtype; AdamW moments (2 x fp32, plus
+an fp32 master copy when parameters are 16-bit); under bf16 autocast a bf16
+copy of every matrix the blocks multiply by (autocast's cache, held until the
+step's backward ends); ``runtime`` is what a training process holds besides
+its model (``RUNTIME_BYTES``). Backward frees each block's activations as it
+allocates that block's gradients, but on CPU glibc keeps the freed heap
+memory resident, so a process's peak RSS is the sum (measured on 350M's
+width: within 1 % of VmHWM for 6 blocks); a caching GPU allocator reuses
+some of it, so there the sum is an upper estimate.
 
 Activations are the tensors autograd saves, counted for the PanGu-α block
 (``block_activation_bytes``, checked against ``saved_tensors_hooks`` in the
@@ -55,10 +56,12 @@ from aisyn.model.segments import (
 )
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-#: what a training process holds before its model: the interpreter with torch
-#: 2.13 (CPU), grpc and aisyn's CLI imported, after one autograd op (VmHWM
-#: measured at 250 MiB; give ``runtime_bytes`` for a CUDA context)
-RUNTIME_BYTES = 256 * 2**20
+#: what a training process holds besides its model's tensors: the peak RSS of
+#: ``aisyn train``, ``aisyn split train`` and ``aisyn split serve`` of the tiny
+#: preset (the interpreter, torch 2.13 CPU, grpc, the data, the first step's
+#: kernels, the loss plot), 345-375 MiB measured, less the planner's 3-33 MiB
+#: for tiny's own tensors (``bench/scale.py``). A CUDA context adds its own.
+RUNTIME_BYTES = 360 * 2**20
 #: pipeline schedules whose activation memory the planner knows: GPipe (all
 #: forwards, then all backwards: every stage holds every micro-batch) and 1F1B
 #: (stage k of R holds at most R - k)
@@ -237,14 +240,14 @@ class RankLoad:
 
     @property
     def memory_bytes(self) -> float:
-        """The step's peak: gradients and activations never coexist in full
-        (see the module docstring)."""
+        """The step's peak (see the module docstring)."""
         return (
             self.runtime_bytes
             + self.weights_bytes
+            + self.grads_bytes
             + self.optimizer_bytes
             + self.cache_bytes
-            + max(self.grads_bytes, self.activation_bytes)
+            + self.activation_bytes
         )
 
 
@@ -388,7 +391,7 @@ class Plan:
             )
         lines.append(
             f"(peak/rank: the largest rank's runtime {format_bytes(w.runtime_bytes)}"
-            " + weights + optimizer + autocast cache + max(grads, activations))"
+            " + weights + grads + optimizer + autocast cache + activations)"
         )
         for name in PARTIES:
             ld = self.loads[name]
