@@ -5,7 +5,7 @@
   split over gRPC on loopback (``aisyn split serve`` and ``aisyn split train
   --mode grpc --insecure``, each its own process) and unsplit (``aisyn
   train``, same seed and data): s/step, tokens/s and each process's peak RSS
-  (``wait4``'s ``ru_maxrss``) beside what ``aisyn split plan`` predicts for
+  (VmHWM, which it reports as it exits) beside what ``aisyn split plan`` predicts for
   it, and the largest relative split-vs-unsplit loss difference.
 * ``bf16``: bf16 autocast against fp32 after 5 steps, unsplit and split
   in-process, on a tiny PanGu-α (10 more steps of 350M would double the

@@ -9,6 +9,7 @@ final LayerNorm 2h; the head is tied to the word embedding (no parameters).
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -334,3 +335,63 @@ def test_block_activations_are_what_autograd_saves(autocast):
     cache = 2 * cfg.block_matmul_weights if autocast else 0
     want = block_activation_bytes(cfg, 2, 48, "fp32", autocast=autocast)
     assert sum(saved.values()) == want + cache
+
+
+def test_checkpointing_and_autocast_in_the_memory():
+    # Prepare: 2.6B's B (h[1:30]) on 2 devices, 8 micro-batches under GPipe
+    cfg = load_config("2.6B")
+    cut = parse_partition("u:1,1", cfg)
+    h, T, m = 2560, 1024, 8
+    plain = Workload(batch_size=m, micro_batch_size=1, dtype="fp32")
+    # Execute
+    loads = {
+        name: evaluate("2.6B", cfg, cut, parties(b="B:4:2x80GB"), w).loads["B"]
+        for name, w in {
+            "plain": plain,
+            "ac": Workload(**{**plain.__dict__, "activation_checkpointing": True}),
+            "bf16": Workload(**{**plain.__dict__, "autocast": True}),
+        }.items()
+    }
+    # Assert: checkpointed, each stage keeps its n blocks' fp32 inputs for
+    # every micro-batch, and one block's activations while it recomputes it
+    full = block_activation_bytes(cfg, 1, T, "fp32")
+    assert [len(r.blocks) for r in loads["ac"].ranks] == [15, 14]
+    for r in loads["ac"].ranks:
+        n = len(r.blocks)
+        assert r.activation_bytes == n * m * T * h * 4 + full
+        assert loads["plain"].ranks[r.rank].activation_bytes == n * m * full
+    # autocast: fp32 weights, grads and AdamW, a bf16 copy of each block's
+    # matrices, and the activations of the mixed-precision block
+    for r, p in zip(loads["bf16"].ranks, loads["plain"].ranks, strict=True):
+        assert r.weights_bytes == p.weights_bytes == 4 * r.params
+        assert r.optimizer_bytes == p.optimizer_bytes == 8 * r.params
+        n = len(r.blocks)
+        assert r.cache_bytes == 2 * n * cfg.block_matmul_weights
+        assert r.activation_bytes == n * m * block_activation_bytes(
+            cfg, 1, T, "fp32", autocast=True
+        )
+    with pytest.raises(PlanError, match="autocast keeps fp32 parameters"):
+        Workload(dtype="bf16", autocast=True)
+
+
+def test_cli_plan_of_the_data_is_the_training_memory_check(capsys, news_data):
+    """What ``aisyn split plan --data`` prints for a CPU fp32 run is what the
+    trainers' memory check estimates for it (the same function), for the
+    model ``aisyn train`` builds on that data (its tokenizer's vocabulary)."""
+    from aisyn.cli import main
+    from aisyn.train.memory import party_bytes
+
+    # Prepare: the 350M preset's vocabulary is 40 000, the data's 8 000
+    argv = ["split", "plan", "--model", "350M", "--data", str(news_data)]
+    argv += ["--party", "A:1:inf", "--party", "B:1:inf", "--cut", "u:1,1"]
+    argv += ["--dtype", "fp32", "--batch-size", "1", "--json"]
+    # Execute
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    # Assert
+    cfg = load_config("350M", vocab_size=8000)
+    cut = parse_partition("u:1,1", cfg)
+    for p in ("A", "B"):
+        printed = d["parties"][p]["memory_bytes"]["peak_per_rank"]
+        assert printed == party_bytes(cfg, cut, p, 1, 32)
+    assert d["workload"]["seq_len"] == 32

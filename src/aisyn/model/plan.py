@@ -534,9 +534,12 @@ def block_activation_bytes(
     return tokens * (DTYPE_BYTES[dtype] * (8 * h + 2 * f) + small)
 
 
-def block_input_bytes(micro_batch: int, seq_len: int, cfg: ModelConfig, dt: int):
-    """What a checkpointed block keeps: its input (the residual stream)."""
-    return micro_batch * seq_len * cfg.hidden_size * dt
+def block_input_bytes(
+    cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str
+) -> float:
+    """What a checkpointed block keeps: its input, the residual stream (fp32
+    under autocast)."""
+    return micro_batch * seq_len * cfg.hidden_size * DTYPE_BYTES[dtype]
 
 
 def module_sizes(model) -> dict[str, int]:
@@ -590,7 +593,7 @@ def rank_load(
             matrices += cfg.vocab_size * cfg.hidden_size
         r.cache_bytes = 2.0 * matrices
     if w.activation_checkpointing:
-        per_micro = n_layers * block_input_bytes(mb, T, cfg, 4 if w.autocast else dt)
+        per_micro = n_layers * block_input_bytes(cfg, mb, T, w.dtype)
         once = block if n_layers else 0.0  # the block being recomputed
     else:
         per_micro, once = n_layers * block, 0.0

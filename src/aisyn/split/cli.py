@@ -118,6 +118,14 @@ def cmd_plan(args) -> None:
     from aisyn.model.segments import parse_partition
 
     cfg = load_config(args.model)
+    if args.data:
+        from aisyn.data.shards import TokenShards
+        from aisyn.train.models import model_config_for
+
+        # the model `aisyn train --data` builds: the data tokenizer's vocabulary
+        shards = TokenShards.open(args.data, "train")
+        cfg = model_config_for(args.model, shards.tokenizer_info, shards.seq_len)
+        args.seq_len = args.seq_len or shards.seq_len
     parties = [PartySpec.parse(p) for p in args.party]
     workload = Workload(
         batch_size=args.batch_size,
@@ -403,7 +411,14 @@ def _add_plan(ssub: argparse._SubParsersAction) -> None:
         ),
         ("--batch-size", positive_int, 8, "samples per optimizer step"),
         ("--micro-batch-size", positive_int, 1, "samples per forward/backward"),
-        ("--seq-len", positive_int, None, "default: the model's"),
+        ("--seq-len", positive_int, None, "default: the model's (or the data's)"),
+        (
+            "--data",
+            None,
+            None,
+            "prepared data: plan the model training on it builds (its "
+            "tokenizer's vocabulary, its sequence length)",
+        ),
         (
             "--dtype",
             ["fp32", "bf16", "fp16"],
