@@ -288,7 +288,7 @@ def test_cli_plan_prints_ranks_and_refuses_a_cut_that_does_not_fit(capsys):
     )
     out = capsys.readouterr().out
     # Assert
-    assert "B per rank (gpipe):" in out and "  rank 7 " in out
+    assert "B per rank (gpipe;" in out and "  rank 7 " in out
     rc = main(
         ["split", "plan", "--model", "13B", "--party", "A:1:80GB"]
         + ["--party", "B:4:2x80GB", "--cut", "u:1,1"]
@@ -392,6 +392,21 @@ def test_cli_plan_of_the_data_is_the_training_memory_check(capsys, news_data):
     cfg = load_config("350M", vocab_size=8000)
     cut = parse_partition("u:1,1", cfg)
     for p in ("A", "B"):
-        printed = d["parties"][p]["memory_bytes"]["peak_per_rank"]
+        printed = d["parties"][p]["memory_bytes"]["total"]
         assert printed == party_bytes(cfg, cut, p, 1, 32)
     assert d["workload"]["seq_len"] == 32
+
+
+def test_rank_bytes_is_what_the_plan_prints_per_rank():
+    from aisyn.train.memory import rank_bytes
+
+    cfg = load_config("2.6B")
+    cut = parse_partition("u:1,1", cfg)
+    w = Workload(batch_size=4, micro_batch_size=1, dtype="fp32", schedule="1f1b")
+    # Execute
+    p = evaluate("2.6B", cfg, cut, parties(b="B:4:3x80GB"), w)
+    got = rank_bytes(cfg, cut, "B", 3, 1, 1024, 4, schedule="1f1b")
+    # Assert
+    assert got == [r.memory_bytes for r in p.loads["B"].ranks]
+    with pytest.raises(PlanError, match="30 pipeline stages over 29 blocks"):
+        rank_bytes(cfg, cut, "B", 30, 1, 1024)

@@ -322,7 +322,7 @@ class Plan:
                         "grads": ld.grads_bytes,
                         "optimizer": ld.optimizer_bytes,
                         "activations": ld.activation_bytes,
-                        "peak_per_rank": ld.memory_bytes,
+                        "total": ld.memory_bytes,  # the largest rank's peak
                     },
                     "ranks": [
                         {
@@ -375,7 +375,7 @@ class Plan:
             "",
             f"{'party':<6}{'throughput':>11}{'params':>16}{'param %':>9}"
             f"{'FLOPs %':>9}{'weights':>12}{'grads':>12}{'optimizer':>12}"
-            f"{'activations':>13}{'peak/rank':>12}{'devices':>18}",
+            f"{'activations':>13}{'total mem':>12}{'limit':>15}",
         ]
         for name in PARTIES:
             p, ld = d["parties"][name], self.loads[name]
@@ -387,16 +387,16 @@ class Plan:
                 f"{format_bytes(ld.optimizer_bytes):>12}"
                 f"{format_bytes(ld.activation_bytes):>13}"
                 f"{format_bytes(ld.memory_bytes):>12}"
-                f"{self.parties[name].label:>18}"
+                f"{self.parties[name].label:>15}"
             )
-        lines.append(
-            f"(peak/rank: the largest rank's runtime {format_bytes(w.runtime_bytes)}"
-            " + weights + grads + optimizer + autocast cache + activations)"
-        )
         for name in PARTIES:
             ld = self.loads[name]
             if len(ld.ranks) > 1:
-                lines += ["", f"{name} per rank ({w.schedule}):"]
+                lines += [
+                    "",
+                    f"{name} per rank ({w.schedule}; its total mem above is the "
+                    "largest rank's, its limit each device's):",
+                ]
                 lines += [_rank_line(r) for r in ld.ranks]
         lines.append("")
         a, b = self.loads[DATA_PARTY], self.loads[COMPUTE_PARTY]

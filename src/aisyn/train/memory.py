@@ -80,6 +80,38 @@ def party_bytes(
     return party_load(sizes, cfg, partition, party, w).memory_bytes
 
 
+def rank_bytes(
+    cfg: ModelConfig,
+    partition: Partition,
+    party: str,
+    ranks: int,
+    micro_batch: int,
+    seq_len: int,
+    micro_batches: int = 1,
+    *,
+    schedule: str = "gpipe",
+    autocast: bool = False,
+    activation_checkpointing: bool = False,
+) -> list[float]:
+    """Peak training memory of each rank of ``party`` with its blocks in
+    ``ranks`` pipeline stages (``model.plan.pipeline_stage_blocks``), for
+    ``micro_batches`` micro-batches a step under ``schedule``: what ``aisyn
+    split plan --party B:...:RxMEM`` prints per rank. PlanError if a stage
+    would hold no block."""
+    sizes = module_sizes(build_model(cfg, device="meta"))
+    w = Workload(
+        batch_size=micro_batch * micro_batches,
+        micro_batch_size=micro_batch,
+        seq_len=seq_len,
+        autocast=autocast,
+        activation_checkpointing=activation_checkpointing,
+        schedule=schedule,
+        dtype="fp32",
+    )
+    load = party_load(sizes, cfg, partition, party, w, devices=ranks)
+    return [r.memory_bytes for r in load.ranks]
+
+
 def _workload(
     micro_batch: int,
     seq_len: int,
