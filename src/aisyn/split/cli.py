@@ -101,9 +101,11 @@ def _settings(args, address: str):
 
 
 def cmd_plan(args) -> None:
-    """Per party: parameter share, FLOPs share, memory for weights + optimizer +
-    activations, and bytes crossing per step. Works for any preset (350M ... 200B)
-    without allocating it."""
+    """Per party: parameter share, FLOPs share, the step's peak memory (runtime +
+    weights + gradients + optimizer + activations; per rank for a party on
+    several devices, its blocks in pipeline stages), and bytes crossing per
+    step; refuses a device set a rank does not fit. Works for any preset (350M
+    ... 200B) without allocating it."""
 
     from aisyn.model.families import load_config
     from aisyn.model.plan import (
