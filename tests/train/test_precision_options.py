@@ -97,11 +97,11 @@ def test_bf16_autocast_stays_close_to_fp32(tmp_path, news_data, tiny_config):
         cfg(autocast="bf16"),
         progress=False,
     )
-    # Assert: within 2 % after 5 steps (bf16 has 8 significant bits), but not
-    # the fp32 run (autocast was on); the checkpoint's weights stay fp32
+    # Assert: within 1e-3 relative after 5 steps (2e-5 measured), but not the
+    # fp32 run (autocast was on); the checkpoint's weights stay fp32
     fp32, bf16 = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
-    assert abs(bf16[-1] - fp32[-1]) / fp32[-1] <= 2e-2
-    assert worst(bf16, fp32) > 1e-5
+    assert abs(bf16[-1] - fp32[-1]) / fp32[-1] <= 1e-3
+    assert worst(bf16, fp32) > 5e-6
     weights = ckpt.read_tensors(
         ckpt.latest(tmp_path / "bf16" / "checkpoints") / ckpt.MODEL_FILE
     )
