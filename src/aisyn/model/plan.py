@@ -12,13 +12,32 @@ Per token, forward, for hidden size h, FFN size f, vocabulary V, sequence T:
 * top query layer: the same as a block;
 * tied head: ``2hV``; embeddings: lookups, counted as 0.
 
-Training is 3x forward (backward = 2x forward). Memory per party is weights +
-gradients (parameter dtype) + AdamW moments (2 x fp32, plus an fp32 master copy
-when parameters are 16-bit) + activations of the micro-batches in flight, with
-the per-block activation estimate of Korthikanti et al. (2022) without
-recomputation, ``bT h (34 + 5aT/h)`` bytes at 16 bits (scaled for fp32), and
-the head's logits. It is an upper estimate: fused attention kernels never
-store the ``aT²`` scores.
+Training is 3x forward (backward = 2x forward).
+
+Memory, per rank of a party (a party on R devices is R pipeline stages,
+``pipeline_stage_blocks``), is the peak of one optimizer step:
+
+    runtime + weights + grads + optimizer + autocast cache + activations
+
+weights and gradients in the parameter dtype; AdamW moments (2 x fp32, plus
+an fp32 master copy when parameters are 16-bit); under bf16 autocast a bf16
+copy of every matrix the blocks multiply by (autocast's cache, held until the
+step's backward ends); ``runtime`` is what a training process holds besides
+its model (``RUNTIME_BYTES``). Backward frees each block's activations as it
+allocates that block's gradients, but on CPU glibc keeps the freed heap
+memory resident, so a process's peak RSS is the sum (measured on 350M's
+width: within 1 % of VmHWM for 6 blocks); a caching GPU allocator reuses
+some of it, so there the sum is an upper estimate.
+
+Activations are the tensors autograd saves, counted for the PanGu-α block
+(``block_activation_bytes``, checked against ``saved_tensors_hooks`` in the
+tests): eight (B, T, h) and two (B, T, f) tensors per block, the fused
+attention kernel keeping no T x T scores; other families keep the upper
+estimate of Korthikanti et al. (2022) without recomputation, ``bT h (34 +
+5aT/h)`` bytes at 16 bits. With activation checkpointing a block keeps only
+its input, plus one block's activations while it is recomputed. A pipeline
+stage holds the activations of the micro-batches in flight there: all ``m`` of
+a step under GPipe, ``min(m, R - k)`` at stage k under 1F1B.
 """
 
 from __future__ import annotations
@@ -37,6 +56,16 @@ from aisyn.model.segments import (
 )
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: what a training process holds besides its model's tensors: the peak RSS of
+#: ``aisyn train``, ``aisyn split train`` and ``aisyn split serve`` of the tiny
+#: preset (the interpreter, torch 2.13 CPU, grpc, the data, the first step's
+#: kernels, the loss plot), 345-375 MiB measured, less the planner's 3-33 MiB
+#: for tiny's own tensors (``bench/scale.py``). A CUDA context adds its own.
+RUNTIME_BYTES = 360 * 2**20
+#: pipeline schedules whose activation memory the planner knows: GPipe (all
+#: forwards, then all backwards: every stage holds every micro-batch) and 1F1B
+#: (stage k of R holds at most R - k)
+SCHEDULES = ("gpipe", "1f1b")
 #: wire bytes per element of a cut tensor for each link codec (int8: one byte
 #: plus one fp32 scale per 64 values)
 CODEC_BYTES = {"none": None, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 64}
@@ -83,18 +112,21 @@ def format_bytes(n: float) -> str:
 
 @dataclass(frozen=True)
 class PartySpec:
-    """A party's relative throughput (any unit, the same for both) and memory."""
+    """A party's relative throughput (any unit, the same for both; the whole
+    party's) and its devices: ``devices`` of ``memory_bytes`` each."""
 
     name: str
     throughput: float
     memory_bytes: float
+    devices: int = 1
 
     @classmethod
     def parse(cls, text: str) -> PartySpec:
         parts = text.split(":")
         if len(parts) != 3:
             raise PlanError(
-                f"--party {text!r}: expected NAME:THROUGHPUT:MEMORY, e.g. A:1:32GB"
+                f"--party {text!r}: expected NAME:THROUGHPUT:MEMORY, e.g. A:1:32GB "
+                "or B:4:8x80GB (8 devices of 80 GB)"
             )
         name, thr, mem = parts
         if name not in PARTIES:
@@ -109,7 +141,25 @@ class PartySpec:
             ) from None
         if not throughput > 0 or math.isinf(throughput):
             raise PlanError(f"--party {text!r}: throughput must be positive")
-        return cls(name, throughput, parse_bytes(mem))
+        devices = 1
+        m = re.fullmatch(r"\s*([0-9]+)\s*[x×]\s*(.+)", mem)
+        if m:
+            devices = int(m.group(1))
+            if not 1 <= devices <= 1 << 20:
+                raise PlanError(
+                    f"--party {text!r}: device count {devices} must be 1 to {1 << 20}"
+                )
+            mem = m.group(2)
+        try:
+            memory = parse_bytes(mem)
+        except PlanError as e:
+            raise PlanError(f"--party {text!r}: {e}") from None
+        return cls(name, throughput, memory, devices)
+
+    @property
+    def label(self) -> str:
+        each = format_bytes(self.memory_bytes)
+        return each if self.devices == 1 else f"{self.devices} x {each}"
 
 
 @dataclass(frozen=True)
@@ -119,8 +169,12 @@ class Workload:
     seq_len: int | None = None  # None: the model's
     dtype: str = "fp32"  # parameters, gradients and activations
     codec: str = "none"  # cut-layer compression on the link
-    in_flight: int = 1  # micro-batches whose activations a party holds at once
+    in_flight: int = 1  # micro-batches a one-device party holds at once
     eod_reset: bool = False
+    autocast: bool = False  # bf16 autocast over fp32 parameters (dtype fp32)
+    activation_checkpointing: bool = False  # blocks recompute in backward
+    schedule: str = "gpipe"  # of a party's pipeline stages (``SCHEDULES``)
+    runtime_bytes: float = RUNTIME_BYTES  # per process (``RUNTIME_BYTES``)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -138,6 +192,16 @@ class Workload:
             )
         if self.in_flight < 1:
             raise PlanError("in_flight must be >= 1")
+        if self.autocast and self.dtype != "fp32":
+            raise PlanError(
+                f"autocast keeps fp32 parameters: it needs dtype fp32, not "
+                f"{self.dtype} (which already computes in {self.dtype})"
+            )
+        if self.schedule not in SCHEDULES:
+            known = ", ".join(SCHEDULES)
+            raise PlanError(f"schedule {self.schedule!r}: use one of {known}")
+        if not self.runtime_bytes >= 0 or math.isinf(self.runtime_bytes):
+            raise PlanError("runtime_bytes must be finite and >= 0")
 
     @property
     def micro_batches(self) -> int:
@@ -147,10 +211,50 @@ class Workload:
     def wire_bytes_per_value(self) -> float:
         return CODEC_BYTES[self.codec] or float(DTYPE_BYTES[self.dtype])
 
+    @property
+    def act_dtype(self) -> str:
+        """The dtype the blocks compute in."""
+        return "bf16" if self.autocast else self.dtype
+
+
+@dataclass
+class RankLoad:
+    """What one device of a party holds at the peak of a step."""
+
+    rank: int
+    blocks: tuple[int, ...]  # the party's blocks here (``pipeline_stage_blocks``)
+    #: [embedding or "", head label or ""]
+    head_pieces: list[str] = field(default_factory=lambda: ["", ""])
+    params: int = 0
+    in_flight: int = 1  # micro-batches whose activations it holds
+    weights_bytes: float = 0.0
+    grads_bytes: float = 0.0
+    optimizer_bytes: float = 0.0  # AdamW moments (+ fp32 master)
+    cache_bytes: float = 0.0  # autocast's bf16 copies of the weights
+    activation_bytes: float = 0.0
+    runtime_bytes: float = 0.0
+
+    def describe(self) -> str:
+        """``embedding + h[0:3] + h[29:31] + head``."""
+        return _pieces(self)
+
+    @property
+    def memory_bytes(self) -> float:
+        """The step's peak (see the module docstring)."""
+        return (
+            self.runtime_bytes
+            + self.weights_bytes
+            + self.grads_bytes
+            + self.optimizer_bytes
+            + self.cache_bytes
+            + self.activation_bytes
+        )
+
 
 @dataclass
 class PartyLoad:
-    """What one party holds and does per optimizer step."""
+    """What one party holds and does per optimizer step (memory summed over
+    its ranks; ``memory_bytes`` is its largest rank's peak)."""
 
     name: str
     params: int = 0
@@ -162,15 +266,15 @@ class PartyLoad:
     sent_bytes: float = 0.0  # per optimizer step, to the other party
     received_bytes: float = 0.0
     pieces: list[str] = field(default_factory=list)
+    ranks: list[RankLoad] = field(default_factory=list)
 
     @property
     def memory_bytes(self) -> float:
-        return (
-            self.weights_bytes
-            + self.grads_bytes
-            + self.optimizer_bytes
-            + self.activation_bytes
-        )
+        return max(r.memory_bytes for r in self.ranks)
+
+    @property
+    def largest_rank(self) -> RankLoad:
+        return max(self.ranks, key=lambda r: r.memory_bytes)
 
 
 @dataclass
@@ -207,6 +311,7 @@ class Plan:
             "parties": {
                 name: {
                     "throughput": self.parties[name].throughput,
+                    "devices": self.parties[name].devices,
                     "memory_limit_bytes": self.parties[name].memory_bytes,
                     "params": ld.params,
                     "param_share": ld.params / self.total_params,
@@ -217,8 +322,24 @@ class Plan:
                         "grads": ld.grads_bytes,
                         "optimizer": ld.optimizer_bytes,
                         "activations": ld.activation_bytes,
-                        "total": ld.memory_bytes,
+                        "total": ld.memory_bytes,  # the largest rank's peak
                     },
+                    "ranks": [
+                        {
+                            "rank": r.rank,
+                            "pieces": _pieces(r),
+                            "params": r.params,
+                            "micro_batches_in_flight": r.in_flight,
+                            "weights": r.weights_bytes,
+                            "grads": r.grads_bytes,
+                            "optimizer": r.optimizer_bytes,
+                            "autocast_cache": r.cache_bytes,
+                            "activations": r.activation_bytes,
+                            "runtime": r.runtime_bytes,
+                            "peak": r.memory_bytes,
+                        }
+                        for r in ld.ranks
+                    ],
                     "bytes_sent_per_step": ld.sent_bytes,
                     "bytes_received_per_step": ld.received_bytes,
                     "pieces": ld.pieces,
@@ -236,17 +357,25 @@ class Plan:
         w = self.workload
         lay = self.config.layout
         top = " (incl. top query)" if lay.head_layers else ""
+        precision = "fp32 + bf16 autocast" if w.autocast else w.dtype
+        extras = []
+        if w.activation_checkpointing:
+            extras.append("activation checkpointing")
+        if any(self.parties[p].devices > 1 for p in PARTIES):
+            extras.append(f"{w.schedule} schedule over each party's devices")
         lines = [
             f"model {self.model}: {self.total_params:,} parameters, "
-            f"{lay.num_layers} layers{top}, hidden {self.config.hidden_size}",
+            f"{lay.num_layers} layers{top}, hidden {self.config.hidden_size}, "
+            f"vocab {self.config.vocab_size}",
             f"workload: batch {w.batch_size} = {w.micro_batches} x micro-batch "
-            f"{w.micro_batch_size}, seq {self.seq_len}, {w.dtype}, link codec "
-            f"{w.codec}, {w.in_flight} micro-batch(es) in flight",
+            f"{w.micro_batch_size}, seq {self.seq_len}, {precision}, link codec "
+            f"{w.codec}, {w.in_flight} micro-batch(es) in flight on a one-device "
+            "party" + "".join(f", {e}" for e in extras),
             f"cut: --cut {self.partition.spec}   ({self.partition.describe()})",
             "",
             f"{'party':<6}{'throughput':>11}{'params':>16}{'param %':>9}"
             f"{'FLOPs %':>9}{'weights':>12}{'grads':>12}{'optimizer':>12}"
-            f"{'activations':>13}{'total mem':>12}{'limit':>12}",
+            f"{'activations':>13}{'total mem':>12}{'limit':>15}",
         ]
         for name in PARTIES:
             p, ld = d["parties"][name], self.loads[name]
@@ -258,8 +387,17 @@ class Plan:
                 f"{format_bytes(ld.optimizer_bytes):>12}"
                 f"{format_bytes(ld.activation_bytes):>13}"
                 f"{format_bytes(ld.memory_bytes):>12}"
-                f"{format_bytes(self.parties[name].memory_bytes):>12}"
+                f"{self.parties[name].label:>15}"
             )
+        for name in PARTIES:
+            ld = self.loads[name]
+            if len(ld.ranks) > 1:
+                lines += [
+                    "",
+                    f"{name} per rank ({w.schedule}; its total mem above is the "
+                    "largest rank's, its limit each device's):",
+                ]
+                lines += [_rank_line(r) for r in ld.ranks]
         lines.append("")
         a, b = self.loads[DATA_PARTY], self.loads[COMPUTE_PARTY]
         lines.append(
@@ -273,9 +411,60 @@ class Plan:
         )
         return "\n".join(lines)
 
+    def misfits(self) -> list[str]:
+        """Why each rank that does not fit its device does not, with the
+        numbers (empty: every rank fits)."""
+        out = []
+        for name in PARTIES:
+            limit = self.parties[name].memory_bytes
+            for r in self.loads[name].ranks:
+                if r.memory_bytes > limit:
+                    out.append(
+                        f"{name} rank {r.rank} ({_pieces(r)}) needs "
+                        f"{format_bytes(r.memory_bytes)} at its peak "
+                        f"({_breakdown(r)}), its device has {format_bytes(limit)}"
+                    )
+        return out
+
     @property
     def seq_len(self) -> int:
         return self.workload.seq_len or self.config.seq_len
+
+
+def _pieces(r: RankLoad) -> str:
+    """``embedding + h[0:3] + h[29:31] + top query``: consecutive blocks as
+    one range."""
+    runs: list[list[int]] = []
+    for i in r.blocks:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    blocks = [f"h[{a}:{b}]" for a, b in runs]
+    return " + ".join(p for p in [r.head_pieces[0], *blocks, r.head_pieces[1]] if p)
+
+
+def _breakdown(r: RankLoad) -> str:
+    parts = [
+        f"weights {format_bytes(r.weights_bytes)}",
+        f"grads {format_bytes(r.grads_bytes)}",
+        f"optimizer {format_bytes(r.optimizer_bytes)}",
+    ]
+    if r.cache_bytes:
+        parts.append(f"autocast cache {format_bytes(r.cache_bytes)}")
+    parts.append(
+        f"activations of {r.in_flight} micro-batch(es) "
+        f"{format_bytes(r.activation_bytes)}"
+    )
+    parts.append(f"runtime {format_bytes(r.runtime_bytes)}")
+    return ", ".join(parts)
+
+
+def _rank_line(r: RankLoad) -> str:
+    return (
+        f"  rank {r.rank:<4}{_pieces(r):<34}{r.params:>16,} params  peak "
+        f"{format_bytes(r.memory_bytes):>11}  ({_breakdown(r)})"
+    )
 
 
 # --- per-piece arithmetic ------------------------------------------------------
@@ -291,13 +480,66 @@ def head_forward_flops_per_token(cfg: ModelConfig) -> float:
     return 2.0 * cfg.hidden_size * cfg.vocab_size
 
 
+def pipeline_stage_blocks(n_blocks: int, ranks: int) -> list[range]:
+    """The contiguous blocks of each of ``ranks`` pipeline stages over
+    ``n_blocks`` blocks: ``numpy.array_split``'s rule, the earlier stages
+    taking the extra block (the planner's and the backbone pipeline's one
+    rule). PlanError if a stage would get no block."""
+    if ranks < 1:
+        raise PlanError(f"{ranks} pipeline stages: need at least 1")
+    if ranks > n_blocks:
+        raise PlanError(
+            f"{ranks} pipeline stages over {n_blocks} blocks: a stage would hold "
+            f"no block; use at most {n_blocks} ranks"
+        )
+    base, extra = divmod(n_blocks, ranks)
+    starts = [k * base + min(k, extra) for k in range(ranks + 1)]
+    return [range(starts[k], starts[k + 1]) for k in range(ranks)]
+
+
+def _exact_activations(cfg: ModelConfig) -> bool:
+    """Whether ``block_activation_bytes`` counts this family's saved tensors
+    exactly (PanGu-α's pre-LN block with exact GELU), not an upper estimate."""
+    return cfg.layout.family == "pangu" and getattr(cfg, "activation", "") == "gelu"
+
+
 def block_activation_bytes(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str,
+    *,
+    autocast: bool = False,
+) -> float:
+    """Bytes autograd saves in one block's forward of ``micro_batch`` x
+    ``seq_len`` tokens computed in ``dtype`` (``autocast``: bf16 autocast over
+    fp32, ``dtype`` then fp32).
+
+    PanGu-α: the inputs of ln_1 and ln_2, their outputs, q, k, v and the
+    attention output (fused SDPA: with its log-sum-exp per head, no scores)
+    are eight (B, T, h) tensors; the MLP's fc output and GELU output two
+    (B, T, f); LayerNorm's mean and rstd two floats a token each. Under CPU
+    bf16 autocast the LayerNorms' inputs and outputs stay fp32, the rest is
+    bf16. Other families: Korthikanti et al. (2022), no recomputation.
+    """
+    tokens = micro_batch * seq_len
+    h, a = cfg.hidden_size, cfg.num_heads
+    if not _exact_activations(cfg):
+        per_16bit = tokens * h * (34 + 5 * a * seq_len / h)
+        return per_16bit * (2 if autocast else DTYPE_BYTES[dtype]) / 2
+    f = cfg.ffn_size
+    small = 4 * (4 + a)  # LayerNorm mean/rstd x 2, SDPA log-sum-exp per head
+    if autocast:
+        return tokens * (4 * 4 * h + 2 * (4 * h + 2 * f) + small)
+    return tokens * (DTYPE_BYTES[dtype] * (8 * h + 2 * f) + small)
+
+
+def block_input_bytes(
     cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str
 ) -> float:
-    """Korthikanti et al. (2022), no recomputation, scaled to ``dtype``."""
-    h, a = cfg.hidden_size, cfg.num_heads
-    per_16bit = seq_len * micro_batch * h * (34 + 5 * a * seq_len / h)
-    return per_16bit * DTYPE_BYTES[dtype] / 2
+    """What a checkpointed block keeps: its input, the residual stream (fp32
+    under autocast)."""
+    return micro_batch * seq_len * cfg.hidden_size * DTYPE_BYTES[dtype]
 
 
 def module_sizes(model) -> dict[str, int]:
@@ -311,39 +553,120 @@ def module_sizes(model) -> dict[str, int]:
     }
 
 
+def rank_load(
+    sizes: dict[str, int],
+    cfg: ModelConfig,
+    w: Workload,
+    blocks: list[int],
+    *,
+    embed: bool,
+    head: bool,
+    rank: int = 0,
+    in_flight: int | None = None,
+) -> RankLoad:
+    """The memory of one process holding ``blocks`` (and the embedding, the
+    head) for one step of ``w``: a rank of a party, or (all blocks, embedding
+    and head) the unsplit model."""
+    lay = cfg.layout
+    T, mb = w.seq_len or cfg.seq_len, w.micro_batch_size
+    dt, act_dt = DTYPE_BYTES[w.dtype], DTYPE_BYTES[w.act_dtype]
+    paths = [lay.block_path(i) for i in blocks]
+    r = RankLoad(rank, tuple(blocks))
+    if embed:
+        paths += list(lay.embed)
+        r.head_pieces[0] = "embedding"
+    if head:
+        paths += list(lay.head)
+        r.head_pieces[1] = lay.head_label
+    r.params = sum(sizes[p] for p in dict.fromkeys(paths))
+    r.in_flight = w.in_flight if in_flight is None else in_flight
+    r.weights_bytes = r.params * dt
+    r.grads_bytes = r.params * dt
+    r.optimizer_bytes = r.params * (8 + (0 if w.dtype == "fp32" else 4))
+    r.runtime_bytes = w.runtime_bytes
+    n_layers = len(blocks) + (lay.head_layers if head else 0)
+    block = block_activation_bytes(cfg, mb, T, w.dtype, autocast=w.autocast)
+    if w.autocast:
+        # autocast's bf16 copy of each matrix a block (or the head) uses
+        matrices = n_layers * cfg.block_matmul_weights
+        if head:
+            matrices += cfg.vocab_size * cfg.hidden_size
+        r.cache_bytes = 2.0 * matrices
+    if w.activation_checkpointing:
+        per_micro = n_layers * block_input_bytes(cfg, mb, T, w.dtype)
+        once = block if n_layers else 0.0  # the block being recomputed
+    else:
+        per_micro, once = n_layers * block, 0.0
+    if head:
+        # the final LayerNorm's input and the top layer's query, then the
+        # logits in the compute dtype and log-softmax's fp32 output
+        per_micro += 2 * mb * T * cfg.hidden_size * act_dt
+        per_micro += mb * T * cfg.vocab_size * (act_dt + 4)
+    if embed:
+        per_micro += mb * T * 16  # the token and position ids (int64)
+    r.activation_bytes = per_micro * r.in_flight + once
+    return r
+
+
+def _in_flight(w: Workload, rank: int, ranks: int) -> int:
+    """Micro-batches whose activations stage ``rank`` of ``ranks`` holds."""
+    if ranks == 1:
+        return w.in_flight  # the link's pipelining window (one device)
+    m = w.micro_batches
+    return m if w.schedule == "gpipe" else min(m, ranks - rank)
+
+
 def party_load(
     sizes: dict[str, int],
     cfg: ModelConfig,
     partition: Partition,
     party: str,
     workload: Workload,
+    devices: int = 1,
 ) -> PartyLoad:
-    """Parameters, FLOPs, memory and traffic of one party for one step."""
+    """Parameters, FLOPs, memory (per rank: the party's blocks spread over
+    ``devices`` pipeline stages) and traffic of one party for one step."""
     w, T = workload, workload.seq_len or cfg.seq_len
+    lay = cfg.layout
     tokens = w.batch_size * T
     ld = PartyLoad(party)
     ld.params = sum(sizes[p] for p in partition.module_paths(party))
-    fwd_per_token = 0.0
-    act = 0.0
     stages: list[Stage] = list(partition.stages_of(party))
-    dt = DTYPE_BYTES[w.dtype]
+    fwd_per_token = 0.0
     for stage in stages:
-        ld.pieces.append(stage.describe(cfg.layout))
-        n_blocks = len(stage.blocks) + (cfg.layout.head_layers if stage.head else 0)
+        ld.pieces.append(stage.describe(lay))
+        n_blocks = len(stage.blocks) + (lay.head_layers if stage.head else 0)
         fwd_per_token += n_blocks * block_forward_flops_per_token(cfg, T)
-        act += n_blocks * block_activation_bytes(cfg, w.micro_batch_size, T, w.dtype)
         if stage.head:
             fwd_per_token += head_forward_flops_per_token(cfg)
-            # logits in the parameter dtype plus the fp32 copy the loss makes
-            act += w.micro_batch_size * T * cfg.vocab_size * (dt + 4)
-        if stage.embed:
-            act += w.micro_batch_size * T * cfg.hidden_size * dt
     ld.train_flops = 3.0 * fwd_per_token * tokens
-    ld.weights_bytes = ld.params * dt
-    ld.grads_bytes = ld.params * dt
-    master = 0 if w.dtype == "fp32" else 4
-    ld.optimizer_bytes = ld.params * (8 + master)
-    ld.activation_bytes = act * w.in_flight
+    # The party's layers in forward order (the head's own, PanGu-α's top
+    # query layer, last), spread over its ranks; the embedding goes to the
+    # first rank, the rest of the head to the last (a tied head's embedding is
+    # then held by both, as Megatron-LM keeps it).
+    embed = any(st.embed for st in stages)
+    head = any(st.head for st in stages)
+    layers = [i for st in stages for i in st.blocks]
+    layers += [lay.num_blocks + j for j in range(lay.head_layers if head else 0)]
+    spread = pipeline_stage_blocks(len(layers), devices) if devices > 1 else None
+    for k in range(devices):
+        idx = [layers[i] for i in spread[k]] if spread else layers
+        first, last = k == 0, k == devices - 1
+        ld.ranks.append(
+            rank_load(
+                sizes,
+                cfg,
+                w,
+                [i for i in idx if i < lay.num_blocks],
+                embed=embed and first,
+                head=head and last,
+                rank=k,
+                in_flight=_in_flight(w, k, devices),
+            )
+        )
+    for name in ("weights_bytes", "grads_bytes", "optimizer_bytes"):
+        setattr(ld, name, sum(getattr(r, name) for r in ld.ranks))
+    ld.activation_bytes = sum(r.activation_bytes for r in ld.ranks)
     ld.sent_bytes, ld.received_bytes = _traffic(cfg, partition, party, w, T)
     return ld
 
@@ -381,7 +704,10 @@ def evaluate(
     """The :class:`Plan` of a given cut (``sizes``: ``module_sizes`` of the model,
     to skip rebuilding it on meta)."""
     sizes = sizes or module_sizes(build_model(cfg, device="meta"))
-    loads = {p: party_load(sizes, cfg, partition, p, workload) for p in PARTIES}
+    loads = {
+        p: party_load(sizes, cfg, partition, p, workload, parties[p].devices)
+        for p in PARTIES
+    }
     total = sum(sizes.values())
     return Plan(model_name, cfg, partition, workload, parties, loads, total)
 
@@ -458,8 +784,13 @@ def plan(
     sizes = module_sizes(build_model(cfg, device="meta"))
     best: tuple[tuple[float, int], Plan] | None = None
     smallest: dict[str, float] = {p: math.inf for p in PARTIES}
+    usable = None
     for part in candidates(cfg, shape, min_a_blocks):
-        pl = evaluate(model_name, cfg, part, by_name, workload, sizes)
+        try:
+            pl = evaluate(model_name, cfg, part, by_name, workload, sizes)
+        except PlanError as e:  # more devices than this cut gives a party blocks
+            usable = usable or e
+            continue
         for p in PARTIES:
             smallest[p] = min(smallest[p], pl.loads[p].memory_bytes)
         if any(pl.loads[p].memory_bytes > by_name[p].memory_bytes for p in PARTIES):
@@ -468,9 +799,13 @@ def plan(
         key = (float(f"{pl.pipelined_time:.12g}"), a_blocks)
         if best is None or key < best[0]:
             best = (key, pl)
+    if best is None and all(math.isinf(v) for v in smallest.values()):
+        raise PlanError(f"no {shape} cut of {model_name} can use the devices: {usable}")
     if best is None:
         need = ", ".join(
-            f"{p} needs at least {format_bytes(smallest[p])}" for p in PARTIES
+            f"{p} needs at least {format_bytes(smallest[p])} per device, has "
+            f"{by_name[p].label}"
+            for p in PARTIES
         )
         raise PlanError(
             f"no {shape} cut of {model_name} fits the parties' memory ({need}); add "

@@ -21,6 +21,7 @@ from aisyn.flagtable import (
     model_flag,
 )
 from aisyn.link.codec import CODECS
+from aisyn.model.plan import RUNTIME_BYTES, SCHEDULES, format_bytes
 from aisyn.split.cut_dp import DEFENCES, RECOMMENDED
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
@@ -100,21 +101,33 @@ def _settings(args, address: str):
 
 
 def cmd_plan(args) -> None:
-    """Per party: parameter share, FLOPs share, memory for weights + optimizer +
-    activations, and bytes crossing per step. Works for any preset (350M ... 200B)
-    without allocating it."""
+    """Per party: parameter share, FLOPs share, the step's peak memory (runtime +
+    weights + gradients + optimizer + activations; per rank for a party on
+    several devices, its blocks in pipeline stages), and bytes crossing per
+    step; refuses a device set a rank does not fit. Works for any preset (350M
+    ... 200B) without allocating it."""
 
     from aisyn.model.families import load_config
     from aisyn.model.plan import (
         PartySpec,
+        PlanError,
         Workload,
         evaluate,
         exposure_warning,
+        parse_bytes,
         plan,
     )
     from aisyn.model.segments import parse_partition
 
     cfg = load_config(args.model)
+    if args.data:
+        from aisyn.data.shards import TokenShards
+        from aisyn.train.models import model_config_for
+
+        # the model `aisyn train --data` builds: the data tokenizer's vocabulary
+        shards = TokenShards.open(args.data, "train")
+        cfg = model_config_for(args.model, shards.tokenizer_info, shards.seq_len)
+        args.seq_len = args.seq_len or shards.seq_len
     parties = [PartySpec.parse(p) for p in args.party]
     workload = Workload(
         batch_size=args.batch_size,
@@ -124,6 +137,10 @@ def cmd_plan(args) -> None:
         codec=args.compress,
         in_flight=max(1, args.pipeline + 1),
         eod_reset=args.eod_reset,
+        autocast=args.autocast == "bf16",
+        activation_checkpointing=args.activation_checkpointing,
+        schedule=args.schedule,
+        runtime_bytes=parse_bytes(args.runtime_memory),
     )
     if args.cut:
         by_name = {p.name: p for p in parties}
@@ -132,6 +149,9 @@ def cmd_plan(args) -> None:
         result = evaluate(
             args.model, cfg, parse_partition(args.cut, cfg), by_name, workload
         )
+        if misfits := result.misfits():
+            more = f" (and {len(misfits) - 1} more)" if len(misfits) > 1 else ""
+            raise PlanError(f"--cut {args.cut} does not fit: {misfits[0]}{more}")
     else:
         result = plan(
             args.model,
@@ -405,12 +425,51 @@ def _add_plan(ssub: argparse._SubParsersAction) -> None:
             "append",
             REQUIRED,
             "NAME:THROUGHPUT:MEMORY, e.g. A:1:32GB and B:4:80GB (throughput in any "
-            "unit, the same for both; memory like 80GB, 24GiB or inf)",
+            "unit, the same for both; memory like 80GB, 24GiB or inf); "
+            "B:4:8x80GB: 8 devices of 80GB, B's blocks in 8 pipeline stages",
         ),
         ("--batch-size", positive_int, 8, "samples per optimizer step"),
         ("--micro-batch-size", positive_int, 1, "samples per forward/backward"),
-        ("--seq-len", positive_int, None, "default: the model's"),
-        ("--dtype", ["fp32", "bf16", "fp16"], "bf16", "compute dtype"),
+        ("--seq-len", positive_int, None, "default: the model's (or the data's)"),
+        (
+            "--data",
+            None,
+            None,
+            "prepared data: plan the model training on it builds (its "
+            "tokenizer's vocabulary, its sequence length)",
+        ),
+        (
+            "--dtype",
+            ["fp32", "bf16", "fp16"],
+            "bf16",
+            "parameter and compute dtype (16-bit: with an fp32 master copy)",
+        ),
+        (
+            "--autocast",
+            ["off", "bf16"],
+            "off",
+            "bf16 autocast over fp32 parameters (needs --dtype fp32), as "
+            "training's --autocast bf16",
+        ),
+        (
+            "--activation-checkpointing",
+            "store_true",
+            None,
+            "blocks keep only their input (as training's flag)",
+        ),
+        (
+            "--schedule",
+            list(SCHEDULES),
+            "gpipe",
+            "pipeline schedule over a party's devices (its activations in flight)",
+        ),
+        (
+            "--runtime-memory",
+            None,
+            format_bytes(RUNTIME_BYTES).replace(" ", ""),
+            "what each process holds before the model (CPU: torch + aisyn; add "
+            "the CUDA context on a GPU)",
+        ),
         ("--compress", list(CODECS), "none", "cut-layer codec"),
         (
             "--pipeline",

@@ -123,7 +123,7 @@ class DataSession:
         for kind, i in schedule.make(len(micro), self.window).a:
             inputs, targets, mask, pos = micro[i]
             if kind == "F":
-                with autocast_for(device):  # as aisyn train (bf16 on CUDA)
+                with autocast_for(device, cfg.autocast):  # as aisyn train
                     clean = self.front(inputs, mask, pos)
                     sent = self._protect(clean, step, i)
                 self._send_act(r, i, sent, inputs)
@@ -135,7 +135,7 @@ class DataSession:
                 self.state.checked(y, f"the backbone output (micro-batch {i})")
                 y = y.to(device).requires_grad_()
                 clean, sent = fronts[i]
-                with autocast_for(device):
+                with autocast_for(device, cfg.autocast):
                     hidden = self.back(self._restore(y, clean, sent), mask, pos)
                     loss = loss_of(self.back.logits, hidden, targets)
                 loss.backward()

@@ -32,9 +32,11 @@ from aisyn.model.segments import (
 from aisyn.split import shards
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
+from aisyn.train.device import autocast_for
 from aisyn.train.lora import Method, apply_method, lora_parameter_names
 from aisyn.train.models import BaseModel
 from aisyn.train.optim import make_optimizer
+from aisyn.train.recompute import checkpoint_blocks
 from aisyn.train.update import SkippedStep, apply_update, grad_sq_norm
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,8 @@ class PartyState:
         self.params = [p for _, p in self.named]
         self.optimizer = make_optimizer(self.named, train)
         self.segments: tuple[Segment, ...] = segments_of(self.model, partition, party)
+        if train.activation_checkpointing:
+            checkpoint_blocks(self.model, cfg.layout)
         #: why this step cannot be applied, found while it ran (first reason)
         self.problem: str | None = None
 
@@ -105,6 +109,11 @@ class PartyState:
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
+
+    def autocast(self):
+        """The training step's autocast (``--autocast``, which the compute
+        party is told in the hello)."""
+        return autocast_for(self.device, self.train_cfg.autocast)
 
     # --- the optimizer step ---------------------------------------------------
 

@@ -255,7 +255,9 @@ class _Stage(nn.Module):
         mask = None
         if doc is not None:
             mask, _ = masks_from_documents(doc.to(torch.int64))
-        with autocast_for(rounds.state.device):
+        # as the single-process rounds: training's autocast, evaluation's
+        train = torch.is_grad_enabled()
+        with rounds.state.autocast() if train else autocast_for(rounds.state.device):
             y = rounds.middle(x, mask)
         if last:
             return _ToRelay.apply(y, rounds)
@@ -496,7 +498,7 @@ class ShardedRounds(Rounds):
             doc = self._rows(doc, shape[:2], torch.int32)
             mask, _ = masks_from_documents(doc.to(torch.int64))
         x.requires_grad_(grad)
-        with autocast_for(self.state.device):
+        with self.state.autocast() if grad else autocast_for(self.state.device):
             y = self.middle(x, mask)
         out = self._gather(y, shape)
         if out is not None:

@@ -200,8 +200,10 @@ def decode_json(text: str, what: str) -> dict:
 
 #: The training settings the compute party needs to step its own parameters
 #: (AdamW's learning-rate schedule and weight decay, and the clip threshold of
-#: the global norm), and nothing else: not the seed (from which the data
-#: party's initial weights follow), the batch size, the data or the device.
+#: the global norm) and to compute its blocks as the unsplit run would (the
+#: autocast mode, whether blocks recompute their activations), and nothing
+#: else: not the seed (from which the data party's initial weights follow),
+#: the batch size, the data or the device.
 COMPUTE_PARTY_TRAIN_FIELDS = (
     "steps",
     "lr",
@@ -209,7 +211,14 @@ COMPUTE_PARTY_TRAIN_FIELDS = (
     "warmup_steps",
     "weight_decay",
     "grad_clip",
+    "autocast",
+    "activation_checkpointing",
 )
+#: the fields of those that are not numbers, and what they are
+_NON_NUMERIC = {
+    "autocast": (str, "a string"),
+    "activation_checkpointing": (bool, "true or false"),
+}
 _MAX_SEED = 2**63
 
 
@@ -233,6 +242,11 @@ def parse_compute_party_train(d: object) -> TrainConfig:
             f"{extra[:5]})"
         )
     for k, v in d.items():
+        if k in _NON_NUMERIC:
+            kind, shown = _NON_NUMERIC[k]
+            if not isinstance(v, kind):
+                raise ProtocolError(f"hello: training setting {k} must be {shown}")
+            continue
         ok = isinstance(v, int | float) and not isinstance(v, bool)
         if not ok and not (k == "min_lr" and v is None):
             raise ProtocolError(f"hello: training setting {k} must be a number")

@@ -145,7 +145,7 @@ class Rounds:
                 x, mask = self._recv_act(r, i, c)
                 self.state.checked(x, f"the activations (micro-batch {i})")
                 x.requires_grad_()
-                with autocast_for(self.state.device):  # as aisyn train
+                with self.state.autocast():  # as aisyn train
                     y = self.middle(x, mask)
                 self.link.send("out", y, step=r, micro=i, codec=self.session.codec)
                 inflight[i] = (x, y)

@@ -43,10 +43,10 @@ from aisyn.split.party import (
 from aisyn.split.session import SPAWN_DIR, SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
-from aisyn.train.device import resolve_device
+from aisyn.train.device import autocast_on, resolve_device
 from aisyn.train.engine import Engine, finished
 from aisyn.train.lora import Method
-from aisyn.train.memory import check_fits, compute_dtype, party_bytes
+from aisyn.train.memory import check_fits, party_bytes
 from aisyn.train.models import BaseModel, check_base_tokenizer, model_config_for
 from aisyn.train.objective import LMObjective, Objective, SFTObjective
 from aisyn.train.regime import Regime
@@ -161,8 +161,9 @@ def split_train(
                 party,
                 cfg.micro,
                 objective.seq_len,
-                compute_dtype(device),
                 in_flight=opts.window + 1,
+                autocast=autocast_on(device, cfg.autocast),
+                activation_checkpointing=cfg.activation_checkpointing,
             )
             for party in on_this_machine
         ),

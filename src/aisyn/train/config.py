@@ -15,13 +15,24 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from aisyn.train.schedule import lr_at
 from aisyn.validate import SEED_RANGE, number_problem
 
+#: ``--autocast``: bf16 on CUDA only, everywhere (CPU too), or nowhere
+AUTOCAST_MODES = ("auto", "bf16", "off")
 
-def setting(default, flag: str | None = None, help: str = "", **bounds):
+
+def setting(
+    default,
+    flag: str | None = None,
+    help: str = "",
+    *,
+    choices: tuple[str, ...] | None = None,
+    **bounds,
+):
     """A ``TrainConfig`` field: its default, its range (``validate``'s
     ``number_problem`` keywords; None stays allowed where it is the default)
-    and, when users set it, its ``--flag`` and help text."""
+    or its ``choices``, and, when users set it, its ``--flag`` and help text."""
     return field(
-        default=default, metadata={"flag": flag, "help": help, "bounds": bounds}
+        default=default,
+        metadata={"flag": flag, "help": help, "bounds": bounds, "choices": choices},
     )
 
 
@@ -69,6 +80,19 @@ class TrainConfig:
         False, "--eod-reset", "reset attention and positions at each end of document"
     )
     device: str = setting("auto")  # its flag is every command's (``flagtable``)
+    autocast: str = setting(
+        "auto",
+        "--autocast",
+        "bf16 autocast over fp32 master weights: auto (on CUDA only), bf16 "
+        "(CPU too), off",
+        choices=AUTOCAST_MODES,
+    )
+    activation_checkpointing: bool = setting(
+        False,
+        "--activation-checkpointing",
+        "keep only each block's input and recompute the rest in backward "
+        "(less memory, about 1/3 more compute)",
+    )
 
     def __post_init__(self) -> None:
         # Range checks here, not only on flags: a TrainConfig also comes from
@@ -125,6 +149,9 @@ def setting_problem(name: str, value) -> str | None:
         return (
             None if isinstance(value, bool) else f"must be true or false, not {value!r}"
         )
+    if f.metadata["choices"]:
+        ok = value in f.metadata["choices"]
+        return None if ok else f"must be one of {', '.join(f.metadata['choices'])}"
     if name == "device":
         # Checked where it is used (``resolve_device``): a config from a run
         # folder or a peer may name a device this machine does not have.

@@ -25,6 +25,7 @@ from aisyn.train.distributed import DistContext
 from aisyn.train.lora import Method, merged_state_dict
 from aisyn.train.objective import StepBatch
 from aisyn.train.optim import make_optimizer
+from aisyn.train.recompute import checkpoint_blocks
 from aisyn.train.regime import Executor
 from aisyn.train.run import RunDir
 from aisyn.train.update import apply_update
@@ -87,6 +88,8 @@ class LocalExecutor(Executor):
         self.hint = hint
         self.optimizer = optimizer or make_optimizer(self.trainable, cfg)
         self.device = next(model.parameters()).device
+        if cfg.activation_checkpointing:
+            checkpoint_blocks(model, model.config.layout)
         # DDP wraps after the optimizer and checkpoints are set up on plain names.
         loss = MicroBatchLoss(model)
         self.loss: nn.Module = DDP(loss) if self.ctx.enabled else loss
@@ -95,7 +98,7 @@ class LocalExecutor(Executor):
         lr = self.lr_at(step)
         micro = batch.micro
         total = 0.0
-        with autocast_for(self.device):
+        with autocast_for(self.device, self.cfg.autocast):
             for i, (inputs, targets, mask, pos) in enumerate(micro):
                 # under DDP gradients are synchronised on the last micro-batch
                 sync = i == len(micro) - 1 or not isinstance(self.loss, DDP)

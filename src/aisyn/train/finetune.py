@@ -18,11 +18,11 @@ import torch
 
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
-from aisyn.train.device import resolve_device
+from aisyn.train.device import autocast_on, resolve_device
 from aisyn.train.engine import Engine, finished
 from aisyn.train.executor import LocalExecutor
 from aisyn.train.lora import Method, apply_method
-from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
+from aisyn.train.memory import check_fits, whole_model_bytes
 from aisyn.train.models import check_data_matches, describe_base, load_base
 from aisyn.train.objective import SFTObjective
 from aisyn.train.regime import Regime
@@ -55,7 +55,8 @@ def finetune(
             info.model,
             cfg.micro,
             objective.seq_len,
-            compute_dtype(device),
+            autocast=autocast_on(device, cfg.autocast),
+            activation_checkpointing=cfg.activation_checkpointing,
             # LoRA keeps no gradients or optimizer state for the frozen weights
             trains_all_weights=method.name != "lora",
         ),

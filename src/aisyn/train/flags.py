@@ -41,6 +41,8 @@ def _flag_type(f):
     """The argparse type (or action) of a field: its range, as a flag."""
     if isinstance(f.default, bool):
         return "store_true"
+    if f.metadata["choices"]:
+        return list(f.metadata["choices"])
     kind = "int" if f.type in ("int", "int | None") else "float"
     return _TYPES[kind, tuple(f.metadata["bounds"].items())]
 

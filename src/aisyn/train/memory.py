@@ -3,8 +3,8 @@
 A batch far too large for the machine otherwise runs until the kernel's OOM
 killer ends the process (no message, possibly after minutes of swapping) or
 CUDA raises mid-step. The estimate is the split planner's (``model.plan``):
-weights + gradients + AdamW state + activations of the micro-batches in flight,
-an upper estimate, so a refusal means the run would not fit; the available
+the step's peak of runtime, weights, AdamW state, gradients and the
+activations of the micro-batches in flight; the available
 memory is what the OS (or the cgroup the process runs in) or CUDA says is free.
 
 ``AISYN_SKIP_MEMORY_CHECK=1`` turns the check off for a machine where the
@@ -23,51 +23,40 @@ from aisyn.model.capacity import (  # noqa: F401  (cgroup_available: re-exported
 )
 from aisyn.model.families import ModelConfig, build_model
 from aisyn.model.plan import (
-    DTYPE_BYTES,
     Workload,
-    block_activation_bytes,
     format_bytes,
     module_sizes,
     party_load,
+    rank_load,
 )
 from aisyn.model.segments import Partition
-
-
-def compute_dtype(device: torch.device) -> str:
-    """What the trainers compute in: bf16 autocast on CUDA, fp32 elsewhere."""
-    return "bf16" if device.type == "cuda" else "fp32"
 
 
 def whole_model_bytes(
     cfg: ModelConfig,
     micro_batch: int,
     seq_len: int,
-    dtype: str,
+    dtype: str = "fp32",
     in_flight: int = 1,
     *,
     trains_all_weights: bool = True,
+    autocast: bool = False,
+    activation_checkpointing: bool = False,
 ) -> float:
-    """Training memory of the unsplit model (the planner's formulas, one party).
+    """Peak training memory of the unsplit model: the planner's formula
+    (``model.plan.rank_load``) for one process holding every piece.
 
-    Parameters stay fp32 (16-bit compute adds an fp32-equivalent master copy in
-    the planner's accounting, which comes to the same 16 bytes a parameter).
-    ``trains_all_weights=False`` (LoRA): the frozen weights alone, 4 bytes each.
+    ``autocast``: bf16 autocast over fp32 parameters; ``trains_all_weights=
+    False`` (LoRA): the frozen weights alone, no gradients or AdamW state.
     """
-    params = sum(module_sizes(build_model(cfg, device="meta")).values())
-    dt = DTYPE_BYTES[dtype]
-    if trains_all_weights:
-        state = params * (2 * dt + 8 + (0 if dtype == "fp32" else 4))
-    else:
-        state = params * 4
-    tokens = micro_batch * seq_len
-    # every layer (the top query layer counts as a block), the logits in the
-    # compute dtype plus the loss's fp32 copy, and the embedding output
-    activations = (
-        cfg.num_layers * block_activation_bytes(cfg, micro_batch, seq_len, dtype)
-        + tokens * cfg.vocab_size * (dt + 4)
-        + tokens * cfg.hidden_size * dt
+    sizes = module_sizes(build_model(cfg, device="meta"))
+    w = _workload(
+        micro_batch, seq_len, dtype, in_flight, autocast, activation_checkpointing
     )
-    return state + activations * in_flight
+    r = rank_load(sizes, cfg, w, list(range(cfg.num_blocks)), embed=True, head=True)
+    if not trains_all_weights:
+        r.grads_bytes = r.optimizer_bytes = 0.0
+    return r.memory_bytes
 
 
 def party_bytes(
@@ -76,19 +65,70 @@ def party_bytes(
     party: str,
     micro_batch: int,
     seq_len: int,
-    dtype: str,
+    dtype: str = "fp32",
     in_flight: int = 1,
+    *,
+    autocast: bool = False,
+    activation_checkpointing: bool = False,
 ) -> float:
-    """Training memory of one party's share of a split model."""
+    """Peak training memory of one party's share of a split model (what
+    ``aisyn split plan`` prints for it at batch = micro-batch)."""
     sizes = module_sizes(build_model(cfg, device="meta"))
-    workload = Workload(
+    w = _workload(
+        micro_batch, seq_len, dtype, in_flight, autocast, activation_checkpointing
+    )
+    return party_load(sizes, cfg, partition, party, w).memory_bytes
+
+
+def rank_bytes(
+    cfg: ModelConfig,
+    partition: Partition,
+    party: str,
+    ranks: int,
+    micro_batch: int,
+    seq_len: int,
+    micro_batches: int = 1,
+    *,
+    schedule: str = "gpipe",
+    autocast: bool = False,
+    activation_checkpointing: bool = False,
+) -> list[float]:
+    """Peak training memory of each rank of ``party`` with its blocks in
+    ``ranks`` pipeline stages (``model.plan.pipeline_stage_blocks``), for
+    ``micro_batches`` micro-batches a step under ``schedule``: what ``aisyn
+    split plan --party B:...:RxMEM`` prints per rank. PlanError if a stage
+    would hold no block."""
+    sizes = module_sizes(build_model(cfg, device="meta"))
+    w = Workload(
+        batch_size=micro_batch * micro_batches,
+        micro_batch_size=micro_batch,
+        seq_len=seq_len,
+        autocast=autocast,
+        activation_checkpointing=activation_checkpointing,
+        schedule=schedule,
+        dtype="fp32",
+    )
+    load = party_load(sizes, cfg, partition, party, w, devices=ranks)
+    return [r.memory_bytes for r in load.ranks]
+
+
+def _workload(
+    micro_batch: int,
+    seq_len: int,
+    dtype: str,
+    in_flight: int,
+    autocast: bool,
+    activation_checkpointing: bool,
+) -> Workload:
+    return Workload(
         batch_size=micro_batch,
         micro_batch_size=micro_batch,
         seq_len=seq_len,
         dtype=dtype,
         in_flight=in_flight,
+        autocast=autocast,
+        activation_checkpointing=activation_checkpointing,
     )
-    return party_load(sizes, cfg, partition, party, workload).memory_bytes
 
 
 def check_fits(needed: float, device: torch.device, what: str) -> None:

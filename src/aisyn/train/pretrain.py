@@ -14,10 +14,10 @@ from aisyn.model.families import ModelConfig, build_model, hf_folder
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import distributed
 from aisyn.train.config import TrainConfig, per_rank_micro_batches
-from aisyn.train.device import resolve_device
+from aisyn.train.device import autocast_on, resolve_device
 from aisyn.train.engine import Engine, finished
 from aisyn.train.executor import LocalExecutor
-from aisyn.train.memory import check_fits, compute_dtype, whole_model_bytes
+from aisyn.train.memory import check_fits, whole_model_bytes
 from aisyn.train.models import load_model_checkpoint, model_config_for
 from aisyn.train.objective import LMObjective
 from aisyn.train.regime import Regime
@@ -49,7 +49,13 @@ def train(
     last = ckpt.latest(run.checkpoints) if resume else None
     ctx, device = distributed.setup(resolve_device(cfg.device))
     check_fits(
-        whole_model_bytes(mcfg, cfg.micro, objective.seq_len, compute_dtype(device)),
+        whole_model_bytes(
+            mcfg,
+            cfg.micro,
+            objective.seq_len,
+            autocast=autocast_on(device, cfg.autocast),
+            activation_checkpointing=cfg.activation_checkpointing,
+        ),
         device,
         f"training with micro-batches of {cfg.micro}",
     )
