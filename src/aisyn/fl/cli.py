@@ -72,6 +72,8 @@ _HELP = {
     "dp_clipping_norm": "DP: L2 bound of each client's update",
     "dp_sampled_clients": "DP: clients sampled per round out of min-clients (0: all)",
     "dp_delta": "DP: delta at which epsilon is reported",
+    "max_message_mb": "largest message of a model, MiB (0: no limit); a larger "
+    "model's global weights and updates travel in chunks under it",
 }
 
 
