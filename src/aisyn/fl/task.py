@@ -148,6 +148,7 @@ class ClientContext:
         settings: FLSettings,
         fingerprint: str,
         device: torch.device | None = None,
+        main: bool = True,
     ) -> None:
         t0 = time.perf_counter()
         self.node = node
@@ -173,7 +174,7 @@ class ClientContext:
         self.spec = {n: tuple(p.shape) for n, p in self.trainable}
         self.run = RunDir(node.out)
         self._ensure_run_folder()
-        if settings.tensorboard:
+        if settings.tensorboard and main:  # (main: rank 0 of a multi-rank client)
             self.run.enable_tensorboard()
         self.load_s = time.perf_counter() - t0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,11 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def setup(device: torch.device) -> tuple[DistContext, torch.device]:
-    """Join the process group torchrun describes; pick this rank's device."""
+def setup(
+    device: torch.device, timeout: timedelta | None = None
+) -> tuple[DistContext, torch.device]:
+    """Join the process group torchrun describes; pick this rank's device
+    (``timeout``: of its collectives, torch's default when None)."""
     world = world_size()
     if world <= 1:
         return DistContext(), device
@@ -67,7 +71,8 @@ def setup(device: torch.device) -> tuple[DistContext, torch.device]:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timeout)
     return DistContext(rank, world, local), device
 
 
