@@ -46,7 +46,6 @@ import math
 import os
 import re
 import shutil
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -469,8 +468,8 @@ class ChunkedGrid:
         server_round = int(messages[0].content["config"]["server-round"])
         arrays: ArrayRecord = messages[0].content["arrays"]  # type: ignore[assignment]
         global_arrays = {k: a.numpy() for k, a in arrays.items()}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        nodes = self._send_global(messages, global_arrays, server_round, deadline)
+        # each exchange (a chunk to or from every node) waits at most timeout
+        nodes = self._send_global(messages, global_arrays, server_round, timeout)
         out = []
         for m in messages:
             if m.metadata.dst_node_id not in nodes:
@@ -479,17 +478,17 @@ class ChunkedGrid:
                 {**dict(m.content["config"]), COUNT_KEY: len(self.plan)}
             )
             out.append(
-                self.grid.create_message(
+                _message(
                     RecordDict({"config": config}),
                     m.metadata.message_type,
                     m.metadata.dst_node_id,
                     m.metadata.group_id,
                 )
             )
-        replies = list(self.grid.send_and_receive(out, timeout=_left(deadline)))
+        replies = list(self.grid.send_and_receive(out, timeout=timeout))
         if kinds == {MessageType.TRAIN}:
             self.global_arrays = global_arrays
-            self._pull_updates(replies, server_round, deadline)
+            self._pull_updates(replies, server_round, timeout)
         return replies
 
     def _send_global(
@@ -497,7 +496,7 @@ class ChunkedGrid:
         messages: list[Message],
         global_arrays: dict[str, np.ndarray],
         server_round: int,
-        deadline: float | None,
+        timeout: float | None,
     ) -> set[int]:
         """Every chunk to every node; returns the nodes that staged them all."""
         nodes = {m.metadata.dst_node_id for m in messages}
@@ -509,12 +508,9 @@ class ChunkedGrid:
                     CHUNK_META: chunk_meta(server_round, i, len(self.plan), self.limit),
                 }
             )
-            out = [
-                self.grid.create_message(content, GLOBAL_CHUNK, n, group)
-                for n in sorted(nodes)
-            ]
+            out = [_message(content, GLOBAL_CHUNK, n, group) for n in sorted(nodes)]
             ok = set()
-            for reply in self.grid.send_and_receive(out, timeout=_left(deadline)):
+            for reply in self.grid.send_and_receive(out, timeout=timeout):
                 node = reply.metadata.src_node_id
                 if reply.has_error():
                     log.warning(
@@ -537,7 +533,7 @@ class ChunkedGrid:
         return nodes
 
     def _pull_updates(
-        self, replies: list[Message], server_round: int, deadline: float | None
+        self, replies: list[Message], server_round: int, timeout: float | None
     ) -> None:
         for old in self.updates.values():
             shutil.rmtree(old.folder, ignore_errors=True)
@@ -563,13 +559,11 @@ class ChunkedGrid:
                 {"round": server_round, "index": i, "limit": self.limit}
             )
             out = [
-                self.grid.create_message(
-                    RecordDict({CHUNK_META: request}), UPDATE_CHUNK, n, group
-                )
+                _message(RecordDict({CHUNK_META: request}), UPDATE_CHUNK, n, group)
                 for n in live
             ]
             answered = set()
-            for reply in self.grid.send_and_receive(out, timeout=_left(deadline)):
+            for reply in self.grid.send_and_receive(out, timeout=timeout):
                 node = reply.metadata.src_node_id
                 update = self.updates.get(node)
                 if update is None or update.problem is not None or node in answered:
@@ -608,5 +602,5 @@ class ChunkedGrid:
         self.updates = {}
 
 
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+def _message(content: RecordDict, kind: str, node: int, group: str) -> Message:
+    return Message(content, dst_node_id=node, message_type=kind, group_id=group)
