@@ -127,7 +127,15 @@ def two_rank_client_line() -> str:
     from flwr.supercore.task_identity import TaskIdentity
 
     # Flower stamps messages with the running task's identity (the ServerApp's)
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, 0, 1
+    try:
+        return _line()
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def _line() -> str:
     tok = PanguTokenizer.load()
     data = cached_sft(
         "news",
