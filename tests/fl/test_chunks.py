@@ -318,3 +318,42 @@ def test_a_client_refuses_a_repeated_or_missing_global_chunk(tmp_path):
     # a new round's first chunk clears the last round's staging
     chunks.stage_global(tmp_path, 7, content(0, r=2))
     assert [p.name for p in (tmp_path / chunks.STAGING).iterdir()] == ["run7-round2"]
+
+
+class FailingTrainer(Client):
+    """Its training fails (a rank died): the train reply is an error."""
+
+    def __call__(self, m):
+        if m.metadata.message_type == MessageType.TRAIN:
+            from flwr.app import Error
+
+            return Message(Error(0, "client c3: a training rank failed"), reply_to=m)
+        return super().__call__(m)
+
+
+def test_a_client_whose_training_fails_is_left_out_of_a_chunked_round(tmp_path):
+    g = global_model()
+    weights = {1: 10, 2: 20, 3: 30}
+    clients = {i: Client(i, tmp_path / f"c{i}", weights[i]) for i in (1, 2)}
+    clients[3] = FailingTrainer(3, tmp_path / "c3", 30)
+    got, entry, _ = chunked_round("mean", clients, g)
+    assert entry["rejected"] == [
+        {"node": 3, "reason": "client failed: client c3: a training rank failed"}
+    ]
+    want = unchunked("mean", [1, 2], g, weights)
+    assert all(np.array_equal(got[k], want[k]) for k in SPEC)
+
+
+def test_a_second_round_clears_the_first_rounds_staging(tmp_path):
+    g = global_model()
+    clients = {i: Client(i, tmp_path / f"c{i}", 10 * i) for i in (1, 2, 3)}
+    first, _, _ = chunked_round("mean", clients, g, server_round=1)
+    second, entry, _ = chunked_round("mean", clients, first, server_round=2)
+    assert entry["accepted"] == 3
+    assert all(
+        np.array_equal(c.received[k], first[k]) for c in clients.values() for k in SPEC
+    )
+    staged = {
+        p.name for c in clients.values() for p in (c.out / chunks.STAGING).iterdir()
+    }
+    assert staged == {"run7-round2"}  # round 1's global chunks and update are gone
