@@ -54,13 +54,14 @@ def check_client(name: str, data: Path, base: Path) -> None:
         raise ValueError(f"client {name}: {e}") from None
 
 
-def check_chunking(base: Path, settings: FLSettings) -> None:
-    """Refuse, before any process starts, settings that cannot run with the
-    chunks ``max-message-mb`` needs for this base model's trainable tensors
-    (``aisyn.fl.chunks``); the model is built on the meta device."""
+def check_chunking(base: Path, settings: FLSettings) -> int:
+    """The chunks of this base model's trainable tensors under
+    ``max-message-mb`` (1: one message); refuses, before any process starts,
+    settings that cannot run chunked (``aisyn.fl.chunks``). The model is built
+    on the meta device."""
     info = describe_base(base)
     if not settings.max_message_mb:
-        return
+        return 1
     import torch
 
     from aisyn.fl.chunks import plan_for
@@ -70,7 +71,8 @@ def check_chunking(base: Path, settings: FLSettings) -> None:
     with torch.device("meta"):
         model = build_model(info.model)
         trainable = apply_method(model, settings.method_spec(), settings.train.seed)
-    plan_for(settings, {n: tuple(p.shape) for n, p in trainable})
+    plan = plan_for(settings, {n: tuple(p.shape) for n, p in trainable})
+    return len(plan) if plan else 1
 
 
 def _key_name(client: str) -> str:
@@ -118,13 +120,17 @@ def run_server_side(
     address: str,
     root_certificates: Path | None,
     echo: bool,
+    chunks: int = 1,
 ) -> dict:
     runtime_dir = out / "runtime"
     app = runtime.write_app(
         runtime_dir / "app",
         server_run_config(settings, ServerNode(base, out / "server")),
     )
-    timeout = settings.rounds * 2 * settings.round_timeout + 600
+    # each exchange waits at most round-timeout: a round's train and evaluate
+    # messages, and in a chunked run each chunk both ways
+    exchanges = 2 if chunks == 1 else 2 * chunks + 2
+    timeout = settings.rounds * exchanges * settings.round_timeout + 600
     rc = runtime.submit_run(
         app,
         address,
@@ -168,7 +174,7 @@ def simulate(
     if validate:
         for name, data in clients.items():
             check_client(name, Path(data), base)
-    check_chunking(base, settings)
+    chunks = check_chunking(base, settings)
     if settings.train.batch_size % client_ranks:
         raise ValueError(
             f"--batch-size {settings.train.batch_size} does not split into "
@@ -221,7 +227,9 @@ def simulate(
                     auth_key=keys[name].private if keys else None,
                 )
             )
-        result = run_server_side(base, out, settings, superlink, address, ca, echo)
+        result = run_server_side(
+            base, out, settings, superlink, address, ca, echo, chunks
+        )
     finally:
         for p in reversed(procs):
             p.stop()
@@ -257,7 +265,7 @@ def serve(
             "client keys need TLS (SuperNode authentication runs over TLS)"
         )
     keys = [check_public_key(k) for k in client_keys]
-    check_chunking(base, settings)
+    chunks = check_chunking(base, settings)
     _check_fresh(out / "server")
     superlink = runtime.start_superlink(
         host, port, out / "runtime" / "superlink", tls, allow_insecure, bool(tls)
@@ -278,7 +286,9 @@ def serve(
             port,
             settings.min_clients,
         )
-        return run_server_side(base, out, settings, superlink, address, ca, echo)
+        return run_server_side(
+            base, out, settings, superlink, address, ca, echo, chunks
+        )
     finally:
         superlink.stop()
 
