@@ -79,7 +79,7 @@ def test_simulate_counts_its_clients_before_checking_the_aggregation(monkeypatch
 
     seen = {}
 
-    def fake_simulate(base, clients, out, settings, echo=False):
+    def fake_simulate(base, clients, out, settings, echo=False, **kw):
         seen["settings"] = settings
         return {"history": [], "run": str(out), "clients": {}}
 

@@ -72,7 +72,19 @@ _HELP = {
     "dp_clipping_norm": "DP: L2 bound of each client's update",
     "dp_sampled_clients": "DP: clients sampled per round out of min-clients (0: all)",
     "dp_delta": "DP: delta at which epsilon is reported",
+    "max_message_mb": "largest message of a model, MiB (0: no limit); a larger "
+    "model's global weights and updates travel in chunks under it",
 }
+
+
+#: a client's data-parallel ranks (its node's setting, not the federation's)
+CLIENT_RANKS = (
+    "--client-ranks",
+    validate.positive_int,
+    1,
+    "train each round's local steps on N DDP ranks (torchrun; gloo on CPU, NCCL on "
+    "GPU); --batch-size must split into them",
+)
 
 
 _CHOICES = {
@@ -165,7 +177,14 @@ def cmd_simulate(args) -> None:
         # before the settings are validated: robust aggregations check it
         args.min_clients = len(clients)
     settings = settings_from_args(args)
-    result = simulate(args.base, clients, args.out, settings, echo=args.echo)
+    result = simulate(
+        args.base,
+        clients,
+        args.out,
+        settings,
+        echo=args.echo,
+        client_ranks=args.client_ranks,
+    )
     _print_result(result)
     for name, path in result["clients"].items():
         print(f"client {name}: {path}")
@@ -216,6 +235,7 @@ def cmd_client(args) -> None:
         root_certificates=Path(args.tls_ca) if args.tls_ca else None,
         allow_insecure=args.allow_insecure_remote,
         auth_key=args.auth_key,
+        client_ranks=args.client_ranks,
     )
     if rc:
         raise OSError(f"flower-supernode exited with status {rc}")
@@ -258,6 +278,7 @@ def register(sub) -> None:
         ("--client", "append", REQUIRED, "NAME=SFT_DIR (repeat; one per organisation)"),
         ("--out", None, REQUIRED, "run folder"),
         ("--echo", "store_true", None, "stream the server log"),
+        CLIENT_RANKS,
     )
     add_settings_args(s)
 
@@ -325,6 +346,7 @@ def register(sub) -> None:
             None,
             "this client's private key (with TLS; the server registers its .pub)",
         ),
+        CLIENT_RANKS,
     )
 
     k = add_command(

@@ -13,8 +13,9 @@ client-side DP clipping (``--dp client``); see ``aisyn.fl.secure``.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from aisyn.fl.secure import (
@@ -49,9 +50,17 @@ def train(msg: Message, context: Context) -> Message:
 
     node = task.ClientNode.from_node_config(dict(context.node_config))
     arrays, metrics = task.client_train(
-        node, msg.content["config"], msg.content["arrays"]
+        node,
+        msg.content["config"],
+        msg.content.array_records.get("arrays"),  # None: a chunked round
+        msg.metadata.run_id,
     )
-    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+    content = (
+        {"metrics": metrics}
+        if arrays is None
+        else {"arrays": arrays, "metrics": metrics}
+    )
+    return Message(RecordDict(content), reply_to=msg)
 
 
 @app.evaluate()
@@ -60,5 +69,35 @@ def evaluate(msg: Message, context: Context) -> Message:
     from aisyn.fl import task
 
     node = task.ClientNode.from_node_config(dict(context.node_config))
-    metrics = task.client_evaluate(node, msg.content["config"], msg.content["arrays"])
+    metrics = task.client_evaluate(
+        node,
+        msg.content["config"],
+        msg.content.array_records.get("arrays"),
+        msg.metadata.run_id,
+    )
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+# A chunked round (aisyn.fl.chunks): the global model arrives chunk by chunk
+# before the train / evaluate message, the update leaves chunk by chunk after
+# it. Neither handler imports torch or builds the model.
+
+
+@app.query("global_chunk")
+def global_chunk(msg: Message, context: Context) -> Message:
+    from aisyn.fl import chunks
+
+    out = Path(str(context.node_config["out"]))
+    index = chunks.stage_global(out, msg.metadata.run_id, msg.content)
+    return Message(
+        RecordDict({"metrics": MetricRecord({"staged": index})}), reply_to=msg
+    )
+
+
+@app.query("update_chunk")
+def update_chunk(msg: Message, context: Context) -> Message:
+    from aisyn.fl import chunks
+
+    out = Path(str(context.node_config["out"]))
+    config = msg.content.config_records[chunks.CHUNK_META]
+    return Message(chunks.update_chunk(out, msg.metadata.run_id, config), reply_to=msg)

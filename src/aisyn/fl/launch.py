@@ -54,6 +54,27 @@ def check_client(name: str, data: Path, base: Path) -> None:
         raise ValueError(f"client {name}: {e}") from None
 
 
+def check_chunking(base: Path, settings: FLSettings) -> int:
+    """The chunks of this base model's trainable tensors under
+    ``max-message-mb`` (1: one message); refuses, before any process starts,
+    settings that cannot run chunked (``aisyn.fl.chunks``). The model is built
+    on the meta device."""
+    info = describe_base(base)
+    if not settings.max_message_mb:
+        return 1
+    import torch
+
+    from aisyn.fl.chunks import plan_for
+    from aisyn.model.families import build_model
+    from aisyn.train.lora import apply_method
+
+    with torch.device("meta"):
+        model = build_model(info.model)
+        trainable = apply_method(model, settings.method_spec(), settings.train.seed)
+    plan = plan_for(settings, {n: tuple(p.shape) for n, p in trainable})
+    return len(plan) if plan else 1
+
+
 def _key_name(client: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", client).lstrip(".") or "client"
 
@@ -99,13 +120,17 @@ def run_server_side(
     address: str,
     root_certificates: Path | None,
     echo: bool,
+    chunks: int = 1,
 ) -> dict:
     runtime_dir = out / "runtime"
     app = runtime.write_app(
         runtime_dir / "app",
         server_run_config(settings, ServerNode(base, out / "server")),
     )
-    timeout = settings.rounds * 2 * settings.round_timeout + 600
+    # each exchange waits at most round-timeout: a round's train and evaluate
+    # messages, and in a chunked run each chunk both ways
+    exchanges = 2 if chunks == 1 else 2 * chunks + 2
+    timeout = settings.rounds * exchanges * settings.round_timeout + 600
     rc = runtime.submit_run(
         app,
         address,
@@ -128,8 +153,12 @@ def simulate(
     echo: bool = False,
     validate: bool = True,
     tls: runtime.ServerTls | None = None,
+    client_ranks: int = 1,
 ) -> dict:
     """All parties on this machine (loopback), each in its own processes.
+
+    ``client_ranks``: every client trains its local steps on that many
+    data-parallel ranks (``aisyn.fl.ranks``).
 
     With ``tls`` the SuperLink serves HTTPS and clients verify it with the CA
     (as across machines), and each client gets a fresh key pair that is
@@ -145,13 +174,19 @@ def simulate(
     if validate:
         for name, data in clients.items():
             check_client(name, Path(data), base)
+    chunks = check_chunking(base, settings)
+    if settings.train.batch_size % client_ranks:
+        raise ValueError(
+            f"--batch-size {settings.train.batch_size} does not split into "
+            f"--client-ranks {client_ranks}"
+        )
     if settings.max_examples == 0:
         # Here the server knows every client's data: a reply's num-examples counts
         # at most the largest client's items, so honest weights stay exact and a
         # client lying about its size gains at most the largest honest weight.
         settings = replace(settings, max_examples=largest_client(clients))
     _check_fresh(out / "server")
-    threads = max(1, (os.cpu_count() or 1) // len(clients))
+    threads = max(1, (os.cpu_count() or 1) // (len(clients) * client_ranks))
     t0 = time.perf_counter()
     procs: list[ChildProcess] = []
     try:
@@ -184,6 +219,7 @@ def simulate(
                         "data": str(Path(data).resolve()),
                         "base": str(base),
                         "out": str(out / "clients" / name),
+                        "ranks": client_ranks,
                     },
                     out / "runtime" / f"client-{name}",
                     root_certificates=ca,
@@ -191,7 +227,9 @@ def simulate(
                     auth_key=keys[name].private if keys else None,
                 )
             )
-        result = run_server_side(base, out, settings, superlink, address, ca, echo)
+        result = run_server_side(
+            base, out, settings, superlink, address, ca, echo, chunks
+        )
     finally:
         for p in reversed(procs):
             p.stop()
@@ -227,7 +265,7 @@ def serve(
             "client keys need TLS (SuperNode authentication runs over TLS)"
         )
     keys = [check_public_key(k) for k in client_keys]
-    describe_base(base)
+    chunks = check_chunking(base, settings)
     _check_fresh(out / "server")
     superlink = runtime.start_superlink(
         host, port, out / "runtime" / "superlink", tls, allow_insecure, bool(tls)
@@ -248,7 +286,9 @@ def serve(
             port,
             settings.min_clients,
         )
-        return run_server_side(base, out, settings, superlink, address, ca, echo)
+        return run_server_side(
+            base, out, settings, superlink, address, ca, echo, chunks
+        )
     finally:
         superlink.stop()
 
@@ -263,6 +303,7 @@ def join(
     root_certificates: Path | None = None,
     allow_insecure: bool = False,
     auth_key: str | Path | None = None,
+    client_ranks: int = 1,
 ) -> int:
     """One organisation's client: a SuperNode serving ClientApp runs until stopped.
 
@@ -280,7 +321,13 @@ def join(
     check_client(name, data, base)
     node = runtime.start_supernode(
         superlink,
-        {"name": name, "data": str(data), "base": str(base), "out": str(out)},
+        {
+            "name": name,
+            "data": str(data),
+            "base": str(base),
+            "out": str(out),
+            "ranks": client_ranks,
+        },
         out.parent / f".{out.name}-runtime",
         root_certificates,
         allow_insecure,

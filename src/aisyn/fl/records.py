@@ -141,11 +141,20 @@ def check_reply(
     """The decoded arrays of ``message``; ``UpdateRejected`` unless it is a
     well-formed, sane update (its sample count is checked by ``counted_examples``).
     """
-    if message.has_error():
-        raise UpdateRejected(f"client failed: {message.error.reason}")
+    check_metrics(message)
     content = message.content
     if len(content.array_records) != 1 or "arrays" not in content.array_records:
         raise UpdateRejected("expected exactly one ArrayRecord named 'arrays'")
+    return decode_checked(content.array_records["arrays"], expected)
+
+
+def check_metrics(message: Message) -> None:
+    """``UpdateRejected`` unless ``message`` is a reply with exactly the metrics
+    every train reply carries, each a finite number (a chunked round's train
+    reply carries nothing else: its update comes in chunks)."""
+    if message.has_error():
+        raise UpdateRejected(f"client failed: {message.error.reason}")
+    content = message.content
     if len(content.metric_records) != 1 or "metrics" not in content.metric_records:
         raise UpdateRejected("expected exactly one MetricRecord named 'metrics'")
     metrics: MetricRecord = content.metric_records["metrics"]
@@ -157,4 +166,3 @@ def check_reply(
         value = metrics[key]
         if isinstance(value, list) or not math.isfinite(float(value)):
             raise UpdateRejected(f"metric {key!r} is not a finite number")
-    return decode_checked(content.array_records["arrays"], expected)

@@ -98,7 +98,10 @@ NUMBER_RANGES: dict[str, dict] = {
     "dp_clipping_norm": {"low": 0, "low_open": True},
     "dp_sampled_clients": {"low": 0},
     "dp_delta": {"low": 0, "high": 1, "low_open": True, "high_open": True},
+    "max_message_mb": {"low": 0},  # and 0 (off) or >= MIN_MESSAGE_MB: __post_init__
 }
+#: the smallest message limit (4 KiB; fractions of a MiB are fine: 0.0625 is 64 KiB)
+MIN_MESSAGE_MB = 4096 / 2**20
 
 
 def local_train_config(**local) -> TrainConfig:
@@ -165,6 +168,9 @@ class FLSettings:
     dp_clipping_norm: float = 1.0
     dp_sampled_clients: int = 0
     dp_delta: float = DEFAULT_DELTA
+    # the largest Flower message of a model (MiB; 0: no limit, one message per
+    # model): a larger model travels in chunks (aisyn.fl.chunks)
+    max_message_mb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -183,6 +189,11 @@ class FLSettings:
         if self.max_norm_ratio != 0 and not self.max_norm_ratio >= 1:
             raise ValueError(
                 f"max-norm-ratio must be 0 (off) or >= 1, got {self.max_norm_ratio}"
+            )
+        if self.max_message_mb != 0 and not self.max_message_mb >= MIN_MESSAGE_MB:
+            raise ValueError(
+                f"max-message-mb must be 0 (no limit) or at least {MIN_MESSAGE_MB} "
+                f"(4 KiB), got {self.max_message_mb}"
             )
         trim = NUMBER_RANGES["trim_fraction"]
         if number_problem(self.trim_fraction, **trim):

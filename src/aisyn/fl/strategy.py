@@ -70,6 +70,7 @@ from aisyn.fl.records import (
     WEIGHT_KEY,
     WIRE_DTYPE,
     UpdateRejected,
+    check_metrics,
     check_reply,
     counted_examples,
     expected_spec,
@@ -128,6 +129,8 @@ class UpdateGuard:
         self.expected: dict[str, tuple[int, ...]] = {}
         self.global_arrays: dict[str, np.ndarray] = {}
         self.round_log: dict[int, dict] = {}
+        # a chunked run's grid (aisyn.fl.chunks): the updates arrive through it
+        self.chunked = None
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -148,6 +151,8 @@ class UpdateGuard:
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self.chunked is not None:
+            return self._aggregate_chunked(server_round, list(replies))
         t_replies = time.perf_counter()
         entry = self.round_log.setdefault(server_round, {"round": server_round})
         rejected: list[dict] = []
@@ -224,6 +229,127 @@ class UpdateGuard:
             return None, agg_metrics
         return arrays, agg_metrics
 
+    def _aggregate_chunked(
+        self, server_round: int, replies: list[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``aggregate_train`` of a chunked round (``aisyn.fl.chunks``): the
+        same checks and bounds, then Flower's aggregation one chunk at a time
+        over the updates the grid spilled (one chunk of each in memory)."""
+        grid = self.chunked
+        t_replies = time.perf_counter()
+        entry = self.round_log.setdefault(server_round, {"round": server_round})
+        rejected: list[dict] = []
+
+        def reject(node: int, reason: str) -> None:
+            log.warning(
+                "round %d: rejected update from node %s: %s", server_round, node, reason
+            )
+            rejected.append({"node": node, "reason": reason})
+
+        checked = []
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            update = grid.updates.get(node)
+            try:
+                check_metrics(msg)
+                counted_examples(msg.content.metric_records["metrics"][WEIGHT_KEY])
+                if update is None:
+                    raise UpdateRejected("sent no update chunks")
+                if update.problem is not None:
+                    raise UpdateRejected(update.problem)
+            except UpdateRejected as e:
+                reject(node, str(e))
+                continue
+            checked.append((msg, {}))
+        checked.sort(key=lambda u: u[0].metadata.src_node_id)  # as _checked_updates
+        entry["clamped"] = self._bound_weights(
+            [msg for msg, _ in checked], server_round, self.uniform_weights
+        )
+        norms = [grid.updates[m.metadata.src_node_id].norm for m, _ in checked]
+        kept = self._within_norm_bound(checked, entry, reject, norms)
+        good = [msg for msg, _ in kept]
+        attackers = max(0, self.assumed_attackers - (len(checked) - len(good)))
+        needed = min_updates(self.aggregation, attackers)
+        entry.update(
+            {
+                "accepted": len(good),
+                "rejected": rejected,
+                "bytes_received": sum(u.bytes for u in grid.updates.values()),
+                "wait_s": t_replies - entry.get("t_sent", t_replies),
+                "chunks": len(grid.plan),
+            }
+        )
+        _log_client_metrics(entry, good)
+        if len(good) < needed:
+            log.warning(
+                "round %d: %d acceptable update(s), %s needs %d; keeping the last "
+                "good global model",
+                server_round,
+                len(good),
+                self.aggregation,
+                needed,
+            )
+            entry["aggregate_s"] = 0.0
+            grid.clear()
+            return None, None
+        t0 = time.perf_counter()
+        new = {n: np.empty(s, np.float32) for n, s in grid.spec.items()}
+        agg_metrics = None
+        problem = None
+        for i, chunk in enumerate(grid.plan):
+            parts = [
+                {
+                    k: v.astype(np.float64)
+                    for k, v in grid.updates[m.metadata.src_node_id].chunk(i).items()
+                }
+                for m in good
+            ]
+            lo = hi = None
+            if self.within_range:
+                lo, hi = _coordinate_range(parts)
+            for msg, arrays in zip(good, parts, strict=True):
+                msg.content["arrays"] = ArrayRecord(
+                    {k: Array(v) for k, v in arrays.items()}
+                )
+            del parts
+            arrays, metrics = super().aggregate_train(server_round, good)
+            agg_metrics = agg_metrics or metrics
+            if arrays is None:
+                problem = f"chunk {i}: nothing aggregated"
+                break
+            problem = self._aggregate_problem(arrays, lo, hi, whole=False)
+            if problem is None:
+                arrays = as_wire_dtype(arrays)
+                if not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
+                    problem = "the aggregate overflows float32"
+            if problem is not None:
+                problem = f"chunk {i}: {problem}"
+                break
+            for p in chunk:
+                value = arrays[p.key].numpy()
+                if p.start is None:
+                    new[p.name][...] = value
+                else:
+                    new[p.name][p.start : p.stop] = value
+        for msg in good:
+            del msg.content["arrays"]
+        grid.clear()
+        entry["aggregate_s"] = time.perf_counter() - t0
+        if problem is None:
+            if not any(v.any() for v in new.values()) and any(
+                g.any() for g in self.global_arrays.values()
+            ):
+                problem = "all zeros (overflow?)"
+        if problem is not None:
+            log.warning(
+                "round %d: aggregate rejected (%s); keeping the last good global model",
+                server_round,
+                problem,
+            )
+            entry["aggregate_rejected"] = problem
+            return None, agg_metrics
+        return ArrayRecord({k: Array(v) for k, v in new.items()}), agg_metrics
+
     def _checked_updates(
         self,
         server_round: int,
@@ -245,6 +371,9 @@ class UpdateGuard:
                 continue
             received += payload_bytes(msg.content.array_records["arrays"])
             out.append((msg, {k: v.astype(np.float64) for k, v in arrays.items()}))
+        # in node order: the float sums of the aggregate do not depend on the
+        # order the replies arrived in (and a chunked round sums the same way)
+        out.sort(key=lambda u: u[0].metadata.src_node_id)
         entry["clamped"] = self._bound_weights(
             [msg for msg, _ in out], server_round, self.uniform_weights
         )
@@ -297,10 +426,14 @@ class UpdateGuard:
         updates: list[tuple[Message, dict[str, np.ndarray]]],
         entry: dict,
         reject: Callable[[int, str], None],
+        norms: list[float] | None = None,
     ) -> list[tuple[Message, dict[str, np.ndarray]]]:
+        """The updates within the norm bound (``norms``: theirs, when they are
+        not the updates' arrays)."""
         if not updates:
             return updates
-        norms = [update_norm(arrays, self.global_arrays) for _, arrays in updates]
+        if norms is None:
+            norms = [update_norm(arrays, self.global_arrays) for _, arrays in updates]
         median = lower_median(norms)
         entry["update_norms"] = {
             str(msg.metadata.src_node_id): n
@@ -329,8 +462,10 @@ class UpdateGuard:
         arrays: ArrayRecord,
         lo: dict[str, np.ndarray] | None,
         hi: dict[str, np.ndarray] | None,
+        whole: bool = True,
     ) -> str | None:
-        """Why the aggregate must not become the global model, or None."""
+        """Why the aggregate must not become the global model, or None
+        (``whole``: it is all of the model, not one chunk)."""
         values = {k: a.numpy() for k, a in arrays.items()}
         for k, v in values.items():
             if not np.isfinite(v).all():
@@ -339,6 +474,8 @@ class UpdateGuard:
                 tol = 1e-9 * np.maximum(np.abs(lo[k]), np.abs(hi[k]))
                 if (v < lo[k] - tol).any() or (v > hi[k] + tol).any():
                     return f"{k}: outside the range of the clients' values (overflow?)"
+        if not whole:
+            return None
         if not any(v.any() for v in values.values()) and any(
             g.any() for g in self.global_arrays.values()
         ):

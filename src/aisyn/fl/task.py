@@ -33,6 +33,7 @@ from torch import nn
 
 from aisyn.accountant import finite_or_none
 from aisyn.data.sft import SFTData
+from aisyn.fl import chunks
 from aisyn.fl.dp import sample_rate, settings_epsilon
 from aisyn.fl.records import (
     payload_bytes,
@@ -42,7 +43,9 @@ from aisyn.fl.records import (
 from aisyn.fl.secure import SecAggPlusGrid
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import guard_of, make_strategy
+from aisyn.train.config import TrainConfig
 from aisyn.train.device import resolve_device
+from aisyn.train.distributed import DistContext
 from aisyn.train.engine import Engine
 from aisyn.train.executor import LocalExecutor, save_model
 from aisyn.train.lora import (
@@ -87,6 +90,7 @@ class ClientNode:
     data: Path  # SFT folder of this organisation
     base: Path  # base model run folder (its copy of the pretrained model)
     out: Path  # this node's run folder
+    ranks: int = 1  # data-parallel ranks of its local steps (aisyn.fl.ranks)
 
     @classmethod
     def from_node_config(cls, cfg: dict) -> ClientNode:
@@ -95,9 +99,27 @@ class ClientNode:
             raise ValueError(
                 f"node config lacks {missing} (start it with `aisyn fl client`)"
             )
+        ranks = cfg.get("ranks", 1)
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(
+                f"node config: ranks must be a whole number >= 1, got {ranks!r}"
+            )
         return cls(
-            str(cfg["name"]), Path(cfg["data"]), Path(cfg["base"]), Path(cfg["out"])
+            str(cfg["name"]),
+            Path(cfg["data"]),
+            Path(cfg["base"]),
+            Path(cfg["out"]),
+            ranks,
         )
+
+    def to_node_config(self) -> dict:
+        return {
+            "name": self.name,
+            "data": str(self.data),
+            "base": str(self.base),
+            "out": str(self.out),
+            "ranks": self.ranks,
+        }
 
 
 def round_config(settings: FLSettings, base: BaseModel) -> ConfigRecord:
@@ -121,7 +143,12 @@ class ClientContext:
     """Base model, data and run folder of one client, checked against the server."""
 
     def __init__(
-        self, node: ClientNode, settings: FLSettings, fingerprint: str
+        self,
+        node: ClientNode,
+        settings: FLSettings,
+        fingerprint: str,
+        device: torch.device | None = None,
+        main: bool = True,
     ) -> None:
         t0 = time.perf_counter()
         self.node = node
@@ -138,7 +165,7 @@ class ClientContext:
         except ValueError as e:
             raise ValueError(f"client {node.name}: {e}") from None
         check_data_matches(self.info, [self.data])
-        self.device = resolve_device(settings.train.device)
+        self.device = device or resolve_device(settings.train.device)
         torch.manual_seed(settings.train.seed)
         self.model, _ = load_base(self.info, self.device)
         self.trainable = apply_method(
@@ -147,7 +174,7 @@ class ClientContext:
         self.spec = {n: tuple(p.shape) for n, p in self.trainable}
         self.run = RunDir(node.out)
         self._ensure_run_folder()
-        if settings.tensorboard:
+        if settings.tensorboard and main:  # (main: rank 0 of a multi-rank client)
             self.run.enable_tensorboard()
         self.load_s = time.perf_counter() - t0
 
@@ -171,15 +198,45 @@ class ClientContext:
             tokenizer=self.info.path / TOKENIZER,
         )
 
-    def load_global(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    def load_global(
+        self,
+        arrays: ArrayRecord | None,
+        config: ConfigRecord | None = None,
+        run_id: int = 0,
+    ) -> dict[str, torch.Tensor]:
+        """The global model of the message (``arrays``), or of its staged chunks
+        when the round is chunked (``arrays`` None, ``config`` its count)."""
         try:
-            tensors = record_to_tensors(arrays, self.spec)
+            if arrays is not None:
+                tensors = record_to_tensors(arrays, self.spec)
+            else:
+                tensors = self._staged_global(config, run_id)
         except ValueError as e:
             raise ValueError(
                 f"client {self.node.name}: bad global model: {e}"
             ) from None
         load_trainable(self.trainable, tensors)
         return tensors
+
+    def _staged_global(
+        self, config: ConfigRecord | None, run_id: int
+    ) -> dict[str, torch.Tensor]:
+        d = dict(config or {})
+        if chunks.COUNT_KEY not in d or not self.settings.max_message_mb:
+            raise ValueError("the message carries no model and no chunk count")
+        plan = chunks.plan_chunks(
+            self.spec, chunks.limit_bytes(self.settings.max_message_mb)
+        )
+        arrays = chunks.load_staged_global(
+            self.node.out,
+            run_id,
+            int(d.get("server-round", 0)),
+            self.spec,
+            plan,
+            int(d[chunks.COUNT_KEY]),
+        )
+        self.received_bytes = sum(a.nbytes for a in arrays.values())
+        return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
     def valid_loss(self) -> float:
         try:
@@ -216,66 +273,57 @@ def add_proximal_grad(
 
 
 def client_train(
-    node: ClientNode, config: ConfigRecord, arrays: ArrayRecord
-) -> tuple[ArrayRecord, MetricRecord]:
-    """One round of local training; returns the trainable tensors and metrics."""
+    node: ClientNode,
+    config: ConfigRecord,
+    arrays: ArrayRecord | None,
+    run_id: int = 0,
+) -> tuple[ArrayRecord | None, MetricRecord]:
+    """One round of local training; returns the trainable tensors and metrics.
+
+    In a chunked round (``arrays`` None: the global model was staged chunk by
+    chunk) the update is written for the server to pull (``aisyn.fl.chunks``)
+    and no arrays are returned. With ``node.ranks`` > 1 the local steps run on
+    that many data-parallel ranks (``aisyn.fl.ranks``)."""
     startup = process_age_s()
     settings, fingerprint, server_round = settings_from_record(config)
     if not 1 <= server_round <= settings.rounds:
         raise ValueError(f"client {node.name}: bad server round {server_round}")
     ctx = ClientContext(node, settings, fingerprint)
-    anchor = ctx.load_global(arrays)
+    ctx.received_bytes = payload_bytes(arrays) if arrays is not None else 0
+    anchor = ctx.load_global(arrays, config, run_id)
     global_loss = ctx.valid_loss()
-    E, cfg = settings.local_steps, settings.train
-    first = (server_round - 1) * E
-    objective = SFTObjective([node.data], cfg, sources=[ctx.data])
-    objective.start(ctx.device)
-    objective.batches.skip(first * cfg.batch_size)  # resume this client's data order
-    prox_mu = settings.proximal_mu if settings.strategy == "fedprox" else 0.0
-    executor = LocalExecutor(
-        ctx.model,
-        ctx.trainable,
-        cfg,
-        method=settings.method_spec(),
-        lr_at=lambda step: settings.lr_at(server_round, step),
-        regularizer=(
-            (lambda: {"prox": add_proximal_grad(ctx.trainable, anchor, prox_mu)})
-            if prox_mu > 0
-            else None
-        ),
-        # Each round is a fresh process with a fresh optimizer (the global
-        # model replaces the weights): only the weights are worth keeping.
-        resumable=False,
-        hint=" (lower the learning rate?)",
-    )
-    regime = Regime(
-        objective, executor, cfg, ctx.run, fields={"round": server_round}, keep=1
-    )
-    engine = Engine(
-        ctx.run,
-        total_steps=cfg.steps,
-        log_every=10,
-        desc=f"client {node.name}",
-        progress=False,
-        time_key="train_s",
-        log_range_edges=True,
-        plot=False,
-    )
     t0 = time.perf_counter()
-    train_s = engine.run(regime, range(first, first + E))["elapsed_s"]  # + save
-    reply = tensors_to_record(trainable_tensors(ctx.trainable))
-    mean_loss = sum(regime.losses) / len(regime.losses)
+    if node.ranks > 1:
+        from aisyn.fl.ranks import train_on_ranks
+
+        trained, mean_loss, train_s = train_on_ranks(
+            ctx, config, anchor, timeout=settings.round_timeout
+        )
+    else:
+        mean_loss, train_s = local_steps(ctx, server_round, anchor)
+        trained = trainable_tensors(ctx.trainable)
+    chunked = arrays is None
+    if chunked:
+        update = {
+            k: v.detach().to("cpu", torch.float32).numpy() for k, v in trained.items()
+        }
+        chunks.save_update(node.out, run_id, server_round, update)
+        reply, sent = None, sum(v.nbytes for v in update.values())
+    else:
+        reply = tensors_to_record(trained)
+        sent = payload_bytes(reply)
     ctx.run.log_metrics(
         {
             "round": server_round,
-            "step": first + E,
+            "step": server_round * settings.local_steps,
             "round_loss": mean_loss,
             "global_valid_loss": global_loss,
-            "bytes_received": payload_bytes(arrays),
-            "bytes_sent": payload_bytes(reply),
+            "bytes_received": ctx.received_bytes,
+            "bytes_sent": sent,
             "startup_s": startup,
             "load_s": ctx.load_s,
             "train_s": train_s,
+            "ranks": node.ranks,
             "elapsed_s": (startup or 0.0) + time.perf_counter() - t0 + ctx.load_s,
         }
     )
@@ -294,13 +342,69 @@ def client_train(
     return reply, metrics
 
 
+def local_steps(
+    ctx: ClientContext,
+    server_round: int,
+    anchor: dict[str, torch.Tensor],
+    dist: DistContext | None = None,
+    cfg: TrainConfig | None = None,
+) -> tuple[float, float]:
+    """The round's E local steps of ``ctx``'s model (the local executor under
+    the one regime; with ``dist``, this rank's share of every batch under DDP,
+    ``cfg`` its per-rank micro-batches); returns the mean loss and seconds."""
+    settings = ctx.settings
+    E, cfg = settings.local_steps, cfg or settings.train
+    dist = dist or DistContext()
+    first = (server_round - 1) * E
+    objective = SFTObjective([ctx.node.data], cfg, sources=[ctx.data])
+    objective.start(ctx.device)
+    objective.batches.skip(first * cfg.batch_size)  # resume this client's data order
+    prox_mu = settings.proximal_mu if settings.strategy == "fedprox" else 0.0
+    executor = LocalExecutor(
+        ctx.model,
+        ctx.trainable,
+        cfg,
+        method=settings.method_spec(),
+        ctx=dist,
+        lr_at=lambda step: settings.lr_at(server_round, step),
+        regularizer=(
+            (lambda: {"prox": add_proximal_grad(ctx.trainable, anchor, prox_mu)})
+            if prox_mu > 0
+            else None
+        ),
+        # Each round is a fresh process with a fresh optimizer (the global
+        # model replaces the weights): only the weights are worth keeping.
+        resumable=False,
+        hint=" (lower the learning rate?)",
+    )
+    regime = Regime(
+        objective, executor, cfg, ctx.run, fields={"round": server_round}, keep=1
+    )
+    engine = Engine(
+        ctx.run,
+        total_steps=cfg.steps,
+        log_every=10,
+        desc=f"client {ctx.node.name}",
+        progress=False,
+        time_key="train_s",
+        log_range_edges=True,
+        plot=False,
+        main=dist.is_main,
+    )
+    train_s = engine.run(regime, range(first, first + E))["elapsed_s"]  # + save
+    return sum(regime.losses) / len(regime.losses), train_s
+
+
 def client_evaluate(
-    node: ClientNode, config: ConfigRecord, arrays: ArrayRecord
+    node: ClientNode,
+    config: ConfigRecord,
+    arrays: ArrayRecord | None,
+    run_id: int = 0,
 ) -> MetricRecord:
     """Validation loss of the global model on this client's valid items."""
     settings, fingerprint, server_round = settings_from_record(config)
     ctx = ClientContext(node, settings, fingerprint)
-    ctx.load_global(arrays)
+    ctx.load_global(arrays, config, run_id)
     loss = ctx.valid_loss()
     ctx.run.log_metrics({"round": server_round, "final_global_valid_loss": loss})
     return MetricRecord({"num-examples": len(ctx.data), "valid-loss": loss})
@@ -366,6 +470,8 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
     torch.manual_seed(settings.train.seed)
     trainable = apply_method(model, settings.method_spec(), settings.train.seed)
     initial = trainable_tensors(trainable)
+    spec = {n: tuple(p.shape) for n, p in trainable}
+    plan = chunks.plan_for(settings, spec)  # None: the model fits one message
     run = RunDir(node.out)
     run.start(
         run_config(
@@ -386,8 +492,20 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
     strategy = make_strategy(settings)
     guard = guard_of(strategy)
     secure = SecAggPlusGrid(grid, settings) if settings.secure_aggregation else None
-    spec = {n: tuple(p.shape) for n, p in trainable}
     history: list[dict] = []
+    if plan is not None:
+        guard.chunked = chunks.ChunkedGrid(
+            secure or grid,
+            spec,
+            plan,
+            chunks.limit_bytes(settings.max_message_mb),
+            run.path / chunks.STAGING,
+        )
+        log.info(
+            "the model travels in %d chunks of at most %d bytes",
+            len(plan),
+            chunks.limit_bytes(settings.max_message_mb),
+        )
 
     def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Flower calls this after every round with the current (last good) model."""
@@ -425,7 +543,7 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         return None
 
     result = strategy.start(
-        grid=secure or grid,  # type: ignore[arg-type]
+        grid=guard.chunked or secure or grid,  # type: ignore[arg-type]
         initial_arrays=tensors_to_record(initial),
         num_rounds=settings.rounds,
         timeout=settings.round_timeout,
@@ -445,6 +563,7 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         "elapsed_s": time.perf_counter() - t_start,
         "trainable_parameters": sum(p.numel() for _, p in trainable),
         "payload_bytes_per_client": payload_bytes(tensors_to_record(initial)),
+        "chunks": len(plan) if plan else 1,
         "run": str(run.path),
         "privacy": privacy_summary(settings),
     }

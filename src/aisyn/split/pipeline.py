@@ -117,7 +117,7 @@ class Ranks:
         middle = partition.middle
         sharded = world > len(middle)
         blocks = [middle] * world if sharded else stage_blocks(middle, world)
-        ctx, device = distributed.setup(device, timeout_s=timeout_s)
+        ctx, device = distributed.setup(device, timedelta(seconds=timeout_s))
         ctl = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
         relay = dist.new_group([0, world - 1])
         return cls(ctx.rank, world, blocks, sharded, ctl, relay), device

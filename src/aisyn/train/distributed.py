@@ -58,10 +58,10 @@ def world_size() -> int:
 
 
 def setup(
-    device: torch.device, *, timeout_s: float | None = None
+    device: torch.device, timeout: timedelta | None = None
 ) -> tuple[DistContext, torch.device]:
-    """Join the process group torchrun describes; pick this rank's device.
-    ``timeout_s`` bounds every collective (None: torch's default)."""
+    """Join the process group torchrun describes; pick this rank's device
+    (``timeout``: of its collectives, torch's default when None)."""
     world = world_size()
     if world <= 1:
         return DistContext(), device
@@ -71,10 +71,8 @@ def setup(
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
-        )
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timeout)
     return DistContext(rank, world, local), device
 
 

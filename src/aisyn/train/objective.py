@@ -293,17 +293,30 @@ class SFTBatches:
 
 
 def sft_step_batch(
-    inputs: torch.Tensor, targets: torch.Tensor, micro: int
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    micro: int,
+    shard=None,
 ) -> StepBatch:
     """A step of fine-tuning on a padded batch: micro-batches of ``micro``
     rows, each one's loss its summed answer-token loss over the batch's
-    answer tokens, so that the step's loss is the batch's mean."""
+    answer tokens, so that the step's loss is the batch's mean.
+
+    With ``shard`` (data parallelism) only this rank's rows are run, still over
+    the whole batch's answer tokens and times the ranks: DDP averages the
+    ranks' gradients, so the step's gradient is the whole batch's."""
     answer_tokens = int((targets != IGNORE).sum())
     if answer_tokens == 0:
         raise ValueError("a batch without supervised tokens (corrupt SFT data?)")
+    scale = 1
+    if shard is not None:
+        rows = len(inputs)
+        inputs, targets = shard(inputs), shard(targets)
+        scale = rows // len(inputs)
 
     def loss_of(logits_of, hidden, targets):
-        return supervised_loss_sum(logits_of, hidden, targets)[0] / answer_tokens
+        loss = supervised_loss_sum(logits_of, hidden, targets)[0] / answer_tokens
+        return loss * scale if scale > 1 else loss
 
     micro_list: list[MicroBatch] = [
         (mi, mt, None, None)
@@ -350,9 +363,8 @@ class SFTObjective(Objective):
             self.valid = SFTData.open(self.data_dirs[0], "valid")
 
     def next_step(self, batch_size: int, shard=None) -> StepBatch:
-        # (fine-tuning runs on one device: no data-parallel share to take)
         inputs, targets = self.batches.next(batch_size)
-        return sft_step_batch(inputs, targets, self.cfg.micro)
+        return sft_step_batch(inputs, targets, self.cfg.micro, shard)
 
     def record_fields(self) -> dict:
         return {"epoch": round(self.batches.epoch_float, 4)}
