@@ -24,6 +24,7 @@ venv's scripts.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -63,6 +64,19 @@ _DIE_WITH_PARENT = (
     "    sys.exit('its parent ended before it started')\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
+
+
+def end_with_parent() -> None:
+    """Ask for SIGTERM when this process's parent ends (Linux; elsewhere
+    nothing): for a rank of a torchrun job, which must not outlive its agent
+    -- killed with ``kill -9``, the agent cannot stop its workers, and each
+    would go on holding its share of the model (and its GPU)."""
+    if sys.platform != "linux":
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
+    if os.getppid() != parent:  # it ended before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def dying_with_parent(cmd: Sequence[str], env: Mapping[str, str]) -> list[str]:

@@ -123,15 +123,48 @@ class Job:
         return "".join(p.read_text() for p in self.logs.rglob(f"{rank}/stderr.log"))
 
     def stop(self) -> None:
+        """Kill -9 the agent: its ranks must end with it (PDEATHSIG)."""
+        ranks = self.workers()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while (
+            alive := [p for p in ranks if _alive(p)]
+        ) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        assert not alive, f"ranks {alive} outlived their torchrun agent"
+
+    def workers(self) -> list[int]:
+        """The PIDs of torchrun's worker processes."""
+        out = []
+        for pid in Path("/proc").iterdir():
+            try:
+                stat = (pid / "stat").read_text()
+            except OSError:
+                continue
+            if (
+                pid.name.isdigit()
+                and int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid
+            ):
+                out.append(int(pid.name))
+        return out
 
     def __enter__(self) -> Job:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def peer(address: str) -> LinkSettings:

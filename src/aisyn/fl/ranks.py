@@ -39,6 +39,7 @@ import torch
 from flwr.app import ConfigRecord
 from safetensors.torch import load_file, save_file
 
+from aisyn import procs
 from aisyn.net import free_port
 from aisyn.procs import ChildProcess, child_env
 
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     from aisyn.train.lora import load_trainable, trainable_tensors
     from aisyn.validate import name_differences
 
+    procs.end_with_parent()  # a rank never outlives its torchrun agent
     folder = Path((argv or sys.argv[1:])[0])
     job = json.loads((folder / JOB_FILE).read_text(encoding="utf-8"))
     node = ClientNode.from_node_config(job["node"])

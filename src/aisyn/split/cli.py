@@ -7,7 +7,7 @@ import json
 import logging
 import os
 
-from aisyn import validate
+from aisyn import procs, validate
 from aisyn.eval.flags import add_eval_args, add_generate_args
 from aisyn.flagtable import (
     DEVICE,
@@ -287,11 +287,12 @@ def cmd_serve(args) -> None:
     partition = parse_partition(args.cut, cfg)
     device, ranks = args.device, None
     if distributed.world_size() > 1:
+        procs.end_with_parent()  # a rank never outlives its torchrun agent
         # torchrun: B's blocks as pipeline stages over the ranks (rank 0
         # alone listens); every wait between ranks is bounded by the idle
         # timeout, as the wait for the data party is.
         timeout = args.idle_timeout or COMPUTE_PARTY_IDLE_TIMEOUT_S
-        ranks, device = Ranks.join(partition, resolve_device(device), timeout)
+        ranks, device = Ranks.join(cfg, partition, resolve_device(device), timeout)
         ranks.check_shared(args.out)
     # A pretrained folder (hf:DIR) is also where B's blocks start from.
     init_from = args.init_from or (args.model if hf_folder(args.model) else None)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import uuid
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ from torch.distributed.pipelining.schedules import (
 
 from aisyn.errors import RunFailedError
 from aisyn.model.causal_lm import masks_from_documents
+from aisyn.model.families import ModelConfig
+from aisyn.model.plan import pipeline_stage_blocks
 from aisyn.model.segments import Partition, own_tensor_shapes
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
@@ -76,14 +79,13 @@ class RanksOutOfStep(RunFailedError):
 
 
 def stage_blocks(middle: range, ranks: int) -> list[range]:
-    """B's middle blocks as ``ranks`` contiguous runs, earlier ones longer."""
-    per, extra = divmod(len(middle), ranks)
-    out, start = [], middle.start
-    for k in range(ranks):
-        stop = start + per + (k < extra)
-        out.append(range(start, stop))
-        start = stop
-    return out
+    """B's middle blocks as ``ranks`` pipeline stages: the planner's rule
+    (``model.plan.pipeline_stage_blocks``), numbered as the model's blocks."""
+    at = middle.start
+    return [
+        range(at + r.start, at + r.stop)
+        for r in pipeline_stage_blocks(len(middle), ranks)
+    ]
 
 
 @dataclass
@@ -104,8 +106,17 @@ class Ranks:
     relay: dist.ProcessGroup
 
     @classmethod
-    def join(cls, partition: Partition, device: torch.device, timeout_s: float):
-        """Join the job torchrun describes, for the cut ``partition``.
+    def join(
+        cls,
+        cfg: ModelConfig,
+        partition: Partition,
+        device: torch.device,
+        timeout_s: float,
+    ):
+        """Join the job torchrun describes, for the cut ``partition`` of a
+        model of ``cfg``, once the ranks of this machine are known to fit in
+        its memory (weights, gradients and AdamW state, refused before any
+        is allocated).
 
         Up to one rank per block, the blocks are pipeline stages; with more
         ranks than blocks, they are sharded over all of them (FSDP2), each
@@ -117,6 +128,7 @@ class Ranks:
         middle = partition.middle
         sharded = world > len(middle)
         blocks = [middle] * world if sharded else stage_blocks(middle, world)
+        _check_memory(cfg, partition, blocks, sharded, device)
         ctx, device = distributed.setup(device, timedelta(seconds=timeout_s))
         ctl = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
         relay = dist.new_group([0, world - 1])
@@ -649,6 +661,45 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _check_memory(
+    cfg: ModelConfig,
+    partition: Partition,
+    blocks: list[range],
+    sharded: bool,
+    device: torch.device,
+) -> None:
+    """Refuse, with the numbers, ranks whose weights, gradients and AdamW
+    state (the planner's per-rank formula at one token; activations come on
+    top, with A's batch) do not fit this machine: the host's memory, which
+    the ranks on it share (``LOCAL_WORLD_SIZE``), or each rank's GPU."""
+    from aisyn.model.capacity import available_bytes, memory_check_skipped
+    from aisyn.model.plan import format_bytes
+    from aisyn.model.segments import COMPUTE_PARTY
+    from aisyn.train.memory import rank_bytes
+
+    if memory_check_skipped():
+        return
+    # Sharded ranks load B whole before they shard it: each needs the whole.
+    stages = 1 if sharded else len(blocks)
+    per_stage = rank_bytes(cfg, partition, COMPUTE_PARTY, stages, 1, 1)
+    per_rank = per_stage * len(blocks) if sharded else per_stage
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", len(blocks)))
+    first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+    here = per_rank[first : first + local]
+    needed = sum(here) if device.type == "cpu" else max(here)
+    free = available_bytes(device)
+    if free is None or needed <= free:
+        return
+    held = ", ".join(f"h[{b.start}:{b.stop}]" for b in blocks[first : first + local])
+    where = f"its {local} rank(s) on this machine" if device.type == "cpu" else "a rank"
+    raise ValueError(
+        f"the compute party's blocks ({held}) need about {format_bytes(needed)} "
+        f"on {device} for {where} (weights, gradients and AdamW state), but only "
+        f"{format_bytes(free)} is available: start more ranks (on more machines), "
+        "or cut fewer blocks to B"
+    )
 
 
 def _generation_input(rounds, r: int, count: int, from_link) -> torch.Tensor | None:
