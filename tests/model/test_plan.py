@@ -250,13 +250,21 @@ def test_schedules_hold_their_micro_batches():
     cut = parse_partition("u:1,1", cfg)
     m, R = 8, 4
     got = {}
-    for schedule in ("gpipe", "1f1b"):
-        w = Workload(batch_size=m, micro_batch_size=1, dtype="bf16", schedule=schedule)
+    for schedule in ("gpipe", "1f1b", "window"):
+        w = Workload(
+            batch_size=m,
+            micro_batch_size=1,
+            dtype="bf16",
+            schedule=schedule,
+            in_flight=3,
+        )
         p = evaluate("2.6B", cfg, cut, parties(b=f"B:4:{R}x80GB"), w)
         got[schedule] = p.loads["B"].ranks
     # GPipe: every stage holds all m micro-batches; 1F1B: stage k at most R - k
     assert [r.in_flight for r in got["gpipe"]] == [m] * R
     assert [r.in_flight for r in got["1f1b"]] == [4, 3, 2, 1]
+    # the torchrun compute party: every stage holds the link's window
+    assert [r.in_flight for r in got["window"]] == [3] * R
     per_block = block_activation_bytes(cfg, 1, 1024, "bf16")
     for r in got["gpipe"]:
         assert r.activation_bytes == pytest.approx(len(r.blocks) * per_block * m)

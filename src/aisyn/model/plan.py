@@ -63,9 +63,11 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: for tiny's own tensors (``bench/scale.py``). A CUDA context adds its own.
 RUNTIME_BYTES = 360 * 2**20
 #: pipeline schedules whose activation memory the planner knows: GPipe (all
-#: forwards, then all backwards: every stage holds every micro-batch) and 1F1B
-#: (stage k of R holds at most R - k)
-SCHEDULES = ("gpipe", "1f1b")
+#: forwards, then all backwards: every stage holds every micro-batch), 1F1B
+#: (stage k of R holds at most R - k), and the link's window (every stage
+#: runs the order of a one-device party for A's ``--pipeline`` window, as
+#: ``aisyn split serve`` under torchrun does: each holds ``in_flight``)
+SCHEDULES = ("gpipe", "1f1b", "window")
 #: wire bytes per element of a cut tensor for each link codec (int8: one byte
 #: plus one fp32 scale per 64 values)
 CODEC_BYTES = {"none": None, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 64}
@@ -610,8 +612,8 @@ def rank_load(
 
 def _in_flight(w: Workload, rank: int, ranks: int) -> int:
     """Micro-batches whose activations stage ``rank`` of ``ranks`` holds."""
-    if ranks == 1:
-        return w.in_flight  # the link's pipelining window (one device)
+    if ranks == 1 or w.schedule == "window":
+        return w.in_flight  # the link's pipelining window
     m = w.micro_batches
     return m if w.schedule == "gpipe" else min(m, ranks - rank)
 

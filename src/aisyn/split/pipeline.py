@@ -59,7 +59,6 @@ from aisyn.model.plan import pipeline_stage_blocks
 from aisyn.model.segments import Partition, own_tensor_shapes
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
-from aisyn.split.party import SkippedStep
 from aisyn.split.rounds import Rounds
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.device import autocast_for
@@ -312,6 +311,7 @@ class PipelinedRounds(Rounds):
     def __init__(self, party, state, link, session, first_round_timeout_s=None):
         super().__init__(party, state, link, session, first_round_timeout_s)
         self.ranks: Ranks = party.ranks
+        self.speaks = self.ranks.rank == 0
         self.module = _Stage(self)
         self.runtimes: dict[tuple, tuple[_PipelineScheduleRuntime, torch.Tensor]] = {}
         self.round: tuple[int, proto.Control] | None = None
@@ -405,20 +405,11 @@ class PipelinedRounds(Rounds):
         with _out_of_step(f"TRAIN round for step {c.step}"):
             self._run_pipeline(r, c, train=True)
             mine = self.ranks.sum_float(self.state.local_sq_norm())
-            if self.ranks.rank == 0:
-                self.link.send_scalar("sqnorm", mine, step=r)
-                theirs = self.ranks.broadcast_float(
-                    self.link.recv_scalar("sqnorm", step=r)
-                )
-            else:
-                theirs = self.ranks.broadcast_float(0.0)
-        try:
-            self.state.apply_step(c.step, theirs, mine)
-        except SkippedStep as e:
-            if self.ranks.rank == 0:
-                log.warning("run %s: %s", self.session.run_id, e)
-            return
-        self.next_step = c.step + 1
+            theirs = self._exchange_norms(r, mine)
+        self._apply_step(c, theirs, mine)
+
+    def _exchange_norms(self, r: int, mine: float) -> float:
+        return _exchange_over_ranks(self, r, mine, super()._exchange_norms)
 
     @torch.no_grad()
     def _eval(self, r: int, c: proto.Control) -> None:
@@ -468,6 +459,7 @@ class ShardedRounds(Rounds):
     def __init__(self, party, state, link, session, first_round_timeout_s=None):
         super().__init__(party, state, link, session, first_round_timeout_s)
         self.ranks: Ranks = party.ranks
+        self.speaks = self.ranks.rank == 0
         self.sharded = _fully_shard(state, self.ranks)
 
     def _next_control(self, r: int) -> proto.Control | None:
@@ -557,20 +549,11 @@ class ShardedRounds(Rounds):
             # the sum of theirs; a problem any rank found makes it NaN.
             local = math.nan if self.state.problem else _shard_sq_norm(self.state)
             mine = self.ranks.sum_float(local)
-            if self.ranks.rank == 0:
-                self.link.send_scalar("sqnorm", mine, step=r)
-                theirs = self.ranks.broadcast_float(
-                    self.link.recv_scalar("sqnorm", step=r)
-                )
-            else:
-                theirs = self.ranks.broadcast_float(0.0)
-        try:
-            self.state.apply_step(c.step, theirs, mine)
-        except SkippedStep as e:
-            if self.ranks.rank == 0:
-                log.warning("run %s: %s", self.session.run_id, e)
-            return
-        self.next_step = c.step + 1
+            theirs = self._exchange_norms(r, mine)
+        self._apply_step(c, theirs, mine)
+
+    def _exchange_norms(self, r: int, mine: float) -> float:
+        return _exchange_over_ranks(self, r, mine, super()._exchange_norms)
 
     @torch.no_grad()
     def _eval(self, r: int, c: proto.Control) -> None:
@@ -726,6 +709,14 @@ def _generation_input(rounds, r: int, count: int, from_link) -> torch.Tensor | N
     x = torch.empty(shape, device=dev)
     dist.recv(x, ranks.rank - 1)
     return x
+
+
+def _exchange_over_ranks(rounds, r: int, mine: float, with_link) -> float:
+    """Rank 0 exchanges B's squared norm (the ranks' sum) with A over the link
+    (``with_link``) and hands A's to every rank."""
+    ranks: Ranks = rounds.ranks
+    theirs = with_link(r, mine) if ranks.rank == 0 else 0.0
+    return ranks.broadcast_float(theirs)
 
 
 def _broadcast_control(rounds: Rounds, r: int, from_link) -> proto.Control | None:

@@ -54,6 +54,9 @@ class Rounds:
         #: the KV cache of B's blocks for the sequence being generated
         self.gen_cache: StageCache | None = None
 
+    #: whether this process logs the session's events (rank 0 of several)
+    speaks = True
+
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's checkpoint files (name -> tensors)."""
         return self.state.tensors()
@@ -160,14 +163,21 @@ class Rounds:
                     "gact", x.grad, step=r, micro=i, codec=self.session.codec
                 )
         mine = self.state.local_sq_norm()  # NaN: this party skips the step
+        self._apply_step(c, self._exchange_norms(r, mine), mine)
+
+    def _exchange_norms(self, r: int, mine: float) -> float:
+        """Send B's squared gradient norm; A's."""
         self.link.send_scalar("sqnorm", mine, step=r)
-        theirs = self.link.recv_scalar("sqnorm", step=r)
+        return self.link.recv_scalar("sqnorm", step=r)
+
+    def _apply_step(self, c: proto.Control, theirs: float, mine: float) -> None:
         try:
             self.state.apply_step(c.step, theirs, mine)
         except SkippedStep as e:
             # The data party takes the same decision from the same two numbers;
             # B stays at this step, and the session goes on if A wants it to.
-            log.warning("run %s: %s", self.session.run_id, e)
+            if self.speaks:
+                log.warning("run %s: %s", self.session.run_id, e)
             return
         self.next_step = c.step + 1
 
