@@ -11,7 +11,10 @@
   in-process, on a tiny PanGu-α (10 more steps of 350M would double the
   bench's time); activation checkpointing against none.
 * ``plan``: per-rank memory of 2.6B, 13B and 200B on stated device sets.
-* federated: ``bench/scale_fl.py``'s ``two_rank_client_line``, once it exists.
+* pipeline: ``bench/scale_pipeline.py``: B's blocks on 2 and 3 pipeline stages
+  (torchrun) against unsplit training, PanGu-α and Llama; the pipeline bubble.
+* federated: ``bench/scale_fl.py``'s ``two_rank_client_line``: a 2-rank client
+  against a 1-rank one over a chunked round.
 
 ``FIGURES`` is the list of figure functions, each returning its lines.
 
@@ -367,11 +370,16 @@ def line_plans(args: argparse.Namespace, root: Path) -> list[str]:
 
 def line_federated(args: argparse.Namespace, root: Path) -> list[str]:
     sys.path.insert(0, str(BENCH))
-    try:
-        from scale_fl import two_rank_client_line  # bench/scale_fl.py
-    except ImportError:
-        return ["federated client on 2 ranks: (bench/scale_fl.py not there yet)"]
-    return [two_rank_client_line(args)]
+    from scale_fl import two_rank_client_line  # bench/scale_fl.py
+
+    return [two_rank_client_line()]
+
+
+def line_pipeline(args: argparse.Namespace, root: Path) -> list[str]:
+    sys.path.insert(0, str(BENCH))
+    from scale_pipeline import pipeline_lines  # bench/scale_pipeline.py
+
+    return pipeline_lines(args.quick)
 
 
 #: one function per figure; each returns its printed lines
@@ -379,6 +387,7 @@ FIGURES: list[Callable[[argparse.Namespace, Path], list[str]]] = [
     line_350m,
     line_bf16,
     line_plans,
+    line_pipeline,
     line_federated,
 ]
 
