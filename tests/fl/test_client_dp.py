@@ -79,6 +79,7 @@ def test_client_dp_clips_on_clients_adds_calibrated_noise_and_reports_epsilon(
     assert abs(residual.std() / (noise * clip / 2) - 1) < 0.02
 
 
+@pytest.mark.slow  # the default suite runs client DP end to end in the test above
 def test_no_noise_and_a_large_clip_is_plain_fedavg(base_run, sft_dirs, tmp_path):
     """Server-side clipping that clips nothing and no noise: the plain mean of
     the clients' models (under DP every client counts once); ε is infinite."""

@@ -51,6 +51,7 @@ def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
 
 
+@pytest.mark.slow  # the default suite runs secure aggregation end to end with a dropout
 def test_secagg_aggregate_equals_fedavg_up_to_quantisation(
     base_run, sft_dirs, tmp_path
 ):

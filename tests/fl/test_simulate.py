@@ -42,6 +42,7 @@ def small_run(**overrides) -> FLSettings:
     )
 
 
+@pytest.mark.slow  # the default suite runs a federation end to end in the LoRA test
 def test_two_clients_two_rounds_loopback_run_completes_and_loss_drops(
     base_run, sft_dirs, tmp_path
 ):

@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -782,6 +783,28 @@ class _Relay(threading.Thread):
         except BaseException as e:  # noqa: BLE001 -- re-raised by the main thread
             self.error = e
             link.abort(f"compute party: {e}")
+            # The stages may be waiting on each other for what this relay no
+            # longer passes on, until the collectives' timeout: the job ends
+            # now if the main thread has not ended it by itself.
+            end = threading.Timer(RELAY_GRACE_S, _end_job, [e])
+            end.daemon = True
+            end.start()
+
+
+#: how long rank 0 waits, after its relay failed, for the round to end itself
+RELAY_GRACE_S = 10.0
+
+
+def _end_job(e: BaseException) -> None:
+    """End this rank (and with it the torchrun job) after a failed relay."""
+    print(
+        f"aisyn: error: the compute party's ranks fell out of step: the relay to "
+        f"the data party failed ({str(e).splitlines()[0] if str(e) else e!r}); "
+        "the job ends, its last checkpoint intact",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(2)
 
 
 def serve_ranks(party) -> None:
