@@ -182,16 +182,7 @@ class UpdateGuard:
             }
         )
         _log_client_metrics(entry, good)
-        if len(good) < needed:
-            log.warning(
-                "round %d: %d acceptable update(s), %s needs %d; keeping the last "
-                "good global model",
-                server_round,
-                len(good),
-                self.aggregation,
-                needed,
-            )
-            entry["aggregate_s"] = 0.0
+        if _too_few(entry, server_round, len(good), self.aggregation, needed):
             return None, None
         # float64 from here on: the mean, FedAdam's squared steps and the checks
         lo = hi = None
@@ -280,16 +271,7 @@ class UpdateGuard:
             }
         )
         _log_client_metrics(entry, good)
-        if len(good) < needed:
-            log.warning(
-                "round %d: %d acceptable update(s), %s needs %d; keeping the last "
-                "good global model",
-                server_round,
-                len(good),
-                self.aggregation,
-                needed,
-            )
-            entry["aggregate_s"] = 0.0
+        if _too_few(entry, server_round, len(good), self.aggregation, needed):
             grid.clear()
             return None, None
         t0 = time.perf_counter()
@@ -524,6 +506,25 @@ class UpdateGuard:
             return None
         self._bound_weights(good, server_round, uniform=False)
         return super().aggregate_evaluate(server_round, good)
+
+
+def _too_few(
+    entry: dict, server_round: int, got: int, aggregation: str, needed: int
+) -> bool:
+    """Whether a round has too few acceptable updates (then it keeps the last
+    good global model, and says so)."""
+    if got >= needed:
+        return False
+    log.warning(
+        "round %d: %d acceptable update(s), %s needs %d; keeping the last "
+        "good global model",
+        server_round,
+        got,
+        aggregation,
+        needed,
+    )
+    entry["aggregate_s"] = 0.0
+    return True
 
 
 def _log_client_metrics(entry: dict, good: list[Message]) -> None:

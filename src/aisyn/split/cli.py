@@ -286,8 +286,9 @@ def cmd_serve(args) -> None:
     cfg = load_config(args.model)
     partition = parse_partition(args.cut, cfg)
     device, ranks = args.device, None
-    if distributed.world_size() > 1:
+    if distributed.under_torchrun():
         procs.end_with_parent()  # a rank never outlives its torchrun agent
+    if distributed.world_size() > 1:
         # torchrun: B's blocks as pipeline stages over the ranks (rank 0
         # alone listens); every wait between ranks is bounded by the idle
         # timeout, as the wait for the data party is.

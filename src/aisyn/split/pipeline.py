@@ -305,22 +305,73 @@ def _runtime(
     return runtime
 
 
-class PipelinedRounds(Rounds):
-    """The rounds of a compute party whose blocks are pipeline stages, one
-    per rank (see the module's docstring)."""
+class _RankRounds(Rounds):
+    """What the rounds of every rank of a compute party spread over a torchrun
+    job share: rank 0 alone on the link, the control and A's norm handed to
+    the others, a round refused alike on every rank, saving every share."""
 
     def __init__(self, party, state, link, session, first_round_timeout_s=None):
         super().__init__(party, state, link, session, first_round_timeout_s)
         self.ranks: Ranks = party.ranks
         self.speaks = self.ranks.rank == 0
-        self.module = _Stage(self)
-        self.runtimes: dict[tuple, tuple[_PipelineScheduleRuntime, torch.Tensor]] = {}
-        self.round: tuple[int, proto.Control] | None = None
-
-    # --- control ---------------------------------------------------------
 
     def _next_control(self, r: int) -> proto.Control | None:
-        return _broadcast_control(self, r, super()._next_control)
+        """Rank 0 receives round ``r``'s control from A and hands it to every
+        rank (``END``: the session is over); the others take it."""
+        ranks = self.ranks
+        if ranks.rank == 0:
+            try:
+                c = super()._next_control(r)
+            except BaseException:
+                ranks.broadcast_control()  # the others end it too
+                raise
+            ranks.broadcast_control(None if c is None else c.tensor())
+            return c
+        t = ranks.broadcast_control()
+        if int(t[0]) == END:
+            return None
+        return proto.Control.parse(t, self.state.cfg.seq_len)
+
+    def _exchange_norms(self, r: int, mine: float) -> float:
+        """Rank 0 exchanges B's squared norm (the ranks' sum) with A and
+        hands A's to every rank."""
+        theirs = super()._exchange_norms(r, mine) if self.ranks.rank == 0 else 0.0
+        return self.ranks.broadcast_float(theirs)
+
+    def _generation_input(self, r: int, count: int) -> torch.Tensor | None:
+        """The first stage's input of a generation step on every rank that
+        needs one: rank 0's from A; the next stages' from the stage before
+        (pipelined), or zeros to run the sharded blocks alongside. None on
+        every rank when A's were not finite: the ranks refuse alike."""
+        ranks = self.ranks
+        shape, dev = (1, count, self.hidden), self.state.device
+        x = super()._generation_input(r, count) if ranks.rank == 0 else None
+        if not ranks.all_ok(ranks.rank != 0 or x is not None):
+            return None
+        if ranks.rank == 0:
+            return x
+        if ranks.sharded:
+            return torch.zeros(shape, device=dev)
+        x = torch.empty(shape, device=dev)
+        dist.recv(x, ranks.rank - 1)
+        return x
+
+    def _save(self, r: int, c: proto.Control) -> None:
+        self._at_next_step(c, "SAVE")
+        with _out_of_step(f"SAVE of step {c.step}"):
+            self.party.save_share(self, r, c)
+
+
+class PipelinedRounds(_RankRounds):
+    """The rounds of a compute party whose blocks are pipeline stages, one
+    per rank (see the module's docstring)."""
+
+    def __init__(self, party, state, link, session, first_round_timeout_s=None):
+        super().__init__(party, state, link, session, first_round_timeout_s)
+        self.module = _Stage(self)
+        #: a runtime per round shape (its stage's buffers are sized for it)
+        self.runtimes: dict[tuple, tuple[_PipelineScheduleRuntime, list]] = {}
+        self.round: tuple[int, proto.Control] | None = None
 
     # --- the pipeline ------------------------------------------------------
 
@@ -392,11 +443,15 @@ class PipelinedRounds(Rounds):
                 run(target=indices, return_outputs=False)
             else:
                 run(return_outputs=False)
-        finally:
+        except BaseException:
+            # The relay may wait on the last stage for good: do not wait long.
             if relay is not None:
-                relay.join()
-        if relay is not None and relay.error is not None:
-            raise relay.error
+                relay.join(RELAY_GRACE_S)
+            raise
+        if relay is not None:
+            relay.join()  # it has what the stages sent, and ends with them
+            if relay.error is not None:
+                raise relay.error
 
     # --- rounds --------------------------------------------------------------
 
@@ -409,9 +464,6 @@ class PipelinedRounds(Rounds):
             theirs = self._exchange_norms(r, mine)
         self._apply_step(c, theirs, mine)
 
-    def _exchange_norms(self, r: int, mine: float) -> float:
-        return _exchange_over_ranks(self, r, mine, super()._exchange_norms)
-
     @torch.no_grad()
     def _eval(self, r: int, c: proto.Control) -> None:
         self.state.train(False)
@@ -419,9 +471,6 @@ class PipelinedRounds(Rounds):
             self._run_pipeline(r, c, train=False)
 
     # --- generation: the positions run down the stages, one rank after another
-
-    def _generation_input(self, r: int, count: int) -> torch.Tensor | None:
-        return _generation_input(self, r, count, super()._generation_input)
 
     def _generation_step(self, r: int, x: torch.Tensor, cache) -> None:
         ranks = self.ranks
@@ -436,13 +485,8 @@ class PipelinedRounds(Rounds):
                 dist.recv(out, ranks.last, group=ranks.relay)
                 self.link.send("out", out, step=r, codec=self.session.codec)
 
-    def _save(self, r: int, c: proto.Control) -> None:
-        self._at_next_step(c, "SAVE")
-        with _out_of_step(f"SAVE of step {c.step}"):
-            self.party.save_share(self, r, c)
 
-
-class ShardedRounds(Rounds):
+class ShardedRounds(_RankRounds):
     """The rounds of a compute party with more ranks than blocks: B's blocks
     are sharded over all the ranks with FSDP2 (``fully_shard``: each rank
     keeps 1/R of every weight, gradient and AdamW moment, and gathers a
@@ -459,12 +503,7 @@ class ShardedRounds(Rounds):
 
     def __init__(self, party, state, link, session, first_round_timeout_s=None):
         super().__init__(party, state, link, session, first_round_timeout_s)
-        self.ranks: Ranks = party.ranks
-        self.speaks = self.ranks.rank == 0
         self.sharded = _fully_shard(state, self.ranks)
-
-    def _next_control(self, r: int) -> proto.Control | None:
-        return _broadcast_control(self, r, super()._next_control)
 
     def _rows(self, t: torch.Tensor | None, shape, dtype) -> torch.Tensor:
         """Rank 0's ``t`` split by rows; this rank's share (rank 0 sends
@@ -553,9 +592,6 @@ class ShardedRounds(Rounds):
             theirs = self._exchange_norms(r, mine)
         self._apply_step(c, theirs, mine)
 
-    def _exchange_norms(self, r: int, mine: float) -> float:
-        return _exchange_over_ranks(self, r, mine, super()._exchange_norms)
-
     @torch.no_grad()
     def _eval(self, r: int, c: proto.Control) -> None:
         self.state.train(False)
@@ -565,19 +601,11 @@ class ShardedRounds(Rounds):
     # --- generation: every rank runs the blocks (their weights are gathered
     # block by block), rank 0 on the sequence, the others on zeros
 
-    def _generation_input(self, r: int, count: int) -> torch.Tensor | None:
-        return _generation_input(self, r, count, super()._generation_input)
-
     def _generation_step(self, r: int, x: torch.Tensor, cache) -> None:
         with _out_of_step("generation step"):
             y = self.middle(x, cache=cache)
             if self.ranks.rank == 0:
                 self.link.send("out", y, step=r, codec=self.session.codec)
-
-    def _save(self, r: int, c: proto.Control) -> None:
-        self._at_next_step(c, "SAVE")
-        with _out_of_step(f"SAVE of step {c.step}"):
-            self.party.save_share(self, r, c)
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The whole of B's tensors, gathered from the shards one at a time
@@ -691,51 +719,6 @@ def _check_memory(
         f"{format_bytes(free)} is available: start more ranks (on more machines), "
         "or cut fewer blocks to B"
     )
-
-
-def _generation_input(rounds, r: int, count: int, from_link) -> torch.Tensor | None:
-    """The first stage's input of a generation step on every rank that needs
-    one: rank 0's from A (``from_link``); the next stages' from the stage
-    before (pipelined), or zeros to run the sharded blocks alongside. None on
-    every rank when A's were not finite: the ranks refuse alike."""
-    ranks: Ranks = rounds.ranks
-    shape, dev = (1, count, rounds.hidden), rounds.state.device
-    x = from_link(r, count) if ranks.rank == 0 else None
-    if not ranks.all_ok(ranks.rank != 0 or x is not None):
-        return None
-    if ranks.rank == 0:
-        return x
-    if ranks.sharded:
-        return torch.zeros(shape, device=dev)
-    x = torch.empty(shape, device=dev)
-    dist.recv(x, ranks.rank - 1)
-    return x
-
-
-def _exchange_over_ranks(rounds, r: int, mine: float, with_link) -> float:
-    """Rank 0 exchanges B's squared norm (the ranks' sum) with A over the link
-    (``with_link``) and hands A's to every rank."""
-    ranks: Ranks = rounds.ranks
-    theirs = with_link(r, mine) if ranks.rank == 0 else 0.0
-    return ranks.broadcast_float(theirs)
-
-
-def _broadcast_control(rounds: Rounds, r: int, from_link) -> proto.Control | None:
-    """Rank 0 receives round ``r``'s control from A (``from_link``) and hands
-    it to every rank (``END``: the session is over); the others take it."""
-    ranks: Ranks = rounds.ranks
-    if ranks.rank == 0:
-        try:
-            c = from_link(r)
-        except BaseException:
-            ranks.broadcast_control()  # the others end it too
-            raise
-        ranks.broadcast_control(None if c is None else c.tensor())
-        return c
-    t = ranks.broadcast_control()
-    if int(t[0]) == END:
-        return None
-    return proto.Control.parse(t, rounds.state.cfg.seq_len)
 
 
 class _out_of_step:

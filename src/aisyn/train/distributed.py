@@ -52,6 +52,12 @@ class DistContext:
             dist.barrier()
 
 
+def under_torchrun() -> bool:
+    """Whether torchrun (torch.distributed.elastic) started this process,
+    with any number of ranks."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def world_size() -> int:
     """Ranks torchrun started (1 when not run under torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
