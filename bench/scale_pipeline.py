@@ -146,14 +146,17 @@ def bubble_line(work: Path, data: Path, quick: bool) -> str:
     for _ in range(2):
         one = min(one, split_run(work, model, 1, data, cfg, window)[1])
         staged = min(staged, split_run(work, model, ranks, data, cfg, window)[1])
-    ideal = (m + ranks - 1) / (m * ranks)
+    # The form: a stage's step against m micro-batches of its 1/R
+    # share of B's compute, ideally (m + R - 1) / m; and the same against B
+    # on one process, ideally (m + R - 1) / (m R).
+    bubble, ideal = staged / (one / ranks), (m + ranks - 1) / m
     return (
         f"pipeline bubble: B's 7 blocks on {ranks} stages, m={m} micro-batches, "
-        f"A's window {window}: "
-        f"{staged:.3f} s/step vs {one:.3f} on one process (median step, one thread "
-        f"each) = {staged / one:.2f}x "
-        f"(ideal (m+R-1)/(mR) = {ideal:.2f}x; A's share, the link and "
-        f"{os.cpu_count()} CPU cores shared by A and the ranks are not in the ideal)"
+        f"A's window {window}: {staged:.3f} s/step vs {one:.3f} on one process "
+        f"(median step, one thread each): {bubble:.2f}x its compute share's m "
+        f"micro-batches (ideal (m+R-1)/m = {ideal:.2f}), {staged / one:.2f}x one "
+        f"process (ideal {ideal / ranks:.2f}); A's share, the link and the "
+        f"{os.cpu_count()} CPU cores A and the ranks share are not in the ideal"
     )
 
 
