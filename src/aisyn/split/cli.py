@@ -273,7 +273,9 @@ def cmd_serve(args) -> None:
     """Holds only the middle blocks of --model cut by --cut; takes the
     optimisation settings from each data party's hello; keeps one run folder per
     data-party run under --out. Serves one session at a time and stays up when a
-    session fails."""
+    session fails. Under torchrun the blocks spread over the ranks: pipeline
+    stages, or FSDP2 shards with more ranks than blocks (rank 0 alone listens;
+    docs/split.md)."""
 
     from aisyn.model.families import hf_folder, load_config
     from aisyn.model.segments import parse_partition
