@@ -78,7 +78,10 @@ def setup(
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timeout)
+        # torch's own default when none is given (passing None explicitly
+        # was seen to leave a gloo thread running at exit: SIGABRT)
+        extra = {} if timeout is None else {"timeout": timeout}
+        dist.init_process_group(backend, **extra)
     return DistContext(rank, world, local), device
 
 
