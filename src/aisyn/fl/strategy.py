@@ -148,12 +148,9 @@ class UpdateGuard:
         }
         return messages
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if self.chunked is not None:
-            return self._aggregate_chunked(server_round, list(replies))
-        t_replies = time.perf_counter()
+    def _round_record(self, server_round: int):
+        """(the round's log entry, its rejections, ``reject(node, reason)``
+        that logs one and records it)."""
         entry = self.round_log.setdefault(server_round, {"round": server_round})
         rejected: list[dict] = []
 
@@ -162,6 +159,16 @@ class UpdateGuard:
                 "round %d: rejected update from node %s: %s", server_round, node, reason
             )
             rejected.append({"node": node, "reason": reason})
+
+        return entry, rejected, reject
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self.chunked is not None:
+            return self._aggregate_chunked(server_round, list(replies))
+        t_replies = time.perf_counter()
+        entry, rejected, reject = self._round_record(server_round)
 
         updates = self._checked_updates(server_round, replies, entry, reject)
         well_formed = len(updates)
@@ -228,14 +235,7 @@ class UpdateGuard:
         over the updates the grid spilled (one chunk of each in memory)."""
         grid = self.chunked
         t_replies = time.perf_counter()
-        entry = self.round_log.setdefault(server_round, {"round": server_round})
-        rejected: list[dict] = []
-
-        def reject(node: int, reason: str) -> None:
-            log.warning(
-                "round %d: rejected update from node %s: %s", server_round, node, reason
-            )
-            rejected.append({"node": node, "reason": reason})
+        entry, rejected, reject = self._round_record(server_round)
 
         checked = []
         for msg in replies:
