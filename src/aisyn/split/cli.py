@@ -182,6 +182,34 @@ def cmd_train(args) -> None:
     --method / --compute-method lora train LoRA adapters on either party's
     blocks instead, the base frozen."""
 
+    from aisyn.split.data_ranks import DataRanks, end_words, follow
+    from aisyn.train import distributed
+    from aisyn.train.device import resolve_device
+
+    ranks = None
+    if distributed.under_torchrun():
+        procs.end_with_parent()  # a rank never outlives its torchrun agent
+    if distributed.world_size() > 1:
+        # torchrun: A's blocks sharded over the ranks, each micro-batch's rows
+        # shared; rank 0 alone holds the data, the run folder and the link.
+        ranks, device = DataRanks.join(resolve_device(args.device), args.recv_timeout)
+        ranks.check_shared(args.out, "data party")
+        if ranks.rank != 0:
+            follow(ranks, device)
+            return
+        args.device = str(device)
+    try:
+        _train_rank0(args, ranks)
+    except BaseException as e:
+        if ranks is not None and not ranks.busy:
+            end_words(ranks, e)  # the other ranks wait for a word: the end
+        raise
+    if ranks is not None:
+        end_words(ranks)
+
+
+def _train_rank0(args, ranks) -> None:
+    """``cmd_train`` in one process, or on rank 0 of a data party's job."""
     from aisyn.split.cut_dp import CutDefence, defence_from_flags, undefended_warning
     from aisyn.split.session import SplitOptions
     from aisyn.split.train import secret_seed, split_train
@@ -246,6 +274,7 @@ def cmd_train(args) -> None:
             alpha=args.lora_alpha,
         ),
         defence=defence,
+        ranks=ranks,
     )
     if "privacy" in summary:
         eps = summary["privacy"]["dp_epsilon"]
@@ -296,7 +325,7 @@ def cmd_serve(args) -> None:
         # timeout, as the wait for the data party is.
         timeout = args.idle_timeout or COMPUTE_PARTY_IDLE_TIMEOUT_S
         ranks, device = Ranks.join(cfg, partition, resolve_device(device), timeout)
-        ranks.check_shared(args.out)
+        ranks.check_shared(args.out, "compute party")
     # A pretrained folder (hf:DIR) is also where B's blocks start from.
     init_from = args.init_from or (args.model if hf_folder(args.model) else None)
     party = ComputeParty(

@@ -29,7 +29,7 @@ from aisyn.split import schedule
 from aisyn.split.cut_dp import CutGuard
 from aisyn.split.party import PartyState
 from aisyn.train.device import autocast_for
-from aisyn.train.objective import LossOf, MicroBatch
+from aisyn.train.objective import LossOf, MicroBatch, StepBatch
 
 
 class SplitError(OSError):
@@ -94,6 +94,10 @@ class DataSession:
             doc = document_index(inputs, self.eod_id).to(torch.int32)
             self.link.send("doc", doc, step=r, micro=i)
 
+    def train_step(self, batch: StepBatch, step: int) -> dict:
+        """One optimizer step over ``batch`` (``train_micro_batches``)."""
+        return self.train_micro_batches(batch.micro, step, batch.loss_of)
+
     def train_micro_batches(
         self, micro: Sequence[MicroBatch], step: int, loss_of: LossOf
     ) -> dict:
@@ -104,11 +108,13 @@ class DataSession:
 
         The one split step of every objective (``train.objective``):
         pre-training and fine-tuning differ only in their micro-batches and
-        ``loss_of``.
+        ``loss_of``. What crosses to B goes through the ``_send`` / ``_recv``
+        hooks, which a data party over several ranks
+        (``split.data_ranks``) routes through its rank 0.
         """
         cfg = self.state.train_cfg
         device = self.state.device
-        mb, T = micro[0][0].shape
+        mb, T = self._micro_size(micro), micro[0][0].shape[1]
         flags = proto.FLAG_EOD if self.eod_id is not None else 0
         r = self._open_round(
             proto.Control(proto.TRAIN, step, len(micro), mb, T, self.window, flags)
@@ -129,11 +135,8 @@ class DataSession:
                 self._send_act(r, i, sent, inputs)
                 fronts[i] = clean, sent
             elif kind == "L":
-                y = self.link.recv(
-                    "out", step=r, micro=i, shape=shape, dtype=torch.float32
-                )
-                self.state.checked(y, f"the backbone output (micro-batch {i})")
-                y = y.to(device).requires_grad_()
+                what = f"the backbone output (micro-batch {i})"
+                y = self._recv("out", r, i, shape, what).requires_grad_()
                 clean, sent = fronts[i]
                 with autocast_for(device, cfg.autocast):
                     hidden = self.back(self._restore(y, clean, sent), mask, pos)
@@ -141,35 +144,59 @@ class DataSession:
                 loss.backward()
                 g = y.grad
                 if self.guard is not None:
-                    gouts[i] = g, self.guard.gradient(g, step, i)
+                    gouts[i] = g, self._protect_gradient(g, step, i)
                     g = gouts[i][1]
-                self.link.send("gout", g, step=r, micro=i)
+                self._send("gout", r, i, g)
                 losses[i] = loss.item()
             else:
-                g = self.link.recv(
-                    "gact", step=r, micro=i, shape=shape, dtype=torch.float32
-                )
-                self.state.checked(g, f"the gradient of the cut (micro-batch {i})")
+                what = f"the gradient of the cut (micro-batch {i})"
+                g = self._recv("gact", r, i, shape, what)
                 clean, sent = fronts.pop(i)
                 if self.guard is None:
-                    torch.autograd.backward(sent, g.to(device))
+                    torch.autograd.backward(sent, g)
                 else:
                     # B's answer is the gradient through ``sent + Δ(sent)`` for
                     # the gradient it was sent; A's residual stream (clean, see
                     # ``_restore``) takes A's own, noiseless one instead.
                     true, noisy = gouts.pop(i)
-                    torch.autograd.backward((sent, clean), (g.to(device) - noisy, true))
+                    torch.autograd.backward((sent, clean), (g - noisy, true))
         total = 0.0
-        for i in range(len(micro)):  # the baseline's summation order
-            total += losses[i]
+        for loss in self._step_losses([losses[i] for i in range(len(micro))]):
+            total += loss  # the baseline's summation order
         if not math.isfinite(total) and self.state.problem is None:
             self.state.problem = f"non-finite loss ({total}) (lower --lr?)"
-        mine = self.state.local_sq_norm()  # NaN: this party skips the step
-        self.link.send_scalar("sqnorm", mine, step=r)
-        theirs = self.link.recv_scalar("sqnorm", step=r)
+        mine = self._sq_norm()  # NaN: this party skips the step
+        theirs = self._exchange_norms(r, mine)
         self.last_step, self.evals_since_step = step, 0
         norm = self.state.apply_step(step, mine, theirs)  # or raises SkippedStep
         return {"loss": total, "lr": cfg.lr_at(step), "grad_norm": norm}
+
+    # --- what crosses, and what the step sums (one process: all of it here)
+
+    def _micro_size(self, micro: Sequence[MicroBatch]) -> int:
+        return micro[0][0].shape[0]
+
+    def _protect_gradient(self, g: torch.Tensor, *where: object) -> torch.Tensor:
+        return self.guard.gradient(g, *where)
+
+    def _recv(self, tag: str, r: int, i: int, shape, what: str) -> torch.Tensor:
+        """B's ``tag`` tensor of micro-batch ``i``, noted if not finite."""
+        t = self.link.recv(tag, step=r, micro=i, shape=shape, dtype=torch.float32)
+        return self.state.checked(t, what).to(self.state.device)
+
+    def _send(self, tag: str, r: int, i: int, t: torch.Tensor) -> None:
+        self.link.send(tag, t, step=r, micro=i)
+
+    def _step_losses(self, losses: list[float]) -> list[float]:
+        """The micro-batches' losses of the step (here: this process's)."""
+        return losses
+
+    def _sq_norm(self) -> float:
+        return self.state.local_sq_norm()
+
+    def _exchange_norms(self, r: int, mine: float) -> float:
+        self.link.send_scalar("sqnorm", mine, step=r)
+        return self.link.recv_scalar("sqnorm", step=r)
 
     @torch.no_grad()
     def hidden(

@@ -52,7 +52,7 @@ class SplitExecutor(Executor):
     def step(self, step: int, batch: StepBatch) -> dict:
         sent0, recv0 = self.link.bytes_sent, self.link.bytes_received
         ts = time.perf_counter()
-        result = self.session.train_micro_batches(batch.micro, step, batch.loss_of)
+        result = self.session.train_step(batch, step)
         self.link.flush()
         sent = self.link.bytes_sent - sent0
         received = self.link.bytes_received - recv0
@@ -80,10 +80,14 @@ class SplitExecutor(Executor):
 
     def save(self, run: RunDir, step: int, state: dict, keep: int) -> None:
         self.session.save_remote(step)  # B's half first: pairs stay consistent
+        self._write(run, step, state, keep, self.state.tensors())
+
+    def _write(self, run: RunDir, step: int, state: dict, keep: int, tensors) -> None:
+        """A's half of checkpoint ``step``: ``tensors`` and the run's state."""
         ckpt.save(
             run.checkpoints,
             step,
-            self.state.tensors(),
+            tensors,
             {
                 "party": DATA_PARTY,
                 "run_id": self.run_id,

@@ -31,17 +31,14 @@ checkpoint, which every rank still has.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import sys
 import threading
-import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,17 +54,23 @@ from aisyn.errors import RunFailedError
 from aisyn.model.causal_lm import masks_from_documents
 from aisyn.model.families import ModelConfig
 from aisyn.model.plan import pipeline_stage_blocks
-from aisyn.model.segments import Partition, own_tensor_shapes
+from aisyn.model.segments import Partition
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.rounds import Rounds
-from aisyn.train import checkpoint as ckpt
+from aisyn.split.sharding import (
+    IDLE_WAIT,
+    RankGroup,
+    gather_rows,
+    gathered_tensors,
+    scatter_rows,
+    shard_blocks,
+    shard_sq_norm,
+)
 from aisyn.train.device import autocast_for
 
 log = logging.getLogger(__name__)
 
-#: how long a rank waits for the next session (rank 0 may idle for days)
-IDLE_WAIT = timedelta(days=365)
 #: the control word that ends a session on the other ranks
 END = -1
 #: the stages' order in an evaluation round (its backward is skipped)
@@ -89,19 +92,15 @@ def stage_blocks(middle: range, ranks: int) -> list[range]:
 
 
 @dataclass
-class Ranks:
+class Ranks(RankGroup):
     """The torchrun job a pipelined compute party runs as."""
 
-    rank: int
-    world: int
     #: each rank's blocks: a pipeline stage each, or (``sharded``) all of
     #: them on every rank
     blocks: list[range]
     #: more ranks than blocks: B's blocks are FSDP2-sharded over all the
     #: ranks, each running a share of each micro-batch's rows (``ShardedRounds``)
     sharded: bool
-    #: control broadcasts and the sums of the ranks' norms (gloo: CPU tensors)
-    ctl: dist.ProcessGroup
     #: the last stage and rank 0: its outputs to A, A's gradients back
     relay: dist.ProcessGroup
 
@@ -139,36 +138,10 @@ class Ranks:
         ctx, device = distributed.setup(device, timedelta(seconds=timeout_s))
         ctl = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
         relay = dist.new_group([0, world - 1])
-        return cls(ctx.rank, world, blocks, sharded, ctl, relay), device
-
-    @property
-    def last(self) -> int:
-        return self.world - 1
-
-    def check_shared(self, root: Path | None) -> None:
-        """Refuse a checkpoint root the ranks do not share: rank 0 alone reads
-        the run's record and which steps every rank saved, so on several
-        nodes ``--out`` must be one shared filesystem."""
-        if root is None:
-            return
-        token = self.broadcast_json(uuid.uuid4().hex if self.rank == 0 else None)
-        probe = Path(root) / f".aisyn-ranks-{token}"
-        ok = True
-        if self.rank == 0:
-            try:
-                probe.parent.mkdir(parents=True, exist_ok=True)
-                probe.touch()
-            except OSError:
-                ok = False
-        ok = self.all_ok(ok)
-        seen = self.all_ok(ok and probe.is_file())
-        if self.rank == 0:
-            probe.unlink(missing_ok=True)
-        if not seen:
-            raise OSError(
-                f"--out {root}: the compute party's ranks do not all see the same "
-                "folder (on several nodes it must be one shared filesystem)"
-            )
+        return (
+            cls(ctx.rank, world, ctl, blocks=blocks, sharded=sharded, relay=relay),
+            device,
+        )
 
     def share(self, partition: Partition) -> Partition:
         """The cut as this rank holds it."""
@@ -194,21 +167,6 @@ class Ranks:
             )
         return None
 
-    def broadcast_json(self, obj: object = None) -> object:
-        """Rank 0's ``obj`` on every rank, as JSON (nothing is unpickled)."""
-        if self.rank == 0:
-            data = torch.frombuffer(
-                bytearray(json.dumps(obj).encode()), dtype=torch.uint8
-            )
-            size = torch.tensor([data.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, 0, group=self.ctl)
-        if self.rank != 0:
-            data = torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(data, 0, group=self.ctl)
-        return json.loads(bytes(data.numpy()).decode())
-
     def broadcast_control(self, t: torch.Tensor | None = None) -> torch.Tensor:
         """Rank 0's control tensor (or ``END``) on every rank."""
         if t is None:
@@ -216,21 +174,6 @@ class Ranks:
         t = t.clone() if self.rank == 0 else torch.empty(7, dtype=torch.int64)
         dist.broadcast(t, 0, group=self.ctl)
         return t
-
-    def broadcast_float(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.broadcast(t, 0, group=self.ctl)
-        return float(t)
-
-    def sum_float(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, group=self.ctl)
-        return float(t)
-
-    def all_ok(self, ok: bool) -> bool:
-        t = torch.tensor([int(ok)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctl)
-        return bool(t)
 
 
 class _ToRelay(torch.autograd.Function):
@@ -503,35 +446,13 @@ class ShardedRounds(_RankRounds):
 
     def __init__(self, party, state, link, session, first_round_timeout_s=None):
         super().__init__(party, state, link, session, first_round_timeout_s)
-        self.sharded = _fully_shard(state, self.ranks)
+        self.sharded = shard_blocks(state, self.ranks.world, state.partition.middle)
 
     def _rows(self, t: torch.Tensor | None, shape, dtype) -> torch.Tensor:
-        """Rank 0's ``t`` split by rows; this rank's share (rank 0 sends
-        the others theirs)."""
-        ranks, dev = self.ranks, self.state.device
-        sizes = [len(r) for r in torch.arange(shape[0]).tensor_split(ranks.world)]
-        if ranks.rank == 0:
-            parts = t.to(dev).tensor_split(ranks.world)
-            for k in range(1, ranks.world):
-                dist.send(parts[k].contiguous(), k)
-            return parts[0]
-        mine = torch.empty((sizes[ranks.rank], *shape[1:]), dtype=dtype, device=dev)
-        dist.recv(mine, 0)
-        return mine
+        return scatter_rows(self.ranks, t, shape, dtype, self.state.device)
 
     def _gather(self, mine: torch.Tensor, shape) -> torch.Tensor | None:
-        """The whole of every rank's rows on rank 0 (None elsewhere)."""
-        ranks = self.ranks
-        if ranks.rank != 0:
-            dist.send(mine.detach().float().contiguous(), 0)
-            return None
-        sizes = [len(r) for r in torch.arange(shape[0]).tensor_split(ranks.world)]
-        parts = [mine.detach().float()]
-        for k in range(1, ranks.world):
-            part = torch.empty((sizes[k], *shape[1:]), device=mine.device)
-            dist.recv(part, k)
-            parts.append(part)
-        return torch.cat(parts)
+        return gather_rows(self.ranks, mine, shape)
 
     def _forward_rows(self, r: int, i: int, c: proto.Control, grad: bool):
         shape = (c.micro_size, c.seq_len, self.hidden)
@@ -587,7 +508,7 @@ class ShardedRounds(_RankRounds):
                     )
             # Each rank holds a shard of every gradient: B's squared norm is
             # the sum of theirs; a problem any rank found makes it NaN.
-            local = math.nan if self.state.problem else _shard_sq_norm(self.state)
+            local = math.nan if self.state.problem else shard_sq_norm(self.state.params)
             mine = self.ranks.sum_float(local)
             theirs = self._exchange_norms(r, mine)
         self._apply_step(c, theirs, mine)
@@ -608,78 +529,9 @@ class ShardedRounds(_RankRounds):
                 self.link.send("out", y, step=r, codec=self.session.codec)
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The whole of B's tensors, gathered from the shards one at a time
-        (every rank takes part; rank 0 writes them), as ``PartyState.tensors``
-        lays them out."""
-        st = self.state
-        if st.lora:
-            weights = {n: _full(p.detach()) for n, p in st.named}
-        else:
-            own = own_tensor_shapes(st.cfg, st.partition, st.party)
-            model = st.model.state_dict()
-            weights = {n: _full(model[n].detach()).contiguous() for n in own}
-        names = {p: n for n, p in st.named}
-        moments = ckpt.optimizer_tensors(st.optimizer, names)
-        return {
-            ckpt.MODEL_FILE: weights,
-            ckpt.OPTIM_FILE: {
-                **{k: _full(v) for k, v in moments.items()},
-                **ckpt.rng_tensors(),
-            },
-        }
-
-
-def _fully_shard(state, ranks: Ranks) -> list:
-    """Shard B's blocks over the ranks with FSDP2, once their weights and
-    optimizer state are in place (loaded whole, then split): the optimizer
-    is rebuilt over the sharded parameters and its moments split alike."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
-
-    from aisyn.train.optim import make_optimizer
-
-    mesh = init_device_mesh(state.device.type, (ranks.world,))
-    moments = {n: state.optimizer.state.get(p, {}) for n, p in state.named}
-    layout = state.cfg.layout
-    modules = []
-    for i in state.partition.middle:
-        module = state.model.get_submodule(layout.block_path(i))
-        fully_shard(module, mesh=mesh)
-        module.set_gradient_divide_factor(1.0)  # a sum over the rows' shares
-        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-        modules.append(module)
-    params = dict(state.model.named_parameters())
-    state.named = [(n, params[n]) for n, _ in state.named]
-    state.params = [p for _, p in state.named]
-    state.optimizer = make_optimizer(state.named, state.train_cfg)
-    for name, p in state.named:
-        if moments[name]:
-            state.optimizer.state[p] = {
-                k: distribute_tensor(v, mesh, p.placements) if v.shape == p.shape else v
-                for k, v in moments[name].items()
-            }
-    return modules
-
-
-def _shard_sq_norm(state) -> float:
-    """This rank's share of the squared gradient norm (its shards' squares)."""
-    grads = [_local(p.grad) for p in state.params if p.grad is not None]
-    if not grads:
-        return 0.0
-    return float(torch.stack([g.double().pow(2).sum() for g in grads]).sum())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
+        """The whole of B's tensors, gathered from the shards (every rank
+        takes part; rank 0 writes them)."""
+        return gathered_tensors(self.state)
 
 
 def _check_memory(

@@ -32,6 +32,12 @@ from aisyn.model.segments import (
 from aisyn.split import cut_dp as dp
 from aisyn.split import protocol as proto
 from aisyn.split.data_party import DataSession
+from aisyn.split.data_ranks import (
+    DataRanks,
+    RankedDataSession,
+    RankedSplitExecutor,
+    start_words,
+)
 from aisyn.split.defence import calibrated_defence, recorded_defence
 from aisyn.split.executor import SplitExecutor
 from aisyn.split.party import (
@@ -86,8 +92,12 @@ def split_train(
     method: Method | None = None,
     compute_method: Method | None = None,
     defence: dp.CutDefence | dp.Recommended | None = None,
+    ranks: DataRanks | None = None,
 ) -> dict:
     """Train as the data party; returns a summary like ``train.pretrain.train``.
+
+    ``ranks``: this is rank 0 of a data party over a torchrun job
+    (``split.data_ranks``), the other ranks following it.
 
     ``defence``: clipping and noise on what A sends (``split.cut_dp``); its
     privacy budget is in each metrics record (``dp_epsilon``), the summary
@@ -133,6 +143,8 @@ def split_train(
             "--sft: split fine-tuning starts from a pre-trained base; give "
             "--init-from BASE (the compute party starts from the same base)"
         )
+    if ranks is not None and (why := ranks.problem_with(cfg.micro, method)):
+        raise ValueError(why)
     objective = (SFTObjective if sft else LMObjective)(data_dirs, cfg)
     tok = objective.tokenizer
     mcfg = model_config_for(model_config, tok, objective.seq_len)
@@ -250,6 +262,15 @@ def split_train(
     try:
         run.start(config, resume=resume, tokenizer=objective.tokenizer_file)
         state = PartyState(mcfg, partition, DATA_PARTY, cfg, device, method=method)
+        if ranks is not None:
+            start_words(
+                ranks,
+                state,
+                eod_id=objective.eod_id,
+                window=opts.window,
+                defence=defence,
+                init_from=str(base.checkpoint) if base else None,
+            )
         objective.start(device)
         hello = proto.hello(
             purpose="train",
@@ -293,6 +314,7 @@ def split_train(
             # The noise follows from the run's seed, secret like it (whoever
             # knows it could subtract the noise, or rebuild A's init).
             dp.CutGuard(defence, cfg.seed) if defence.active else None,
+            ranks,
         )
 
 
@@ -380,11 +402,17 @@ def _train_loop(
     resume: bool,
     tensorboard: bool = False,
     guard: dp.CutGuard | None = None,
+    ranks: DataRanks | None = None,
 ) -> dict:
-    session = DataSession(
-        state, opened.link, eod_id=objective.eod_id, window=opts.window, guard=guard
-    )
-    executor = SplitExecutor(session, run.read_config()["run_id"], objective, base)
+    kw = dict(eod_id=objective.eod_id, window=opts.window, guard=guard)
+    if ranks is None:
+        session = DataSession(state, opened.link, **kw)
+        executor = SplitExecutor(session, run.read_config()["run_id"], objective, base)
+    else:
+        session = RankedDataSession(state, opened.link, ranks, **kw)
+        executor = RankedSplitExecutor(
+            session, run.read_config()["run_id"], objective, base
+        )
     regime = Regime(objective, executor, cfg, run)
     engine = Engine.for_config(
         run,

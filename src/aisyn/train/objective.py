@@ -46,6 +46,50 @@ LossOf = Callable[
 ]
 
 
+@dataclass(frozen=True)
+class RowsLoss:
+    """A micro-batch's loss as a sum over its rows: the cross-entropy summed
+    over the targets that count (not ``IGNORE``), over ``divisor``. Ranks
+    that share a micro-batch's rows (``split.data_ranks``) each compute it on
+    theirs, and their losses (and gradients) sum to the micro-batch's; it is
+    plain data, so rank 0 can hand it to the others."""
+
+    divisor: float
+    #: "lm": every position has a target (its logits all computed at once);
+    #: "sft": only the answer positions go through the head
+    kind: str = "lm"
+
+    def __call__(self, logits_of, hidden, targets) -> torch.Tensor:
+        if self.kind == "sft":
+            return supervised_loss_sum(logits_of, hidden, targets)[0] / self.divisor
+        logits = logits_of(hidden)
+        total = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            targets.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
+        )
+        return total / self.divisor
+
+    def to_dict(self) -> dict:
+        return {"divisor": self.divisor, "kind": self.kind}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RowsLoss:
+        divisor, kind = d.get("divisor"), d.get("kind")
+        if (
+            not isinstance(divisor, int | float)
+            or not divisor > 0
+            or kind
+            not in (
+                "lm",
+                "sft",
+            )
+        ):
+            raise ValueError(f"bad rows loss {d!r}")
+        return cls(float(divisor), kind)
+
+
 @dataclass
 class StepBatch:
     """One optimizer step's worth of data, ready for any executor."""
@@ -54,6 +98,8 @@ class StepBatch:
     loss_of: LossOf  # the micro-batch loss; the step's loss is their sum
     tokens: int  # input positions of the step (the ``tokens`` metric)
     record: dict = field(default_factory=dict)  # what the step's record adds
+    #: ``loss_of`` as a sum over rows, where the objective can give it
+    rows_loss: RowsLoss | None = None
 
 
 class Objective:
@@ -127,7 +173,14 @@ def lm_step_batch(batch: torch.Tensor, micro: int, eod_id: int | None) -> StepBa
     def loss_of(logits_of, hidden, targets):
         return lm_loss(logits_of(hidden), targets) / n
 
-    return StepBatch(micro_list, loss_of, batch.shape[0] * (batch.shape[1] - 1))
+    rows, T = micro_list[0][1].shape
+    equal = all(len(m[1]) == rows for m in micro_list)
+    return StepBatch(
+        micro_list,
+        loss_of,
+        batch.shape[0] * (batch.shape[1] - 1),
+        rows_loss=RowsLoss(float(rows * T * n)) if equal else None,
+    )
 
 
 class LMObjective(Objective):
@@ -323,7 +376,11 @@ def sft_step_batch(
         for mi, mt in zip(inputs.split(micro), targets.split(micro), strict=True)
     ]
     return StepBatch(
-        micro_list, loss_of, inputs.numel(), {"answer_tokens": answer_tokens}
+        micro_list,
+        loss_of,
+        inputs.numel(),
+        {"answer_tokens": answer_tokens},
+        rows_loss=None if scale > 1 else RowsLoss(float(answer_tokens), "sft"),
     )
 
 

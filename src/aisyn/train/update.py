@@ -92,7 +92,10 @@ def apply_update(
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm_t)
         else:
             coef = min(grad_clip / (norm + 1e-6), 1.0)  # as clip_grad_norm_
-            torch._foreach_mul_(grads, coef)
+            # (a party with FSDP2-sharded blocks holds DTensor gradients next
+            # to plain ones, which one foreach call cannot mix)
+            for kind in {type(g) for g in grads}:
+                torch._foreach_mul_([g for g in grads if type(g) is kind], coef)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
