@@ -11,7 +11,10 @@
   (each stage a 1/R share of B's compute, on a device of its own; A's share
   and the link are not in the ideal).
 
-    python bench/scale_pipeline.py [--quick]
+* The data party on 2 ranks (``split.data_ranks``): the losses of the data
+  party on one process, and of unsplit training, over 20 steps.
+
+    python bench/scale_pipeline.py [--quick] [--only exactness|data|bubble]
 """
 
 from __future__ import annotations
@@ -160,6 +163,51 @@ def bubble_line(work: Path, data: Path, quick: bool) -> str:
     )
 
 
+def data_party_line(work: Path, data: Path) -> str:
+    """The data party on 2 ranks (``split.data_ranks``: its blocks FSDP2-sharded,
+    rows shared), the compute party in rank 0's process: losses against the
+    data party on one process and against unsplit training."""
+    model = work / "data-ranks.json"
+    model.write_text(json.dumps(MODELS["PanGu-α"]))
+    cfg = TrainConfig(steps=20, batch_size=8, micro_batch_size=2, lr=3e-3,
+                      warmup_steps=4, log_every=1, seed=11, device="cpu")  # fmt: skip
+    base = work / "unsplit-data-ranks"
+    train(model, [data], base, cfg, progress=False)
+    args = [
+        "split", "train", "--mode", "local", "--model", str(model), "--cut", "u:2,2",
+        "--data", str(data), "--steps", "20", "--batch-size", "8",
+        "--micro-batch-size", "2", "--lr", "3e-3", "--warmup", "4",
+        "--log-every", "1", "--seed", "11", "--device", "cpu", "--quiet",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for ranks in (1, 2):
+        out = work / f"a-ranks-{ranks}"
+        launcher = [sys.executable, "-m", "aisyn.cli"]
+        if ranks > 1:
+            launcher = [sys.executable, "-m", "torch.distributed.run",
+                        "--nproc-per-node", str(ranks), "--master-port",
+                        str(free_port()), "-m", "aisyn.cli"]  # fmt: skip
+        subprocess.run(
+            [*launcher, *args, "--out", str(out)],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=900,
+        )
+        runs[ranks] = losses(out)
+
+    def worst(got, want):
+        return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+
+    return (
+        f"data party on 2 ranks (front and back FSDP2-sharded, rows shared), "
+        f"PanGu-α, cut u:2,2: max relative loss difference vs one process "
+        f"{worst(runs[2], runs[1]):.2e}, vs unsplit {worst(runs[2], losses(base)):.2e} "
+        f"over {len(runs[2])} steps (fp32, gloo)"
+    )
+
+
 def data_dir(work: Path) -> Path:
     out = work / "news"
     prepare(load_corpus("news"), PanguTokenizer.load(), 64, out, max_documents=400,
@@ -168,14 +216,16 @@ def data_dir(work: Path) -> Path:
 
 
 def pipeline_lines(quick: bool = True, only: str | None = None) -> list[str]:
-    """``only``: ``exactness`` or ``bubble`` (default: both)."""
+    """``only``: ``exactness``, ``bubble`` or ``data`` (default: all)."""
     torch.set_num_threads(1)  # as torchrun gives each rank
     os.environ["AISYN_SPLIT_TOKEN"] = TOKEN  # the one the compute party gets
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         data = data_dir(work)
-        lines = [] if only == "bubble" else exactness_lines(work, data)
-        if only != "exactness":
+        lines = exactness_lines(work, data) if only in (None, "exactness") else []
+        if only in (None, "data"):
+            lines.append(data_party_line(work, data))
+        if only in (None, "bubble"):
             lines.append(bubble_line(work, data, quick))
         return lines
 
@@ -184,7 +234,7 @@ def main() -> None:
     logging.disable(logging.WARNING)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=["exactness", "bubble"])
+    p.add_argument("--only", choices=["exactness", "bubble", "data"])
     args = p.parse_args()
     for line in pipeline_lines(args.quick, args.only):
         print(line, flush=True)

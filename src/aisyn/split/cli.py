@@ -182,7 +182,7 @@ def cmd_train(args) -> None:
     --method / --compute-method lora train LoRA adapters on either party's
     blocks instead, the base frozen."""
 
-    from aisyn.split.data_ranks import DataRanks, end_words, follow
+    from aisyn.split.data_ranks import DataRanks, DataRanksFailed, end_words, follow
     from aisyn.train import distributed
     from aisyn.train.device import resolve_device
 
@@ -198,14 +198,23 @@ def cmd_train(args) -> None:
             follow(ranks, device)
             return
         args.device = str(device)
+    if ranks is None:
+        _train_rank0(args, None)
+        return
     try:
         _train_rank0(args, ranks)
+    except SystemExit as e:
+        # SIGTERM, from torchrun when another rank ended (or the job was stopped)
+        raise DataRanksFailed(
+            "the data party's ranks fell out of step: torchrun stopped rank 0 "
+            "(a rank ended, or the job was stopped); the last checkpoint is "
+            "intact (resume with --resume)"
+        ) from e
     except BaseException as e:
-        if ranks is not None and not ranks.busy:
-            end_words(ranks, e)  # the other ranks wait for a word: the end
+        if not ranks.busy:  # the other ranks wait for a word: the end
+            end_words(ranks, e)
         raise
-    if ranks is not None:
-        end_words(ranks)
+    end_words(ranks)
 
 
 def _train_rank0(args, ranks) -> None:

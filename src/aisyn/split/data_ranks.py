@@ -421,8 +421,14 @@ def start_words(
 
 
 def end_words(ranks: DataRanks, error: BaseException | None = None) -> None:
-    """Rank 0, between commands: the other ranks end too."""
-    ranks.tell("end", error=None if error is None else str(error).splitlines()[0])
+    """Rank 0, between commands: the other ranks end too. After ``error``,
+    a rank already gone is no news (rank 0 reports ``error`` itself)."""
+    why = None if error is None else (str(error).splitlines() or [repr(error)])[0]
+    try:
+        ranks.tell("end", error=why)
+    except RuntimeError:
+        if error is None:
+            raise
 
 
 def follow(ranks: DataRanks, device: torch.device) -> None:

@@ -248,6 +248,7 @@ def split_train(
         "compute_method": compute_method.to_dict(),
         # A's own file: the compute party is never told the defence.
         "cut_defence": defence.to_dict(),
+        "world_size": 1 if ranks is None else ranks.world,  # its ranks (torchrun)
     }
     a_steps = ckpt.complete_steps(run.checkpoints) if resume else []
     if a_steps:

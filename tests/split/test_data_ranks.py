@@ -1,0 +1,294 @@
+"""The data party as a torchrun job (``split.data_ranks``): its blocks
+FSDP2-sharded over 2 ranks, each micro-batch's rows shared, it trains what one
+process trains -- losses, validation, weights -- under a cut defence too, and
+a compute party cannot tell; a rank killed mid-run ends the job in one line,
+and the last checkpoint resumes on one process to the uninterrupted losses; a
+layout the ranks cannot run is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TOKEN, losses
+
+from aisyn.model.pangu import PanguConfig
+from aisyn.net import free_port
+from aisyn.train import checkpoint as ckpt
+
+REL = 1e-5
+#: six layers; with u:2,2 the data party holds four blocks and the top query
+#: layer, the compute party one block
+SIX = PanguConfig(
+    vocab_size=8000, hidden_size=32, num_layers=6, num_heads=4, ffn_size=64, seq_len=32
+)
+#: torchrun gives each rank one thread; so does the baseline (float sums over
+#: 1 and 2 threads differ in the last bits)
+ENV = {"AISYN_SPLIT_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def six_json(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("six") / "model.json"
+    path.write_text(json.dumps(SIX.to_dict()))
+    return path
+
+
+def common(six_json: Path, data: Path, *extra: str) -> list[str]:
+    return [
+        "--model", str(six_json), "--cut", "u:2,2", "--data", str(data),
+        "--seed", "1", "--batch-size", "4", "--micro-batch-size", "2",
+        "--log-every", "1", "--quiet", *extra,
+    ]  # fmt: skip
+
+
+def one_process(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "aisyn.cli", "split", "train", *args],
+        env={**os.environ, **ENV},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def torchrun_args(nproc: int, *args: str, command: str = "train") -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+        "-m", "aisyn.cli", "split", command, *args,
+    ]  # fmt: skip
+
+
+def on_ranks(nproc: int, *args: str, timeout: float = 300):
+    """``torchrun --nproc-per-node N -m aisyn.cli split train ...`` to its end
+    (its whole process group killed if it outlives ``timeout``)."""
+    proc = subprocess.Popen(
+        torchrun_args(nproc, *args),
+        env={**os.environ, **ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def assert_matches(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) and got, (got, want)
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+    assert worst <= REL, f"losses differ by {worst:.3g} relative: {got} vs {want}"
+
+
+def val_losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    return [r["val_loss"] for r in rows if "val_loss" in r]
+
+
+def a_weights(run: Path) -> dict[str, torch.Tensor]:
+    return ckpt.read_tensors(ckpt.latest(run / "checkpoints") / ckpt.MODEL_FILE)
+
+
+def test_two_ranks_train_what_one_process_trains(tmp_path, six_json, news_data):
+    """Windowed (--pipeline 1), EOD-reset masks, validation: the same losses,
+    validation losses and (gathered from the shards) weights as one process;
+    the run records its world size."""
+    args = common(six_json, news_data, "--steps", "4", "--pipeline", "1")
+    args += ["--eod-reset", "--eval-every", "2"]
+    two = on_ranks(2, "--mode", "local", *args, "--out", str(tmp_path / "two"))
+    one = one_process("--mode", "local", *args, "--out", str(tmp_path / "one"))
+    assert two.returncode == 0 and one.returncode == 0, two.stderr[-3000:] + one.stderr
+    assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
+    assert_matches(val_losses(tmp_path / "two"), val_losses(tmp_path / "one"))
+    got, want = a_weights(tmp_path / "two"), a_weights(tmp_path / "one")
+    assert got.keys() == want.keys()
+    worst = max((got[k] - want[k]).abs().max() for k in got)
+    assert worst < 1e-5, f"A's weights differ by {worst:.3g}"
+    config = json.loads((tmp_path / "two" / "config.json").read_text())
+    assert config["world_size"] == 2
+
+
+def test_a_compute_party_cannot_tell_even_under_a_cut_defence(
+    tmp_path, six_json, news_data
+):
+    """Two ranks of A over gRPC to a one-process ``aisyn split serve``, with
+    clipping and noise both ways (each rank clips its rows and adds its rows
+    of the micro-batch's noise): the losses of one process with the same
+    defence, and B's checkpoint the same."""
+    defence = ["--dp-forward-clip", "5", "--dp-forward-noise", "0.05"]
+    defence += ["--dp-backward-clip", "1", "--dp-backward-noise", "0.05"]
+    args = common(six_json, news_data, "--steps", "3", *defence)
+    runs = {}
+    for name, nproc in (("two", 2), ("one", 1)):
+        address = tmp_path / f"{name}.address"
+        serve = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "aisyn.cli",
+                "split",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--address-file",
+                str(address),
+                "--model",
+                str(six_json),
+                "--cut",
+                "u:2,2",
+                "--insecure",
+                "--out",
+                str(tmp_path / f"b-{name}"),
+            ],  # fmt: skip
+            env={**os.environ, **ENV},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not address.exists():
+                assert serve.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            peer = ["--mode", "grpc", "--peer", address.read_text().strip()]
+            peer += ["--insecure", "--out", str(tmp_path / name)]
+            if nproc == 2:
+                runs[name] = on_ranks(2, *args, *peer)
+            else:
+                runs[name] = one_process(*args, *peer)
+        finally:
+            serve.kill()
+            serve.wait(30)
+        assert runs[name].returncode == 0, runs[name].stderr[-3000:]
+    assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
+    (b_two,) = (tmp_path / "b-two").iterdir()
+    (b_one,) = (tmp_path / "b-one").iterdir()
+    got, want = a_weights(b_two), a_weights(b_one)
+    worst = max((got[k] - want[k]).abs().max() for k in got)
+    assert worst < 1e-5, f"B's weights differ by {worst:.3g}"
+
+
+def _workers(agent: int) -> dict[int, int]:
+    """rank -> PID of the torchrun agent ``agent``'s workers."""
+    out = {}
+    for pid in Path("/proc").iterdir():
+        try:
+            stat = (pid / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != agent:
+                continue
+            env = (pid / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        for var in env:
+            if var.startswith(b"RANK="):
+                out[int(var[5:])] = int(pid.name)
+    return out
+
+
+def test_kill_9_of_a_rank_ends_the_job_in_one_line_and_the_run_resumes(
+    tmp_path, six_json, news_data
+):
+    """kill -9 of rank 1 once a checkpoint exists: rank 0 ends with one line
+    naming the failure within seconds; ``--resume`` on one process then
+    reaches the losses of an uninterrupted run."""
+    args = common(six_json, news_data, "--steps", "16", "--ckpt-every", "2")
+    out = tmp_path / "two"
+    proc = subprocess.Popen(
+        torchrun_args(2, "--mode", "local", *args, "--out", str(out)),
+        env={**os.environ, **ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ckpt.complete_steps(out / "checkpoints"):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.02)
+        os.kill(_workers(proc.pid)[1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("aisyn: error:")]
+    assert len(lines) == 1 and "data party's ranks fell out of step" in lines[0], err
+    assert took < 30, f"the job took {took:.0f} s to end"
+    done = ckpt.complete_steps(out / "checkpoints")[-1]
+    assert done < 16, "the run ended before the kill"
+    resumed = one_process("--mode", "local", *args, "--out", str(out), "--resume")
+    whole = one_process("--mode", "local", *args, "--out", str(tmp_path / "one"))
+    assert resumed.returncode == 0 and whole.returncode == 0, resumed.stderr
+    assert_matches(losses(out), losses(tmp_path / "one"))
+
+
+def test_micro_batches_too_small_to_share_are_refused_in_one_line(
+    tmp_path, six_json, news_data
+):
+    args = common(six_json, news_data, "--steps", "2", "--micro-batch-size", "1")
+    run = on_ranks(2, "--mode", "local", *args, "--out", str(tmp_path / "a"))
+    assert run.returncode != 0
+    lines = [ln for ln in run.stderr.splitlines() if ln.startswith("aisyn: error:")]
+    assert len(lines) == 1, run.stderr
+    assert "micro-batches of 1 row(s) would leave ranks idle" in lines[0]
+    assert not (tmp_path / "a" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_both_parties_as_torchrun_jobs(tmp_path, six_json, news_data):
+    """A on 2 ranks (sharded) and B on 2 ranks (two pipeline stages, u:1,1
+    leaving it three blocks): the losses of both parties in one process."""
+    args = common(six_json, news_data, "--steps", "4", "--pipeline", "2")
+    args[args.index("u:2,2")] = "u:1,1"
+    address = tmp_path / "b.address"
+    serve = subprocess.Popen(
+        torchrun_args(
+            2,
+            "--listen",
+            "127.0.0.1:0",
+            "--address-file",
+            str(address),
+            "--model",
+            str(six_json),
+            "--cut",
+            "u:1,1",
+            "--insecure",
+            "--out",
+            str(tmp_path / "b"),
+            command="serve",
+        ),  # fmt: skip
+        env={**os.environ, **ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not address.exists():
+            assert serve.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        peer = ["--mode", "grpc", "--peer", address.read_text().strip(), "--insecure"]
+        two = on_ranks(2, *args, *peer, "--out", str(tmp_path / "two"))
+    finally:
+        os.killpg(serve.pid, signal.SIGKILL)
+        serve.wait(30)
+    one = one_process("--mode", "local", *args, "--out", str(tmp_path / "one"))
+    assert two.returncode == 0 and one.returncode == 0, two.stderr[-3000:]
+    assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
