@@ -332,11 +332,20 @@ def line_bf16(args: argparse.Namespace, root: Path) -> list[str]:
 
 # --- plans of the reference's sizes -----------------------------------------------
 
-#: (model, data party, compute party, workload) of each printed plan
+#: (model, data party, compute party, workload) of each printed plan. 200B's
+#: A on R devices keeps its ends (embedding, ln_f, the top query layer: 3.9e9
+#: parameters) whole on each and shares each micro-batch's rows, so it needs
+#: 16 devices and micro-batches of 16 rows; B's stages then hold the link's
+#: window (what the torchrun compute party runs), not GPipe's 8 x 16 rows.
 PLANS = (
     ("2.6B", "A:1:80GB", "B:4:2x80GB", {}),
     ("13B", "A:1:80GB", "B:4:8x80GB", {}),
-    ("200B", "A:1:3x80GB", "B:8:61x80GB", {}),
+    (
+        "200B",
+        "A:1:16x80GB",
+        "B:8:61x80GB",
+        {"batch_size": 128, "micro_batch_size": 16, "schedule": "window"},
+    ),
 )
 
 
@@ -344,7 +353,9 @@ def line_plans(args: argparse.Namespace, root: Path) -> list[str]:
     out = []
     for model, a, b, extra in PLANS:
         cfg = load_config(model)
-        w = Workload(batch_size=8, micro_batch_size=1, dtype="bf16", **extra)
+        w = Workload(
+            **{"batch_size": 8, "micro_batch_size": 1, "dtype": "bf16", **extra}
+        )
         parties = [PartySpec.parse(a), PartySpec.parse(b)]
         p = plan(model, cfg, parties, w)
         desc = "; ".join(
@@ -356,7 +367,8 @@ def line_plans(args: argparse.Namespace, root: Path) -> list[str]:
         ac = ", activation checkpointing" if w.activation_checkpointing else ""
         out.append(
             f"plan {model} ({p.total_params / 1e9:.1f}e9 parameters), bf16 with "
-            f"fp32 master, batch 8 = 8 micro-batches of 1 x {p.seq_len}, "
+            f"fp32 master, batch {w.batch_size} = {w.micro_batches} micro-batches "
+            f"of {w.micro_batch_size} x {p.seq_len}, "
             f"{w.schedule}{ac}, cut {p.partition.spec}: {desc}"
         )
     # and what a device set too small is told

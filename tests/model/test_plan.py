@@ -281,8 +281,9 @@ def test_a_device_set_too_small_is_refused_with_the_numbers():
     (first, second) = p.misfits()
     assert first.startswith("B rank 0 (h[1:20]) needs ")
     assert "optimizer " in first and "its device has 74.51 GiB" in first
-    # ... and more stages than blocks are no plan at all
-    with pytest.raises(PlanError, match="can use the devices"):
+    # ... and more devices than a micro-batch's rows are no plan at all (9
+    # devices for tiny's B are sharded ranks, each needing a row)
+    with pytest.raises(PlanError, match="can use the devices.* at least 9"):
         plan("tiny", load_config("tiny"), list(parties(b="B:1:9x1GB").values()), w)
 
 
@@ -416,5 +417,8 @@ def test_rank_bytes_is_what_the_plan_prints_per_rank():
     got = rank_bytes(cfg, cut, "B", 3, 1, 1024, 4, schedule="1f1b")
     # Assert
     assert got == [r.memory_bytes for r in p.loads["B"].ranks]
-    with pytest.raises(PlanError, match="30 pipeline stages over 29 blocks"):
+    # more ranks than B's 29 blocks: sharded ranks, a row of each micro-batch
+    # each (tests/model/test_plan_sharded.py has their figures)
+    with pytest.raises(PlanError, match="at least 30; or give B at most 29"):
         rank_bytes(cfg, cut, "B", 30, 1, 1024)
+    assert len(rank_bytes(cfg, cut, "B", 30, 30, 1024)) == 30

@@ -14,10 +14,37 @@ Per token, forward, for hidden size h, FFN size f, vocabulary V, sequence T:
 
 Training is 3x forward (backward = 2x forward).
 
-Memory, per rank of a party (a party on R devices is R pipeline stages,
-``pipeline_stage_blocks``), is the peak of one optimizer step:
+Memory, per rank of a party, is the peak of one optimizer step:
 
-    runtime + weights + grads + optimizer + autocast cache + activations
+    runtime + weights + grads + optimizer + gathered block + autocast cache
+    + activations
+
+A party on R devices is laid out as it runs (``party_layout``):
+
+* ``one`` (R = 1): one process holds the party's layers whole.
+* ``pipeline`` (the compute party B, R <= its layers): R pipeline stages
+  (``pipeline_stage_blocks``), each holding its stage's layers whole
+  (``split.pipeline.PipelinedRounds``).
+* ``sharded`` (B with more devices than layers, ``split.pipeline.
+  ShardedRounds``; the data party A on any R > 1, ``split.data_ranks``): the
+  party's ordinary blocks FSDP2-sharded over all R ranks (``split.sharding.
+  shard_blocks``). Rank k keeps FSDP2's dim-0 chunk k (``torch.chunk``:
+  ``ceil(d0 / R)`` rows of each parameter, fewer on the last ranks, so the
+  ranks' shares sum to the blocks exactly; FSDP2's padding of the last
+  chunks is not counted) of every block's weights and AdamW moments, plus,
+  while it runs a block, that block's whole weights (FSDP2's all-gather: one
+  block counted, ``gathered``). A's gradients are reduce-scattered every
+  backward, so they are sharded like the weights; B's accumulate unsharded
+  over the step's micro-batches and are reduce-scattered in its last
+  backward only, so a rank of B holds the whole blocks' gradients. The
+  party's other pieces (the "ends": embedding and position embeddings,
+  final norm, head and PanGu-α's top query layer) stay whole on every rank
+  with their gradients and AdamW state. Every rank runs its share of each
+  micro-batch's rows (``torch.tensor_split``: ``ceil(mb / R)`` on the first
+  ranks), so a micro-batch needs at least R rows, and it holds the
+  activations of its rows of the link's window of micro-batches
+  (``Workload.in_flight``) for every layer it runs, the head's logits
+  included.
 
 weights and gradients in the parameter dtype; AdamW moments (2 x fp32, plus
 an fp32 master copy when parameters are 16-bit); under bf16 autocast a bf16
@@ -68,6 +95,9 @@ RUNTIME_BYTES = 360 * 2**20
 #: runs the order of a one-device party for A's ``--pipeline`` window, as
 #: ``aisyn split serve`` under torchrun does: each holds ``in_flight``)
 SCHEDULES = ("gpipe", "1f1b", "window")
+#: how a party's layers lie on its devices (``party_layout``; the module
+#: docstring describes each)
+LAYOUTS = ("one", "pipeline", "sharded")
 #: wire bytes per element of a cut tensor for each link codec (int8: one byte
 #: plus one fp32 scale per 64 values)
 CODEC_BYTES = {"none": None, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 64}
@@ -224,10 +254,12 @@ class RankLoad:
     """What one device of a party holds at the peak of a step."""
 
     rank: int
-    blocks: tuple[int, ...]  # the party's blocks here (``pipeline_stage_blocks``)
+    #: the party's blocks here (``pipeline_stage_blocks``), whole or (``shard``)
+    #: a shard of each
+    blocks: tuple[int, ...]
     #: [embedding or "", head label or ""]
     head_pieces: list[str] = field(default_factory=lambda: ["", ""])
-    params: int = 0
+    params: int = 0  # held here: the whole pieces, and its shards of the blocks
     in_flight: int = 1  # micro-batches whose activations it holds
     weights_bytes: float = 0.0
     grads_bytes: float = 0.0
@@ -235,6 +267,12 @@ class RankLoad:
     cache_bytes: float = 0.0  # autocast's bf16 copies of the weights
     activation_bytes: float = 0.0
     runtime_bytes: float = 0.0
+    #: (k, R): the blocks are FSDP2-sharded over R ranks, this is rank k;
+    #: None: they are whole here
+    shard: tuple[int, int] | None = None
+    shard_params: int = 0  # of ``params``: its dim-0 chunks of the blocks'
+    gathered_bytes: float = 0.0  # one block's whole weights, all-gathered
+    rows: int = 0  # of each micro-batch, whose activations it holds
 
     def describe(self) -> str:
         """``embedding + h[0:3] + h[29:31] + head``."""
@@ -248,6 +286,7 @@ class RankLoad:
             + self.weights_bytes
             + self.grads_bytes
             + self.optimizer_bytes
+            + self.gathered_bytes
             + self.cache_bytes
             + self.activation_bytes
         )
@@ -260,6 +299,7 @@ class PartyLoad:
 
     name: str
     params: int = 0
+    layout: str = "one"  # ``LAYOUTS``: how its layers lie on its devices
     train_flops: float = 0.0  # per optimizer step
     weights_bytes: float = 0.0
     grads_bytes: float = 0.0
@@ -314,6 +354,7 @@ class Plan:
                 name: {
                     "throughput": self.parties[name].throughput,
                     "devices": self.parties[name].devices,
+                    "layout": ld.layout,
                     "memory_limit_bytes": self.parties[name].memory_bytes,
                     "params": ld.params,
                     "param_share": ld.params / self.total_params,
@@ -335,6 +376,10 @@ class Plan:
                             "weights": r.weights_bytes,
                             "grads": r.grads_bytes,
                             "optimizer": r.optimizer_bytes,
+                            "gathered": r.gathered_bytes,
+                            "shard": list(r.shard) if r.shard else None,
+                            "shard_params": r.shard_params,
+                            "rows": r.rows,
                             "autocast_cache": r.cache_bytes,
                             "activations": r.activation_bytes,
                             "runtime": r.runtime_bytes,
@@ -363,7 +408,7 @@ class Plan:
         extras = []
         if w.activation_checkpointing:
             extras.append("activation checkpointing")
-        if any(self.parties[p].devices > 1 for p in PARTIES):
+        if any(self.loads[p].layout == "pipeline" for p in PARTIES):
             extras.append(f"{w.schedule} schedule over each party's devices")
         lines = [
             f"model {self.model}: {self.total_params:,} parameters, "
@@ -394,9 +439,16 @@ class Plan:
         for name in PARTIES:
             ld = self.loads[name]
             if len(ld.ranks) > 1:
+                how = w.schedule
+                if ld.layout == "sharded":
+                    how = (
+                        f"blocks FSDP2-sharded over {len(ld.ranks)} ranks, the "
+                        "rest whole on each, each rank running its rows of every "
+                        "micro-batch"
+                    )
                 lines += [
                     "",
-                    f"{name} per rank ({w.schedule}; its total mem above is the "
+                    f"{name} per rank ({how}; its total mem above is the "
                     "largest rank's, its limit each device's):",
                 ]
                 lines += [_rank_line(r) for r in ld.ranks]
@@ -443,7 +495,11 @@ def _pieces(r: RankLoad) -> str:
         else:
             runs.append([i, i + 1])
     blocks = [f"h[{a}:{b}]" for a, b in runs]
-    return " + ".join(p for p in [r.head_pieces[0], *blocks, r.head_pieces[1]] if p)
+    pieces = [r.head_pieces[0], *blocks, r.head_pieces[1]]
+    if r.shard and blocks:  # the shard first, then what is whole
+        k, ranks = r.shard
+        pieces = [f"FSDP2 shard {k + 1}/{ranks} of {' '.join(blocks)}", *r.head_pieces]
+    return " + ".join(p for p in pieces if p)
 
 
 def _breakdown(r: RankLoad) -> str:
@@ -452,10 +508,13 @@ def _breakdown(r: RankLoad) -> str:
         f"grads {format_bytes(r.grads_bytes)}",
         f"optimizer {format_bytes(r.optimizer_bytes)}",
     ]
+    if r.gathered_bytes:
+        parts.append(f"gathered block {format_bytes(r.gathered_bytes)}")
     if r.cache_bytes:
         parts.append(f"autocast cache {format_bytes(r.cache_bytes)}")
+    rows = f" of {r.rows} row(s)" if r.shard else ""
     parts.append(
-        f"activations of {r.in_flight} micro-batch(es) "
+        f"activations of {r.in_flight} micro-batch(es){rows} "
         f"{format_bytes(r.activation_bytes)}"
     )
     parts.append(f"runtime {format_bytes(r.runtime_bytes)}")
@@ -544,15 +603,45 @@ def block_input_bytes(
     return micro_batch * seq_len * cfg.hidden_size * DTYPE_BYTES[dtype]
 
 
-def module_sizes(model) -> dict[str, int]:
-    """Parameter count of every submodule a partition names (a tied head is
-    named by its embedding only, so it counts once)."""
+class ModuleSizes(dict):
+    """``{module path: parameter count}``, and in ``shapes`` each module's
+    parameters as ``(dim 0, numel)`` pairs: what FSDP2's dim-0 shards of it
+    hold (``shard_params``)."""
+
+    shapes: dict[str, tuple[tuple[int, int], ...]]
+
+
+def module_sizes(model) -> ModuleSizes:
+    """Parameter count (and shapes) of every submodule a partition names (a
+    tied head is named by its embedding only, so it counts once)."""
     lay = model.config.layout
     blocks = (lay.block_path(i) for i in range(lay.num_blocks))
     paths = dict.fromkeys([*lay.embed, *blocks, *lay.head])
-    return {
-        p: sum(x.numel() for x in model.get_submodule(p).parameters()) for p in paths
-    }
+    out = ModuleSizes()
+    out.shapes = {}
+    for p in paths:
+        params = list(model.get_submodule(p).parameters())
+        out[p] = sum(x.numel() for x in params)
+        out.shapes[p] = tuple((x.shape[0] if x.dim() else 1, x.numel()) for x in params)
+    return out
+
+
+def dim0_chunk(rows: int, rank: int, ranks: int) -> int:
+    """Rows of dim 0 that rank ``rank`` of ``ranks`` keeps of a parameter of
+    ``rows``: ``torch.chunk``'s k-th chunk, as FSDP2's ``Shard(0)`` cuts it
+    (``ceil(rows / ranks)`` each, the last ranks fewer or none)."""
+    size = -(-rows // ranks)
+    return max(0, min(size, rows - rank * size))
+
+
+def shard_params(sizes: dict[str, int], path: str, rank: int, ranks: int) -> int:
+    """Parameters rank ``rank`` of ``ranks`` keeps of module ``path`` under
+    FSDP2 (``dim0_chunk`` of each; from ``ModuleSizes.shapes``, or, for a
+    plain dict of counts, of the module's count as one dim)."""
+    shapes = getattr(sizes, "shapes", {}).get(path, ((sizes[path], sizes[path]),))
+    return sum(
+        dim0_chunk(d0, rank, ranks) * (numel // d0) for d0, numel in shapes if d0
+    )
 
 
 def rank_load(
@@ -565,25 +654,48 @@ def rank_load(
     head: bool,
     rank: int = 0,
     in_flight: int | None = None,
+    shard: tuple[int, int] | None = None,
+    sharded_grads: bool = True,
 ) -> RankLoad:
     """The memory of one process holding ``blocks`` (and the embedding, the
     head) for one step of ``w``: a rank of a party, or (all blocks, embedding
-    and head) the unsplit model."""
+    and head) the unsplit model.
+
+    ``shard=(k, R)``: the blocks are FSDP2-sharded over R ranks and this is
+    rank k (the module docstring's ``sharded`` layout): it keeps its dim-0
+    chunks of the blocks' weights and AdamW state, one block's whole weights
+    while gathered, its gradients sharded too (``sharded_grads``) or whole,
+    and the activations of its rows of each micro-batch; the embedding and
+    the head stay whole."""
     lay = cfg.layout
     T, mb = w.seq_len or cfg.seq_len, w.micro_batch_size
     dt, act_dt = DTYPE_BYTES[w.dtype], DTYPE_BYTES[w.act_dtype]
-    paths = [lay.block_path(i) for i in blocks]
-    r = RankLoad(rank, tuple(blocks))
+    block_paths = [lay.block_path(i) for i in blocks]
+    ends: list[str] = []
+    r = RankLoad(rank, tuple(blocks), shard=shard)
     if embed:
-        paths += list(lay.embed)
+        ends += list(lay.embed)
         r.head_pieces[0] = "embedding"
     if head:
-        paths += list(lay.head)
+        ends += list(lay.head)
         r.head_pieces[1] = lay.head_label
-    r.params = sum(sizes[p] for p in dict.fromkeys(paths))
+    if shard is None:
+        r.params = sum(sizes[p] for p in dict.fromkeys(block_paths + ends))
+        grads = r.params
+    else:
+        k, ranks = shard
+        mb = mb // ranks + (k < mb % ranks)  # tensor_split's rows: ceil first
+        whole = sum(sizes[p] for p in dict.fromkeys(ends))
+        r.shard_params = sum(shard_params(sizes, p, k, ranks) for p in block_paths)
+        r.params = whole + r.shard_params
+        full = sum(sizes[p] for p in block_paths)
+        grads = r.params if sharded_grads else whole + full
+        largest = max((sizes[p] for p in block_paths), default=0)
+        r.gathered_bytes = largest * dt
+    r.rows = mb
     r.in_flight = w.in_flight if in_flight is None else in_flight
     r.weights_bytes = r.params * dt
-    r.grads_bytes = r.params * dt
+    r.grads_bytes = grads * dt
     r.optimizer_bytes = r.params * (8 + (0 if w.dtype == "fp32" else 4))
     r.runtime_bytes = w.runtime_bytes
     n_layers = len(blocks) + (lay.head_layers if head else 0)
@@ -618,6 +730,21 @@ def _in_flight(w: Workload, rank: int, ranks: int) -> int:
     return m if w.schedule == "gpipe" else min(m, ranks - rank)
 
 
+def party_layout(party: str, layers: int, devices: int) -> str:
+    """How a party with ``layers`` layers (its ordinary blocks, and PanGu-α's
+    top query layer where it holds the head) lies on ``devices`` devices, as
+    its torchrun job runs it (``LAYOUTS``; the module docstring): the data
+    party is sharded on more than one, the compute party pipelined up to one
+    device per layer and sharded beyond."""
+    if devices < 1:
+        raise PlanError(f"{devices} devices: need at least 1")
+    if devices == 1:
+        return "one"
+    if party == DATA_PARTY or devices > layers:
+        return "sharded"
+    return "pipeline"
+
+
 def party_load(
     sizes: dict[str, int],
     cfg: ModelConfig,
@@ -626,8 +753,10 @@ def party_load(
     workload: Workload,
     devices: int = 1,
 ) -> PartyLoad:
-    """Parameters, FLOPs, memory (per rank: the party's blocks spread over
-    ``devices`` pipeline stages) and traffic of one party for one step."""
+    """Parameters, FLOPs, memory (per rank, in the layout ``party_layout``
+    gives ``devices``) and traffic of one party for one step. PlanError if
+    the layout cannot run the workload (sharded ranks with fewer rows in a
+    micro-batch than ranks)."""
     w, T = workload, workload.seq_len or cfg.seq_len
     lay = cfg.layout
     tokens = w.batch_size * T
@@ -643,13 +772,38 @@ def party_load(
             fwd_per_token += head_forward_flops_per_token(cfg)
     ld.train_flops = 3.0 * fwd_per_token * tokens
     # The party's layers in forward order (the head's own, PanGu-α's top
-    # query layer, last), spread over its ranks; the embedding goes to the
-    # first rank, the rest of the head to the last (a tied head's embedding is
-    # then held by both, as Megatron-LM keeps it).
+    # query layer, last). Pipelined, they are spread over its ranks; the
+    # embedding goes to the first rank, the rest of the head to the last (a
+    # tied head's embedding is then held by both, as Megatron-LM keeps it).
+    # Sharded, every rank holds a shard of each block and the rest whole.
     embed = any(st.embed for st in stages)
     head = any(st.head for st in stages)
     layers = [i for st in stages for i in st.blocks]
     layers += [lay.num_blocks + j for j in range(lay.head_layers if head else 0)]
+    ld.layout = party_layout(party, len(layers), devices)
+    if ld.layout == "sharded":
+        _shard_ranks(ld, sizes, cfg, w, layers, devices, embed=embed, head=head)
+    else:
+        _stage_ranks(ld, sizes, cfg, w, layers, devices, embed=embed, head=head)
+    for name in ("weights_bytes", "grads_bytes", "optimizer_bytes"):
+        setattr(ld, name, sum(getattr(r, name) for r in ld.ranks))
+    ld.activation_bytes = sum(r.activation_bytes for r in ld.ranks)
+    ld.sent_bytes, ld.received_bytes = _traffic(cfg, partition, party, w, T)
+    return ld
+
+
+def _stage_ranks(
+    ld: PartyLoad,
+    sizes: dict[str, int],
+    cfg: ModelConfig,
+    w: Workload,
+    layers: list[int],
+    devices: int,
+    *,
+    embed: bool,
+    head: bool,
+) -> None:
+    """The ranks of a party on one device, or pipelined over ``devices``."""
     spread = pipeline_stage_blocks(len(layers), devices) if devices > 1 else None
     for k in range(devices):
         idx = [layers[i] for i in spread[k]] if spread else layers
@@ -659,18 +813,54 @@ def party_load(
                 sizes,
                 cfg,
                 w,
-                [i for i in idx if i < lay.num_blocks],
+                [i for i in idx if i < cfg.layout.num_blocks],
                 embed=embed and first,
                 head=head and last,
                 rank=k,
                 in_flight=_in_flight(w, k, devices),
             )
         )
-    for name in ("weights_bytes", "grads_bytes", "optimizer_bytes"):
-        setattr(ld, name, sum(getattr(r, name) for r in ld.ranks))
-    ld.activation_bytes = sum(r.activation_bytes for r in ld.ranks)
-    ld.sent_bytes, ld.received_bytes = _traffic(cfg, partition, party, w, T)
-    return ld
+
+
+def _shard_ranks(
+    ld: PartyLoad,
+    sizes: dict[str, int],
+    cfg: ModelConfig,
+    w: Workload,
+    layers: list[int],
+    devices: int,
+    *,
+    embed: bool,
+    head: bool,
+) -> None:
+    """The ranks of a party whose blocks are FSDP2-sharded over ``devices``."""
+    if w.micro_batch_size < devices:
+        who = "data party" if ld.name == DATA_PARTY else "compute party"
+        more = f"; or give B at most {len(layers)} devices (pipeline stages)"
+        raise PlanError(
+            f"the {who} on {devices} devices shards its blocks (FSDP2) and "
+            f"shares each micro-batch's rows over them: micro-batches of "
+            f"{w.micro_batch_size} row(s) would leave ranks idle; use a "
+            f"micro-batch size of at least {devices}"
+            + (more if ld.name == COMPUTE_PARTY else "")
+        )
+    blocks = [i for i in layers if i < cfg.layout.num_blocks]
+    for k in range(devices):
+        ld.ranks.append(
+            rank_load(
+                sizes,
+                cfg,
+                w,
+                blocks,
+                embed=embed,
+                head=head,
+                rank=k,
+                in_flight=w.in_flight,  # every rank runs the link's window
+                shard=(k, devices),
+                # A reduce-scatters every backward; B once, in the last
+                sharded_grads=ld.name == DATA_PARTY,
+            )
+        )
 
 
 def _traffic(

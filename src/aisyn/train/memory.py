@@ -90,14 +90,28 @@ def rank_bytes(
     micro_batches: int = 1,
     *,
     schedule: str = "gpipe",
+    in_flight: int = 1,
+    dtype: str = "fp32",
     autocast: bool = False,
     activation_checkpointing: bool = False,
 ) -> list[float]:
-    """Peak training memory of each rank of ``party`` with its blocks in
-    ``ranks`` pipeline stages (``model.plan.pipeline_stage_blocks``), for
-    ``micro_batches`` micro-batches a step under ``schedule``: what ``aisyn
-    split plan --party B:...:RxMEM`` prints per rank. PlanError if a stage
-    would hold no block."""
+    """Peak training memory of each of ``ranks`` ranks of ``party``, in the
+    layout its torchrun job runs (``model.plan.party_layout``): what ``aisyn
+    split plan --party NAME:...:RxMEM`` prints per rank.
+
+    * the compute party on up to one rank per layer: pipeline stages
+      (``model.plan.pipeline_stage_blocks``), holding ``micro_batches``
+      micro-batches a step under ``schedule`` (``window``: ``in_flight`` each);
+    * the data party on more than one rank, or the compute party on more
+      ranks than layers: the blocks FSDP2-sharded over the ranks, the
+      embedding and head whole on each, every rank holding the activations
+      of its rows (``ceil(micro_batch / ranks)`` on rank 0) of ``in_flight``
+      micro-batches (the link's window: ``--pipeline`` + 1).
+
+    ``micro_batch`` is a micro-batch's rows over all the ranks; ``dtype`` the
+    parameters' (``autocast``: bf16 autocast over fp32). PlanError if the
+    layout cannot run it (a sharded party's micro-batch with fewer rows than
+    ranks)."""
     sizes = module_sizes(build_model(cfg, device="meta"))
     w = Workload(
         batch_size=micro_batch * micro_batches,
@@ -106,7 +120,8 @@ def rank_bytes(
         autocast=autocast,
         activation_checkpointing=activation_checkpointing,
         schedule=schedule,
-        dtype="fp32",
+        in_flight=in_flight,
+        dtype=dtype,
     )
     load = party_load(sizes, cfg, partition, party, w, devices=ranks)
     return [r.memory_bytes for r in load.ranks]
