@@ -292,3 +292,20 @@ def test_both_parties_as_torchrun_jobs(tmp_path, six_json, news_data):
     one = one_process("--mode", "local", *args, "--out", str(tmp_path / "one"))
     assert two.returncode == 0 and one.returncode == 0, two.stderr[-3000:]
     assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
+
+
+def test_ranks_whose_share_does_not_fit_are_refused_with_the_numbers(
+    tmp_path, news_data
+):
+    """200B's A on 2 ranks: the planner's per-rank figure (a sharded half of
+    its blocks, its ends whole) exceeds this machine, refused before any
+    weight is allocated (no compute party is dialled)."""
+    args = ["--model", "200B", "--data", str(news_data), "--steps", "1"]
+    args += ["--batch-size", "2", "--mode", "grpc", "--peer", "127.0.0.1:9"]
+    args += ["--insecure", "--seed", "1", "--out", str(tmp_path / "a")]
+    run = on_ranks(2, *args, timeout=120)
+    assert run.returncode != 0
+    lines = [ln for ln in run.stderr.splitlines() if ln.startswith("aisyn: error:")]
+    assert len(lines) == 1, run.stderr[-3000:]
+    assert "split training (party A on 2 rank(s)) with micro-batches of 2" in lines[0]
+    assert "GiB" in lines[0] and "is available" in lines[0]

@@ -103,7 +103,8 @@ def _settings(args, address: str):
 def cmd_plan(args) -> None:
     """Per party: parameter share, FLOPs share, the step's peak memory (runtime +
     weights + gradients + optimizer + activations; per rank for a party on
-    several devices, its blocks in pipeline stages), and bytes crossing per
+    several devices: B's blocks in pipeline stages, or FSDP2-sharded with more
+    devices than blocks; A's always sharded), and bytes crossing per
     step; refuses a device set a rank does not fit. Works for any preset (350M
     ... 200B) without allocating it."""
 

@@ -229,7 +229,10 @@ def shard_sq_norm(params: Sequence[torch.Tensor], *, replicated: bool = True) ->
     ]
     if not grads:
         return 0.0
-    return float(torch.stack([g.double().pow(2).sum() for g in grads]).sum())
+    # per tensor (shard) in its own dtype, as ``train.update.grad_sq_norm``
+    # and clip_grad_norm_ take them, squared and summed in float64
+    norms = torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads])
+    return float(norms.double().pow(2).sum())
 
 
 def gathered_tensors(state) -> dict[str, dict[str, torch.Tensor]]:

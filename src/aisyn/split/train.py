@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -52,7 +53,7 @@ from aisyn.train.config import TrainConfig
 from aisyn.train.device import autocast_on, resolve_device
 from aisyn.train.engine import Engine, finished
 from aisyn.train.lora import Method
-from aisyn.train.memory import check_fits, party_bytes
+from aisyn.train.memory import check_fits, party_bytes, rank_bytes
 from aisyn.train.models import BaseModel, check_base_tokenizer, model_config_for
 from aisyn.train.objective import LMObjective, Objective, SFTObjective
 from aisyn.train.regime import Regime
@@ -165,24 +166,29 @@ def split_train(
     on_this_machine = [DATA_PARTY] + (
         [COMPUTE_PARTY] if opts.mode == "local" or opts.spawn_backbone else []
     )
-    check_fits(
-        sum(
-            party_bytes(
-                mcfg,
-                partition,
-                party,
-                cfg.micro,
-                objective.seq_len,
-                in_flight=opts.window + 1,
-                autocast=autocast_on(device, cfg.autocast),
-                activation_checkpointing=cfg.activation_checkpointing,
-            )
-            for party in on_this_machine
-        ),
-        device,
-        f"split training (party {' and '.join(on_this_machine)}) with "
-        f"micro-batches of {cfg.micro}",
+    sizing = dict(
+        in_flight=opts.window + 1,
+        autocast=autocast_on(device, cfg.autocast),
+        activation_checkpointing=cfg.activation_checkpointing,
     )
+    needed = sum(
+        party_bytes(mcfg, partition, party, cfg.micro, objective.seq_len, **sizing)
+        for party in on_this_machine
+        if party != DATA_PARTY or ranks is None
+    )
+    parties = list(on_this_machine)
+    if ranks is not None:
+        # A's ranks on this machine: they share its memory (CPU), or rank 0's
+        # device holds rank 0's share
+        per_rank = rank_bytes(
+            mcfg, partition, DATA_PARTY, ranks.world, cfg.micro, objective.seq_len,
+            cfg.grad_accum, **sizing,
+        )  # fmt: skip
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
+        needed += sum(per_rank[:here]) if device.type == "cpu" else per_rank[0]
+        parties[0] = f"{DATA_PARTY} on {here} rank(s)"
+    what = f"split training (party {' and '.join(parties)})"
+    check_fits(needed, device, f"{what} with micro-batches of {cfg.micro}")
     base = open_base(init_from, mcfg, partition, DATA_PARTY) if init_from else None
     run = RunDir(out)
     run_id = None
