@@ -309,3 +309,34 @@ def test_ranks_whose_share_does_not_fit_are_refused_with_the_numbers(
     assert len(lines) == 1, run.stderr[-3000:]
     assert "split training (party A on 2 rank(s)) with micro-batches of 2" in lines[0]
     assert "GiB" in lines[0] and "is available" in lines[0]
+
+
+@pytest.mark.slow
+def test_split_fine_tuning_on_two_ranks(tmp_path, news_data, tokenizer):
+    """``--sft --init-from BASE`` (every rank loads A's share of the base; the
+    loss over the answer tokens splits by rows): the losses of one process."""
+    from conftest import train_cfg
+
+    from aisyn.data.corpora import load_corpus
+    from aisyn.data.sft import prepare_sft
+    from aisyn.train.pretrain import train
+
+    ft = PanguConfig(**{**SIX.to_dict(), "seq_len": 64})
+    (tmp_path / "ft.json").write_text(json.dumps(ft.to_dict()))
+    base = tmp_path / "base"
+    train(ft, [news_data], base, train_cfg(steps=2, seed=5), progress=False)
+    docs = [d.text.replace("\n", " ") for d in load_corpus("news").documents[:400]]
+    corpus = tmp_path / "news.txt"
+    corpus.write_text(
+        "".join(d[: 10 + (i * 13) % 50] + "\n" for i, d in enumerate(docs)),
+        encoding="utf-8",
+    )
+    prepare_sft(load_corpus(corpus), tokenizer, 64, tmp_path / "sft", per_document=2)
+    args = ["--model", str(tmp_path / "ft.json"), "--cut", "u:2,2"]
+    args += ["--sft", str(tmp_path / "sft"), "--init-from", str(base)]
+    args += ["--seed", "1", "--steps", "4", "--batch-size", "4"]
+    args += ["--micro-batch-size", "2", "--log-every", "1", "--quiet"]
+    two = on_ranks(2, "--mode", "local", *args, "--out", str(tmp_path / "two"))
+    one = one_process("--mode", "local", *args, "--out", str(tmp_path / "one"))
+    assert two.returncode == 0 and one.returncode == 0, two.stderr[-3000:]
+    assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
