@@ -131,50 +131,48 @@ def test_a_compute_party_cannot_tell_even_under_a_cut_defence(
     defence = ["--dp-forward-clip", "5", "--dp-forward-noise", "0.05"]
     defence += ["--dp-backward-clip", "1", "--dp-backward-noise", "0.05"]
     args = common(six_json, news_data, "--steps", "3", *defence)
-    runs = {}
-    for name, nproc in (("two", 2), ("one", 1)):
-        address = tmp_path / f"{name}.address"
-        serve = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "aisyn.cli",
-                "split",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--address-file",
-                str(address),
-                "--model",
-                str(six_json),
-                "--cut",
-                "u:2,2",
-                "--insecure",
-                "--out",
-                str(tmp_path / f"b-{name}"),
-            ],  # fmt: skip
-            env={**os.environ, **ENV},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not address.exists():
-                assert serve.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
-            peer = ["--mode", "grpc", "--peer", address.read_text().strip()]
-            peer += ["--insecure", "--out", str(tmp_path / name)]
-            if nproc == 2:
-                runs[name] = on_ranks(2, *args, *peer)
-            else:
-                runs[name] = one_process(*args, *peer)
-        finally:
-            serve.kill()
-            serve.wait(30)
-        assert runs[name].returncode == 0, runs[name].stderr[-3000:]
+    address = tmp_path / "b.address"
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aisyn.cli",
+            "split",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--address-file",
+            str(address),
+            "--model",
+            str(six_json),
+            "--cut",
+            "u:2,2",
+            "--insecure",
+            "--out",
+            str(tmp_path / "b"),
+        ],  # fmt: skip
+        env={**os.environ, **ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:  # one compute party serves both runs, one after the other
+        deadline = time.monotonic() + 120
+        while not address.exists():
+            assert serve.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        peer = ["--mode", "grpc", "--peer", address.read_text().strip(), "--insecure"]
+        two = on_ranks(2, *args, *peer, "--out", str(tmp_path / "two"))
+        assert two.returncode == 0, two.stderr[-3000:]
+        one = one_process(*args, *peer, "--out", str(tmp_path / "one"))
+        assert one.returncode == 0, one.stderr[-3000:]
+    finally:
+        serve.kill()
+        serve.wait(30)
     assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
-    (b_two,) = (tmp_path / "b-two").iterdir()
-    (b_one,) = (tmp_path / "b-one").iterdir()
+    run_id = json.loads((tmp_path / "two" / "config.json").read_text())["run_id"]
+    b_two = tmp_path / "b" / run_id
+    run_id = json.loads((tmp_path / "one" / "config.json").read_text())["run_id"]
+    b_one = tmp_path / "b" / run_id
     got, want = a_weights(b_two), a_weights(b_one)
     worst = max((got[k] - want[k]).abs().max() for k in got)
     assert worst < 1e-5, f"B's weights differ by {worst:.3g}"
