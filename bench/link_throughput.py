@@ -36,6 +36,7 @@ import os
 import platform
 import queue
 import socket
+import ssl
 import statistics
 import struct
 import subprocess
@@ -124,10 +125,31 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
-def tcp_peer(_certs_dir: str | None, plan: Plan) -> None:
+def tls_contexts(certs_dir: str) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts of mutual TLS with the link's own dev
+    certificates: the server checks the client's certificate as the link's
+    server does; TLS 1.3 with OpenSSL's defaults."""
+    certs = DevCerts.at(certs_dir)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(certs.server_cert, certs.server_key)
+    server.load_verify_locations(certs.ca_cert)
+    server.verify_mode = ssl.CERT_REQUIRED
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.load_cert_chain(certs.client_cert, certs.client_key)
+    client.load_verify_locations(certs.ca_cert)
+    for ctx in (server, client):
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    return server, client
+
+
+def tcp_peer(certs_dir: str | None, plan: Plan) -> None:
+    """Raw bytes over one TCP connection; with ``certs_dir``, inside mutual
+    TLS (the baseline the link's encryption should be judged against)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         print(listener.getsockname()[1], flush=True)
         sock, _ = listener.accept()
+    if certs_dir:
+        sock = tls_contexts(certs_dir)[0].wrap_socket(sock, server_side=True)
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         header = bytearray(8)
@@ -310,15 +332,23 @@ def bench_raw_grpc(plan: Plan, args: argparse.Namespace) -> Row:
     )
 
 
-def bench_tcp(plan: Plan, args: argparse.Namespace) -> Row:
-    proc, port = start_peer("tcp", None, plan)
+def bench_tcp(
+    plan: Plan, args: argparse.Namespace, certs_dir: str | None = None
+) -> Row:
+    """The socket baseline: plain TCP, or (``certs_dir``) mutual TLS."""
+    proc, port = start_peer("tcp", certs_dir, plan)
     proxy, port = via_proxy(port, args)
     x = torch.randn(plan.shape)
     payload = memoryview(encode(x).payload.numpy())
     header = struct.pack("!Q", len(payload))
     ack = bytearray(1)
-    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    raw = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = raw
+    if certs_dir:
+        sock = tls_contexts(certs_dir)[1].wrap_socket(raw, server_hostname="127.0.0.1")
+    cipher = sock.cipher()[0] if certs_dir else None
+    with sock:
 
         def send_one(data: memoryview | bytes) -> None:
             sock.sendall(struct.pack("!Q", len(data)))
@@ -342,8 +372,9 @@ def bench_tcp(plan: Plan, args: argparse.Namespace) -> Row:
     if proxy:
         proxy.stop()
     size = len(payload) / MB
+    name = f"tls socket ({cipher})" if cipher else "tcp socket"
     return Row(
-        "tcp socket" + (" shaped" if proxy else ""),
+        name + (" shaped" if proxy else ""),
         "raw",
         size,
         (len(payload) + 8) / MB,
@@ -410,13 +441,45 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     rows = [bench_tcp(plan, args), bench_raw_grpc(plan, args)]
+    # small tensors (a micro-batch of a small model, a generation step):
+    # the per-message cost, many of them per run
+    small = Plan(SMALL_SHAPE, plan.n * 16, plan.m, plan.k, plan.tune_malloc)
     with tempfile.TemporaryDirectory() as tmp:
         make_dev_certs(tmp)
+        rows.append(tls := bench_tcp(plan, args, tmp))
         for certs_dir in (None, tmp):
             for codec in args.codecs.split(","):
                 rows.append(bench_grpc(codec, certs_dir, plan, args))
                 print(f"  done: {rows[-1].transport} {codec}", file=sys.stderr)
+        link = next(r for r in rows if r.transport.startswith("grpc tls"))
+        rows.append(small_tls := bench_tcp(small, args, tmp))
+        rows.append(small_link := bench_grpc("none", tmp, small, args))
     print_table(rows)
+    tcp, raw = rows[0], rows[1]
+    print(
+        f"vs the plain TCP socket ({size(link)}): link {rate(link) / rate(tcp):.0%}, "
+        f"TLS socket {rate(tls) / rate(tcp):.0%}, gRPC raw bytes "
+        f"{rate(raw) / rate(tcp):.0%}"
+    )
+    print(
+        f"link: {100 * rate(link) / rate(tls):.0f} % ({size(link)}), "
+        f"{100 * rate(small_link) / rate(small_tls):.0f} % ({size(small_link)}) "
+        f"of the plain TLS socket; scalar RTT {link.rtt_ms / tls.rtt_ms:.1f} x"
+    )
+
+
+#: 262 KB of fp32: 64 positions x 1024 wide
+SMALL_SHAPE = (1, 64, 1024)
+
+
+def rate(r: Row) -> float:
+    """Tensor MB/s of a row."""
+    return r.tensor_mb * r.n / r.seconds
+
+
+def size(r: Row) -> str:
+    mb = r.tensor_mb
+    return f"{mb:.0f} MB" if mb >= 1 else f"{mb * 1000:.0f} KB"
 
 
 if __name__ == "__main__":

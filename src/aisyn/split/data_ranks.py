@@ -61,6 +61,7 @@ from aisyn.split.party import PartyState, open_base, place_weights
 from aisyn.split.sharding import (
     IDLE_WAIT,
     RankGroup,
+    check_gpus,
     gather_rows,
     gathered_tensors,
     is_sharded,
@@ -101,12 +102,7 @@ class DataRanks(RankGroup):
 
         world = distributed.world_size()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if device.type == "cuda" and local > torch.cuda.device_count():
-            raise ValueError(
-                f"{local} ranks on this machine, which has "
-                f"{torch.cuda.device_count()} GPU(s): one rank per GPU "
-                "(torchrun --nproc-per-node at most that)"
-            )
+        check_gpus(device, local)
         timeout = IDLE_WAIT if timeout_s is None else timedelta(seconds=timeout_s)
         ctx, device = distributed.setup(device, timeout)
         ctl = dist.new_group(backend="gloo", timeout=IDLE_WAIT)

@@ -61,6 +61,7 @@ from aisyn.split.rounds import Rounds
 from aisyn.split.sharding import (
     IDLE_WAIT,
     RankGroup,
+    check_gpus,
     gather_rows,
     gathered_tensors,
     scatter_rows,
@@ -128,12 +129,7 @@ class Ranks(RankGroup):
         sharded = world > len(middle)
         blocks = [middle] * world if sharded else stage_blocks(middle, world)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if device.type == "cuda" and local > torch.cuda.device_count():
-            raise ValueError(
-                f"{local} ranks on this machine, which has "
-                f"{torch.cuda.device_count()} GPU(s): one rank per GPU "
-                "(torchrun --nproc-per-node at most that)"
-            )
+        check_gpus(device, local)
         _check_memory(cfg, partition, blocks, sharded, device)
         ctx, device = distributed.setup(device, timedelta(seconds=timeout_s))
         ctl = dist.new_group(backend="gloo", timeout=IDLE_WAIT)

@@ -112,6 +112,16 @@ class RankGroup:
         return bool(t)
 
 
+def check_gpus(device: torch.device, local: int) -> None:
+    """Refuse more ranks on a machine (``local``) than it has GPUs."""
+    if device.type == "cuda" and local > torch.cuda.device_count():
+        raise ValueError(
+            f"{local} ranks on this machine, which has "
+            f"{torch.cuda.device_count()} GPU(s): one rank per GPU "
+            "(torchrun --nproc-per-node at most that)"
+        )
+
+
 # --- rows of a micro-batch ------------------------------------------------------
 
 
