@@ -266,6 +266,49 @@ def test_layouts_the_ranks_cannot_run_are_refused_in_one_line():
     assert "--method lora" in ranks.problem_with(2, Method("lora"))
 
 
+@pytest.mark.slow
+def test_both_parties_as_torchrun_jobs(tmp_path, six_json, news_data):
+    """A on 2 ranks (sharded) and B on 2 ranks (two pipeline stages, u:1,1
+    leaving it three blocks): the losses of both parties in one process."""
+    args = common(six_json, news_data, "--steps", "4", "--pipeline", "2")
+    args[args.index("u:2,2")] = "u:1,1"
+    address = tmp_path / "b.address"
+    serve = subprocess.Popen(
+        torchrun_args(
+            2,
+            "--listen",
+            "127.0.0.1:0",
+            "--address-file",
+            str(address),
+            "--model",
+            str(six_json),
+            "--cut",
+            "u:1,1",
+            "--insecure",
+            "--out",
+            str(tmp_path / "b"),
+            command="serve",
+        ),  # fmt: skip
+        env={**os.environ, **ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not address.exists():
+            assert serve.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        peer = ["--mode", "grpc", "--peer", address.read_text().strip(), "--insecure"]
+        two = on_ranks(2, *args, *peer, "--out", str(tmp_path / "two"))
+    finally:
+        os.killpg(serve.pid, signal.SIGKILL)
+        serve.wait(30)
+    one = one_process("--mode", "local", *args, "--out", str(tmp_path / "one"))
+    assert two.returncode == 0 and one.returncode == 0, two.stderr[-3000:]
+    assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
+
+
 def test_ranks_whose_share_does_not_fit_are_refused_with_the_numbers(
     tmp_path, news_data
 ):
