@@ -181,7 +181,10 @@ def cmd_train(args) -> None:
     machine. With --sft instead of --data it fine-tunes --init-from BASE on
     supervised items as `aisyn finetune` does (the compute party is unchanged);
     --method / --compute-method lora train LoRA adapters on either party's
-    blocks instead, the base frozen."""
+    blocks instead, the base frozen. Under torchrun the data party's blocks are
+    FSDP2-sharded over the ranks, each running its share of every micro-batch's
+    rows; rank 0 alone holds the data, the run folder and the link
+    (docs/split.md)."""
 
     from aisyn.split.data_ranks import DataRanks, DataRanksFailed, end_words, follow
     from aisyn.train import distributed

@@ -142,7 +142,7 @@ def in_step(ranks: RankGroup, what: str):
     except SkippedStep:
         ranks.busy = False
         raise
-    except (RuntimeError, OSError) as e:
+    except RuntimeError as e:  # what torch.distributed raises (and its bugs)
         if isinstance(e, RunFailedError):
             raise
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -434,7 +434,7 @@ def follow(ranks: DataRanks, device: torch.device) -> None:
         _follow(ranks, device)
     except DataRanksFailed:
         raise
-    except (RuntimeError, OSError) as e:
+    except RuntimeError as e:  # rank 0 gone mid-collective
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataRanksFailed(
             f"rank {ranks.rank} of the data party lost rank 0 ({first}); see "
