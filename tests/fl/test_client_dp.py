@@ -75,8 +75,12 @@ def test_client_dp_clips_on_clients_adds_calibrated_noise_and_reports_epsilon(
         [(w - base[k] - mean[k]).ravel() for k, w in weights(run / "server").items()]
     )
     assert residual.size > 50_000
-    assert abs(residual.mean()) < 1e-4
-    assert abs(residual.std() / (noise * clip / 2) - 1) < 0.02
+    # Flower draws the noise from NumPy's unseeded generator: fresh every run.
+    # Its mean is within five standard errors of 0 (a bound of 1e-4, 2.1 of
+    # them here, failed about one run in 30: CI saw 1.08e-4)
+    sigma = noise * clip / 2
+    assert abs(residual.mean()) < 5 * sigma / math.sqrt(residual.size)
+    assert abs(residual.std() / sigma - 1) < 0.02
 
 
 @pytest.mark.slow  # the default suite runs client DP end to end in the test above
