@@ -278,7 +278,8 @@ def test_layouts_the_ranks_cannot_run_are_refused_in_one_line():
 @pytest.mark.slow
 def test_both_parties_as_torchrun_jobs(tmp_path, six_json, news_data):
     """A on 2 ranks (sharded) and B on 2 ranks (two pipeline stages, u:1,1
-    leaving it three blocks): the losses of both parties in one process."""
+    leaving it three blocks): the losses of both parties in one process, and
+    ``split merge`` of the two jobs' checkpoints its model."""
     args = common(six_json, news_data, "--steps", "4", "--pipeline", "2")
     args[args.index("u:2,2")] = "u:1,1"
     address = tmp_path / "b.address"
@@ -316,6 +317,17 @@ def test_both_parties_as_torchrun_jobs(tmp_path, six_json, news_data):
     one = one_process("--mode", "local", *args, "--out", str(tmp_path / "one"))
     assert two.returncode == 0 and one.returncode == 0, two.stderr[-3000:]
     assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
+    # both halves, each from its ranks' checkpoints, merge into one model: the
+    # one both parties in one process made
+    from aisyn.split.merge import merge
+
+    got = merge(tmp_path / "two", tmp_path / "b", tmp_path / "m-two")
+    want = merge(tmp_path / "one", tmp_path / "one" / "compute", tmp_path / "m-one")
+    got = ckpt.read_tensors(got / ckpt.MODEL_FILE)
+    want = ckpt.read_tensors(want / ckpt.MODEL_FILE)
+    assert got.keys() == want.keys()
+    worst = max((got[k] - want[k]).abs().max() for k in got)
+    assert worst < 1e-5, f"merged weights differ by {worst:.3g}"
 
 
 def test_ranks_whose_share_does_not_fit_are_refused_with_the_numbers(
