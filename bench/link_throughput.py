@@ -51,8 +51,15 @@ import grpc
 import torch
 
 from aisyn.link import DevCerts, GrpcLinkServer, ShapedProxy, connect, make_dev_certs
+from aisyn.link.base import MAX_CHUNK_BYTES
 from aisyn.link.codec import encode
-from aisyn.link.frames import MAX_MESSAGE_BYTES, FrameKey, tensor_frames
+from aisyn.link.frames import (
+    MAX_MESSAGE_BYTES,
+    FrameKey,
+    TensorAssembler,
+    parse_frame,
+    tensor_frames,
+)
 
 TOKEN = "bench-token"
 RAW_GRPC_OPTIONS = [
@@ -172,6 +179,31 @@ def tcp_peer(certs_dir: str | None, plan: Plan) -> None:
             sock.sendall(b"\x01")
 
 
+def frames_peer(certs_dir: str | None, plan: Plan) -> None:
+    """The link's own frames over one mutual-TLS socket, each length-prefixed,
+    parsed (``frames.parse_frame``) and assembled into a tensor
+    (``frames.TensorAssembler``) as the link does: what a bulk data plane
+    beside the gRPC control stream could reach (issue 20)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        print(listener.getsockname()[1], flush=True)
+        sock, _ = listener.accept()
+    sock = tls_contexts(certs_dir)[0].wrap_socket(sock, server_side=True)
+    assembler = TensorAssembler(MAX_MESSAGE_BYTES * 64, lambda key, nbytes: None)
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        header = bytearray(8)
+        buf = bytearray(MAX_MESSAGE_BYTES)
+        done = 0
+        while done < plan.n + plan.m:
+            _recv_exact(sock, memoryview(header))
+            (size,) = struct.unpack("!Q", header)
+            _recv_exact(sock, memoryview(buf)[:size])
+            inbound = parse_frame(bytes(memoryview(buf)[:size]))
+            if assembler.add(inbound.frame.tensor, inbound.data) is not None:
+                done += 1
+                sock.sendall(b"\x01")
+
+
 def raw_grpc_peer(_certs_dir: str | None, plan: Plan) -> None:
     """gRPC with identity serialisers and no link logic: acks every tensor's
     worth of bytes. Separates gRPC's own cost from the link's."""
@@ -210,6 +242,7 @@ PEERS: dict[str, Callable[[str | None, Plan], None]] = {
     "grpc": grpc_peer,
     "tcp": tcp_peer,
     "raw-grpc": raw_grpc_peer,
+    "frames": frames_peer,
 }
 
 
@@ -394,6 +427,56 @@ def bench_tcp(
     )
 
 
+def bench_frames(plan: Plan, args: argparse.Namespace, certs_dir: str) -> Row:
+    """A's side of ``frames_peer``: each tensor encoded and cut into the
+    link's frames (``frames.tensor_frames``, the link's chunk size), each
+    frame length-prefixed onto the TLS socket."""
+    proc, port = start_peer("frames", certs_dir, plan)
+    proxy, port = via_proxy(port, args)
+    x = torch.randn(plan.shape)
+    raw = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = tls_contexts(certs_dir)[1].wrap_socket(raw, server_hostname="127.0.0.1")
+    ack = bytearray(1)
+    wire = 0
+
+    def send_one(i: int) -> None:
+        nonlocal wire
+        key = FrameKey("tensor", "act", i, 0)
+        for frame in tensor_frames(key, encode(x), MAX_CHUNK_BYTES):
+            sock.sendall(struct.pack("!Q", len(frame)))
+            sock.sendall(frame)
+            wire += len(frame) + 8
+
+    with sock:
+        t0 = time.perf_counter()
+        for i in range(plan.n):
+            send_one(i)
+        for _ in range(plan.n):
+            _recv_exact(sock, memoryview(ack))
+        seconds = time.perf_counter() - t0
+        sent = wire
+        latencies = []
+        for i in range(plan.n, plan.n + plan.m):
+            t1 = time.perf_counter()
+            send_one(i)
+            _recv_exact(sock, memoryview(ack))
+            latencies.append(time.perf_counter() - t1)
+    stop_peer(proc)
+    if proxy:
+        proxy.stop()
+    return Row(
+        "link frames, tls socket" + (" shaped" if proxy else ""),
+        "none",
+        x.numel() * 4 / MB,
+        sent / plan.n / MB,
+        seconds,
+        plan.n,
+        statistics.median(latencies) * 1000,
+        float("nan"),
+    )
+
+
 def print_table(rows: list[Row]) -> None:
     head = (
         f"{'transport':<20} {'codec':<5} {'tensor MB':>9} {'wire MB':>8} "
@@ -461,14 +544,22 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(bench_grpc(codec, certs_dir, plan, args))
                 print(f"  done: {rows[-1].transport} {codec}", file=sys.stderr)
         link = next(r for r in rows if r.transport.startswith("grpc tls"))
+        rows.append(plane := bench_frames(plan, args, tmp))
         rows.append(small_tls := bench_tcp(small, args, tmp))
         rows.append(small_link := bench_grpc("none", tmp, small, args))
+        rows.append(small_plane := bench_frames(small, args, tmp))
     print_table(rows)
     tcp, raw = rows[0], rows[1]
     print(
         f"vs the plain TCP socket ({size(link)}): link {rate(link) / rate(tcp):.0%}, "
         f"TLS socket {rate(tls) / rate(tcp):.0%}, gRPC raw bytes "
         f"{rate(raw) / rate(tcp):.0%}"
+    )
+    print(
+        f"the link's frames over the TLS socket (a data plane's reach): "
+        f"{100 * rate(plane) / rate(tls):.0f} % ({size(plane)}), "
+        f"{100 * rate(small_plane) / rate(small_tls):.0f} % ({size(small_plane)}) "
+        "of the plain TLS socket"
     )
     print(
         f"link: {100 * rate(link) / rate(tls):.0f} % ({size(link)}), "
