@@ -198,7 +198,7 @@ def frames_peer(certs_dir: str | None, plan: Plan) -> None:
             _recv_exact(sock, memoryview(header))
             (size,) = struct.unpack("!Q", header)
             _recv_exact(sock, memoryview(buf)[:size])
-            inbound = parse_frame(bytes(memoryview(buf)[:size]))
+            inbound = parse_frame(memoryview(buf)[:size])  # no copy: a view
             if assembler.add(inbound.frame.tensor, inbound.data) is not None:
                 done += 1
                 sock.sendall(b"\x01")
