@@ -455,4 +455,9 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank
+        from aisyn.procs import exit_rank
+
+        exit_rank(code)
+    sys.exit(code)

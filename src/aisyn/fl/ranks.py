@@ -206,10 +206,13 @@ def main(argv: list[str] | None = None) -> int:
                 encoding="utf-8",
             )
         dist.barrier()
-    finally:
+    except BaseException:
         distributed.teardown(dist)
+        raise
+    # Done: the process group ends with the process (``procs.exit_rank``),
+    # whose teardown is where ranks were seen to abort now and then.
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    procs.exit_rank(main())
