@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,41 @@ def a_weights(run: Path) -> dict[str, torch.Tensor]:
     return ckpt.read_tensors(ckpt.latest(run / "checkpoints") / ckpt.MODEL_FILE)
 
 
+def assert_same_weights(got: dict, want: dict, whose: str) -> None:
+    assert got.keys() == want.keys()
+    worst = max((got[k] - want[k]).abs().max() for k in got)
+    assert worst < 1e-5, f"{whose} weights differ by {worst:.3g}"
+
+
+@contextmanager
+def serving(six_json: Path, cut: str, root: Path, nproc: int = 1) -> Iterator[list]:
+    """``aisyn split serve`` of ``cut`` into ``root`` (under torchrun with
+    ``nproc`` > 1); yields A's flags to dial it; its process group is killed
+    at the end."""
+    address = root.with_name(root.name + ".address")
+    args = ["--listen", "127.0.0.1:0", "--address-file", str(address)]
+    args += ["--model", str(six_json), "--cut", cut, "--insecure", "--out", str(root)]
+    cmd = [sys.executable, "-m", "aisyn.cli", "split", "serve", *args]
+    if nproc > 1:
+        cmd = torchrun_args(nproc, *args, command="serve")
+    serve = subprocess.Popen(
+        cmd,
+        env={**os.environ, **ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not address.exists():
+            assert serve.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        yield ["--mode", "grpc", "--peer", address.read_text().strip(), "--insecure"]
+    finally:
+        os.killpg(serve.pid, signal.SIGKILL)
+        serve.wait(30)
+
+
 #: clipping and noise both ways: each rank clips its rows and adds its rows
 #: of the noise drawn for the whole micro-batch
 DEFENCE = ["--dp-forward-clip", "5", "--dp-forward-noise", "0.05"]
@@ -128,9 +165,7 @@ def test_two_ranks_train_what_one_process_trains_through_a_kill_9(
     assert_matches(losses(out), losses(tmp_path / "one"))
     assert_matches(val_losses(out), val_losses(tmp_path / "one"))
     got, want = a_weights(out), a_weights(tmp_path / "one")
-    assert got.keys() == want.keys()
-    worst = max((got[k] - want[k]).abs().max() for k in got)
-    assert worst < 1e-5, f"A's weights differ by {worst:.3g}"
+    assert_same_weights(got, want, "A's")
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == 2
 
@@ -143,51 +178,19 @@ def test_a_compute_party_cannot_tell_even_under_a_cut_defence(
     the cut defence: the losses of one process with the same defence, and
     B's checkpoint the same."""
     args = common(six_json, news_data, "--steps", "3", *DEFENCE)
-    address = tmp_path / "b.address"
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "aisyn.cli",
-            "split",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--address-file",
-            str(address),
-            "--model",
-            str(six_json),
-            "--cut",
-            "u:2,2",
-            "--insecure",
-            "--out",
-            str(tmp_path / "b"),
-        ],  # fmt: skip
-        env={**os.environ, **ENV},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:  # one compute party serves both runs, one after the other
-        deadline = time.monotonic() + 120
-        while not address.exists():
-            assert serve.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        peer = ["--mode", "grpc", "--peer", address.read_text().strip(), "--insecure"]
+    # one compute party serves both runs, one after the other
+    with serving(six_json, "u:2,2", tmp_path / "b") as peer:
         two = on_ranks(2, *args, *peer, "--out", str(tmp_path / "two"))
         assert two.returncode == 0, two.stderr[-3000:]
         one = one_process(*args, *peer, "--out", str(tmp_path / "one"))
         assert one.returncode == 0, one.stderr[-3000:]
-    finally:
-        serve.kill()
-        serve.wait(30)
     assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
     run_id = json.loads((tmp_path / "two" / "config.json").read_text())["run_id"]
     b_two = tmp_path / "b" / run_id
     run_id = json.loads((tmp_path / "one" / "config.json").read_text())["run_id"]
     b_one = tmp_path / "b" / run_id
     got, want = a_weights(b_two), a_weights(b_one)
-    worst = max((got[k] - want[k]).abs().max() for k in got)
-    assert worst < 1e-5, f"B's weights differ by {worst:.3g}"
+    assert_same_weights(got, want, "B's")
 
 
 def _workers(agent: int) -> dict[int, int]:
@@ -282,38 +285,8 @@ def test_both_parties_as_torchrun_jobs(tmp_path, six_json, news_data):
     ``split merge`` of the two jobs' checkpoints its model."""
     args = common(six_json, news_data, "--steps", "4", "--pipeline", "2")
     args[args.index("u:2,2")] = "u:1,1"
-    address = tmp_path / "b.address"
-    serve = subprocess.Popen(
-        torchrun_args(
-            2,
-            "--listen",
-            "127.0.0.1:0",
-            "--address-file",
-            str(address),
-            "--model",
-            str(six_json),
-            "--cut",
-            "u:1,1",
-            "--insecure",
-            "--out",
-            str(tmp_path / "b"),
-            command="serve",
-        ),  # fmt: skip
-        env={**os.environ, **ENV},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not address.exists():
-            assert serve.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        peer = ["--mode", "grpc", "--peer", address.read_text().strip(), "--insecure"]
+    with serving(six_json, "u:1,1", tmp_path / "b", nproc=2) as peer:
         two = on_ranks(2, *args, *peer, "--out", str(tmp_path / "two"))
-    finally:
-        os.killpg(serve.pid, signal.SIGKILL)
-        serve.wait(30)
     one = one_process("--mode", "local", *args, "--out", str(tmp_path / "one"))
     assert two.returncode == 0 and one.returncode == 0, two.stderr[-3000:]
     assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
@@ -325,9 +298,7 @@ def test_both_parties_as_torchrun_jobs(tmp_path, six_json, news_data):
     want = merge(tmp_path / "one", tmp_path / "one" / "compute", tmp_path / "m-one")
     got = ckpt.read_tensors(got / ckpt.MODEL_FILE)
     want = ckpt.read_tensors(want / ckpt.MODEL_FILE)
-    assert got.keys() == want.keys()
-    worst = max((got[k] - want[k]).abs().max() for k in got)
-    assert worst < 1e-5, f"merged weights differ by {worst:.3g}"
+    assert_same_weights(got, want, "merged")
 
 
 def test_ranks_whose_share_does_not_fit_are_refused_with_the_numbers(
