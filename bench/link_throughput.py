@@ -374,6 +374,15 @@ def bench_raw_grpc(plan: Plan, args: argparse.Namespace) -> Row:
     )
 
 
+def dial(port: int, certs_dir: str | None) -> socket.socket:
+    """A's socket to a baseline peer: TCP, or (``certs_dir``) mutual TLS."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not certs_dir:
+        return raw
+    return tls_contexts(certs_dir)[1].wrap_socket(raw, server_hostname="127.0.0.1")
+
+
 def bench_tcp(
     plan: Plan, args: argparse.Namespace, certs_dir: str | None = None
 ) -> Row:
@@ -384,11 +393,7 @@ def bench_tcp(
     payload = memoryview(encode(x).payload.numpy())
     header = struct.pack("!Q", len(payload))
     ack = bytearray(1)
-    raw = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock = raw
-    if certs_dir:
-        sock = tls_contexts(certs_dir)[1].wrap_socket(raw, server_hostname="127.0.0.1")
+    sock = dial(port, certs_dir)
     cipher = sock.cipher()[0] if certs_dir else None
     with sock:
 
@@ -434,9 +439,7 @@ def bench_frames(plan: Plan, args: argparse.Namespace, certs_dir: str) -> Row:
     proc, port = start_peer("frames", certs_dir, plan)
     proxy, port = via_proxy(port, args)
     x = torch.randn(plan.shape)
-    raw = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock = tls_contexts(certs_dir)[1].wrap_socket(raw, server_hostname="127.0.0.1")
+    sock = dial(port, certs_dir)
     ack = bytearray(1)
     wire = 0
 
