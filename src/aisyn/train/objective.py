@@ -21,6 +21,7 @@ segments -- can be trained on it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,16 +78,11 @@ class RowsLoss:
     @classmethod
     def from_dict(cls, d: dict) -> RowsLoss:
         divisor, kind = d.get("divisor"), d.get("kind")
-        if (
-            not isinstance(divisor, int | float)
-            or not divisor > 0
-            or kind
-            not in (
-                "lm",
-                "sft",
+        ok = isinstance(divisor, int | float) and math.isfinite(divisor)
+        if not ok or not divisor > 0 or kind not in ("lm", "sft"):
+            raise ValueError(
+                f"bad rows loss {d!r}: needs a finite divisor > 0 and kind lm or sft"
             )
-        ):
-            raise ValueError(f"bad rows loss {d!r}")
         return cls(float(divisor), kind)
 
 
