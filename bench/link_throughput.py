@@ -9,12 +9,16 @@ measures, on the same machine in the same run:
 * latency: one tensor at a time, send -> B has decoded it -> B's scalar ack;
 * scalar RTT: ping-pong of the scalar side channel (the per-frame floor).
 
-Two baselines run in the same invocation: a plain TCP socket moving the same
-raw fp32 bytes, and "grpc raw bytes" -- gRPC streaming the link's pre-built
-4 MiB frames with identity serialisers and no link logic -- which shows how
-much of the gap to TCP is gRPC's own per-message cost. The TCP baseline uses
-``sendall``/``recv_into`` into one reused buffer (a length prefix, no copies,
-no allocation per message): an upper bound, not a fair peer.
+The link runs with its data plane (``link/data_plane.py``: every frame on
+two TLS connections beside the gRPC control stream) and, for comparison, on
+gRPC alone. Three baselines run in the same invocation: a plain TCP socket
+moving the same raw fp32 bytes; the same socket inside the data plane's own
+mutual TLS (same certificates, same negotiated cipher suite) -- the figure
+that matters, what the link costs above encryption itself; and "grpc raw
+bytes" -- gRPC streaming the link's pre-built 4 MiB frames with identity
+serialisers and no link logic -- which shows gRPC's own per-message cost. The
+socket baselines use ``sendall``/``recv_into`` into one reused buffer (a
+length prefix, no copies, no allocation per message): an upper bound.
 
 Every tensor the link receives is a fresh allocation the caller owns. With
 glibc's default malloc settings each multi-MiB allocation is a new mmap whose
@@ -51,15 +55,9 @@ import grpc
 import torch
 
 from aisyn.link import DevCerts, GrpcLinkServer, ShapedProxy, connect, make_dev_certs
-from aisyn.link.base import MAX_CHUNK_BYTES
 from aisyn.link.codec import encode
-from aisyn.link.frames import (
-    MAX_MESSAGE_BYTES,
-    FrameKey,
-    TensorAssembler,
-    parse_frame,
-    tensor_frames,
-)
+from aisyn.link.data_plane import tls_context
+from aisyn.link.frames import MAX_MESSAGE_BYTES, FrameKey, tensor_frames
 
 TOKEN = "bench-token"
 RAW_GRPC_OPTIONS = [
@@ -102,12 +100,16 @@ def tune_malloc() -> None:
 # --------------------------------------------------------------- peer (party B)
 
 
-def grpc_peer(certs_dir: str | None, plan: Plan) -> None:
+def grpc_peer(certs_dir: str | None, plan: Plan, data_plane: bool = False) -> None:
     tls = DevCerts.at(certs_dir).server_tls() if certs_dir else None
     server = GrpcLinkServer(
-        "127.0.0.1:0", token=TOKEN, tls=tls, insecure=tls is None
+        "127.0.0.1:0",
+        token=TOKEN,
+        tls=tls,
+        insecure=tls is None,
+        data_listen="127.0.0.1:0" if data_plane else None,
     ).start()
-    print(server.port, flush=True)
+    print(server.port, server.data_port or 0, flush=True)
     link = server.accept(timeout=TIMEOUT)
     for i in range(plan.n):
         link.recv("act", step=0, micro=i, timeout=TIMEOUT)
@@ -132,30 +134,16 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
-#: the link's cipher: gRPC's client (BoringSSL) puts AES-128-GCM first and
-#: its server takes the client's order, so two gRPC parties run
-#: TLS_AES_128_GCM_SHA256 (checked against an OpenSSL server without server
-#: preference). Python cannot order TLS 1.3 suites, so the socket baseline
-#: runs the same AEAD under TLS 1.2, whose record layer costs the same.
-BASELINE_CIPHER = "ECDHE-ECDSA-AES128-GCM-SHA256"
-
-
 def tls_contexts(certs_dir: str) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """(server, client) contexts of mutual TLS with the link's own dev
-    certificates (ECDSA P-256) and cipher (``BASELINE_CIPHER``): the server
-    checks the client's certificate, as the link's server does."""
+    """(server, client) contexts of the baseline: the link's data plane's own
+    (``data_plane.tls_context``: the same dev certificates, mutual TLS 1.3,
+    the same cipher suite negotiated), so the baseline differs from the link
+    only in what the link does above encryption."""
     certs = DevCerts.at(certs_dir)
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.load_cert_chain(certs.server_cert, certs.server_key)
-    server.load_verify_locations(certs.ca_cert)
-    server.verify_mode = ssl.CERT_REQUIRED
-    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    client.load_cert_chain(certs.client_cert, certs.client_key)
-    client.load_verify_locations(certs.ca_cert)
-    for ctx in (server, client):
-        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
-        ctx.set_ciphers(BASELINE_CIPHER)
-    return server, client
+    return (
+        tls_context(certs.server_tls(), server=True),
+        tls_context(certs.client_tls(), server=False),
+    )
 
 
 def tcp_peer(certs_dir: str | None, plan: Plan) -> None:
@@ -177,31 +165,6 @@ def tcp_peer(certs_dir: str | None, plan: Plan) -> None:
                 buf = bytearray(size)
             _recv_exact(sock, memoryview(buf)[:size])
             sock.sendall(b"\x01")
-
-
-def frames_peer(certs_dir: str | None, plan: Plan) -> None:
-    """The link's own frames over one mutual-TLS socket, each length-prefixed,
-    parsed (``frames.parse_frame``) and assembled into a tensor
-    (``frames.TensorAssembler``) as the link does: what a bulk data plane
-    beside the gRPC control stream could reach (issue 20)."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        print(listener.getsockname()[1], flush=True)
-        sock, _ = listener.accept()
-    sock = tls_contexts(certs_dir)[0].wrap_socket(sock, server_side=True)
-    assembler = TensorAssembler(MAX_MESSAGE_BYTES * 64, lambda key, nbytes: None)
-    with sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        header = bytearray(8)
-        buf = bytearray(MAX_MESSAGE_BYTES)
-        done = 0
-        while done < plan.n + plan.m:
-            _recv_exact(sock, memoryview(header))
-            (size,) = struct.unpack("!Q", header)
-            _recv_exact(sock, memoryview(buf)[:size])
-            inbound = parse_frame(memoryview(buf)[:size])  # no copy: a view
-            if assembler.add(inbound.frame.tensor, inbound.data) is not None:
-                done += 1
-                sock.sendall(b"\x01")
 
 
 def raw_grpc_peer(_certs_dir: str | None, plan: Plan) -> None:
@@ -240,15 +203,15 @@ def raw_grpc_peer(_certs_dir: str | None, plan: Plan) -> None:
 
 PEERS: dict[str, Callable[[str | None, Plan], None]] = {
     "grpc": grpc_peer,
+    "plane": lambda certs_dir, plan: grpc_peer(certs_dir, plan, data_plane=True),
     "tcp": tcp_peer,
     "raw-grpc": raw_grpc_peer,
-    "frames": frames_peer,
 }
 
 
 def start_peer(
     kind: str, certs_dir: str | None, plan: Plan
-) -> tuple[subprocess.Popen[str], int]:
+) -> tuple[subprocess.Popen[str], list[int]]:
     """Run party B as a fresh interpreter (plain argv/stdout, nothing pickled)."""
     cmd = [sys.executable, __file__, "--peer", kind, "--shape"]
     cmd += [",".join(map(str, plan.shape)), "--plan", f"{plan.n},{plan.m},{plan.k}"]
@@ -258,11 +221,11 @@ def start_peer(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.strip().isdigit():
+    ports = proc.stdout.readline().split()
+    if not ports or not all(p.isdigit() for p in ports):
         proc.kill()
         raise RuntimeError(f"benchmark peer {kind!r} did not start")
-    return proc, int(line)
+    return proc, [int(p) for p in ports]
 
 
 def stop_peer(proc: subprocess.Popen[str]) -> None:
@@ -281,13 +244,25 @@ def via_proxy(port: int, args: argparse.Namespace) -> tuple[ShapedProxy | None, 
 
 
 def bench_grpc(
-    codec: str, certs_dir: str | None, plan: Plan, args: argparse.Namespace
+    codec: str,
+    certs_dir: str | None,
+    plan: Plan,
+    args: argparse.Namespace,
+    data_plane: bool = False,
 ) -> Row:
-    proc, port = start_peer("grpc", certs_dir, plan)
+    proc, (port, data_port) = start_peer(
+        "plane" if data_plane else "grpc", certs_dir, plan
+    )
     proxy, port = via_proxy(port, args)
+    data_proxy, data_port = via_proxy(data_port, args) if data_plane else (None, 0)
     tls = DevCerts.at(certs_dir).client_tls() if certs_dir else None
     link = connect(
-        f"127.0.0.1:{port}", token=TOKEN, tls=tls, insecure=tls is None, timeout=60
+        f"127.0.0.1:{port}",
+        token=TOKEN,
+        tls=tls,
+        insecure=tls is None,
+        timeout=60,
+        data_peer=f"127.0.0.1:{data_port}" if data_plane else None,
     )
     x = torch.randn(plan.shape)
     t0 = time.perf_counter()
@@ -312,9 +287,12 @@ def bench_grpc(
     link.send("bye", torch.zeros(1), step=plan.m + plan.k + 1)
     link.close()
     stop_peer(proc)
-    if proxy:
-        proxy.stop()
-    name = ("grpc tls" if certs_dir else "grpc insecure") + (" shaped" if proxy else "")
+    for p in (proxy, data_proxy):
+        if p:
+            p.stop()
+    name = "link tls" if certs_dir else "link insecure"
+    name += " + data plane" if data_plane else " (grpc only)"
+    name += " shaped" if proxy else ""
     return Row(
         name,
         codec,
@@ -328,7 +306,7 @@ def bench_grpc(
 
 
 def bench_raw_grpc(plan: Plan, args: argparse.Namespace) -> Row:
-    proc, port = start_peer("raw-grpc", None, plan)
+    proc, (port,) = start_peer("raw-grpc", None, plan)
     proxy, port = via_proxy(port, args)
     x = torch.randn(plan.shape)
     frames = list(tensor_frames(FrameKey("tensor", "act", 0, 0), encode(x), 4 << 20))
@@ -387,7 +365,7 @@ def bench_tcp(
     plan: Plan, args: argparse.Namespace, certs_dir: str | None = None
 ) -> Row:
     """The socket baseline: plain TCP, or (``certs_dir``) mutual TLS."""
-    proc, port = start_peer("tcp", certs_dir, plan)
+    proc, (port,) = start_peer("tcp", certs_dir, plan)
     proxy, port = via_proxy(port, args)
     x = torch.randn(plan.shape)
     payload = memoryview(encode(x).payload.numpy())
@@ -429,54 +407,6 @@ def bench_tcp(
         plan.n,
         statistics.median(latencies) * 1000,
         statistics.median(rtts) * 1000,
-    )
-
-
-def bench_frames(plan: Plan, args: argparse.Namespace, certs_dir: str) -> Row:
-    """A's side of ``frames_peer``: each tensor encoded and cut into the
-    link's frames (``frames.tensor_frames``, the link's chunk size), each
-    frame length-prefixed onto the TLS socket."""
-    proc, port = start_peer("frames", certs_dir, plan)
-    proxy, port = via_proxy(port, args)
-    x = torch.randn(plan.shape)
-    sock = dial(port, certs_dir)
-    ack = bytearray(1)
-    wire = 0
-
-    def send_one(i: int) -> None:
-        nonlocal wire
-        key = FrameKey("tensor", "act", i, 0)
-        for frame in tensor_frames(key, encode(x), MAX_CHUNK_BYTES):
-            sock.sendall(struct.pack("!Q", len(frame)))
-            sock.sendall(frame)
-            wire += len(frame) + 8
-
-    with sock:
-        t0 = time.perf_counter()
-        for i in range(plan.n):
-            send_one(i)
-        for _ in range(plan.n):
-            _recv_exact(sock, memoryview(ack))
-        seconds = time.perf_counter() - t0
-        sent = wire
-        latencies = []
-        for i in range(plan.n, plan.n + plan.m):
-            t1 = time.perf_counter()
-            send_one(i)
-            _recv_exact(sock, memoryview(ack))
-            latencies.append(time.perf_counter() - t1)
-    stop_peer(proc)
-    if proxy:
-        proxy.stop()
-    return Row(
-        "link frames, tls socket" + (" shaped" if proxy else ""),
-        "none",
-        x.numel() * 4 / MB,
-        sent / plan.n / MB,
-        seconds,
-        plan.n,
-        statistics.median(latencies) * 1000,
-        float("nan"),
     )
 
 
@@ -551,57 +481,58 @@ def main(argv: list[str] | None = None) -> None:
     small = Plan(SMALL_SHAPE, plan.n * 16, plan.m, plan.k, plan.tune_malloc)
     with tempfile.TemporaryDirectory() as tmp:
         make_dev_certs(tmp)
-        rows.append(tls := bench_tcp(plan, args, tmp))
+
+        def one_round() -> tuple[Row, ...]:
+            """The rows the summary's ratios compare, measured back to back:
+            TLS socket, link with its data plane, link on gRPC alone; big
+            tensors, then small ones."""
+            rows: list[Row] = []
+            for p in (plan, small):
+                rows.append(bench_tcp(p, args, tmp))
+                rows.append(bench_grpc("none", tmp, p, args, data_plane=True))
+                rows.append(bench_grpc("none", tmp, p, args))
+            return tuple(rows)
+
+        rounds = [one_round()]
+        rows += rounds[0][:3]
         for certs_dir in (None, tmp):
             for codec in args.codecs.split(","):
-                rows.append(bench_grpc(codec, certs_dir, plan, args))
+                if certs_dir and codec == "none":
+                    continue  # in the round above
+                rows.append(bench_grpc(codec, certs_dir, plan, args, data_plane=True))
                 print(f"  done: {rows[-1].transport} {codec}", file=sys.stderr)
-        link = next(r for r in rows if r.transport.startswith("grpc tls"))
-        rows.append(plane := bench_frames(plan, args, tmp))
-        rows.append(small_tls := bench_tcp(small, args, tmp))
-        rows.append(small_link := bench_grpc("none", tmp, small, args))
-        rows.append(small_plane := bench_frames(small, args, tmp))
-        # The ratios the summary reports: each round measures the TLS socket,
-        # the link and the data plane back to back, and the median over the
-        # rounds is kept (the box is shared and noisy; a ratio within one
-        # round is steadier than either rate).
-        rounds = [(tls, link, plane, small_tls, small_link, small_plane)]
+        rows += rounds[0][3:]
+        # The box is shared and noisy; a ratio within one round is steadier
+        # than either rate, and the median over alternated rounds is kept.
         for _ in range(args.rounds - 1):
-            rounds.append(
-                (
-                    bench_tcp(plan, args, tmp),
-                    bench_grpc("none", tmp, plan, args),
-                    bench_frames(plan, args, tmp),
-                    bench_tcp(small, args, tmp),
-                    bench_grpc("none", tmp, small, args),
-                    bench_frames(small, args, tmp),
-                )
-            )
+            rounds.append(one_round())
     print_table(rows)
     tcp, raw = rows[0], rows[1]
+    tls, link, grpc_only = rounds[0][:3]
 
     def median(f) -> float:
         return statistics.median(f(*r) for r in rounds)
 
-    link_big = median(lambda t, lk, p, ts, ls, ps: rate(lk) / rate(t))
-    link_small = median(lambda t, lk, p, ts, ls, ps: rate(ls) / rate(ts))
-    plane_big = median(lambda t, lk, p, ts, ls, ps: rate(p) / rate(t))
-    plane_small = median(lambda t, lk, p, ts, ls, ps: rate(ps) / rate(ts))
-    rtt = median(lambda t, lk, p, ts, ls, ps: lk.rtt_ms / t.rtt_ms)
+    link_big = median(lambda t, lk, g, ts, ls, gs: rate(lk) / rate(t))
+    link_small = median(lambda t, lk, g, ts, ls, gs: rate(ls) / rate(ts))
+    grpc_big = median(lambda t, lk, g, ts, ls, gs: rate(g) / rate(t))
+    grpc_small = median(lambda t, lk, g, ts, ls, gs: rate(gs) / rate(ts))
+    rtt = median(lambda t, lk, g, ts, ls, gs: lk.rtt_ms / t.rtt_ms)
+    grpc_rtt = median(lambda t, lk, g, ts, ls, gs: g.rtt_ms / t.rtt_ms)
     print(
         f"vs the plain TCP socket ({size(link)}): link {rate(link) / rate(tcp):.0%}, "
-        f"TLS socket {rate(tls) / rate(tcp):.0%}, gRPC raw bytes "
-        f"{rate(raw) / rate(tcp):.0%}"
+        f"TLS socket {rate(tls) / rate(tcp):.0%}, link on gRPC alone "
+        f"{rate(grpc_only) / rate(tcp):.0%}, gRPC raw bytes {rate(raw) / rate(tcp):.0%}"
     )
     print(
-        f"(medians of {len(rounds)} alternated round(s)) the link's frames over "
-        f"the TLS socket (a data plane's reach): {100 * plane_big:.0f} % "
-        f"({size(plane)}), {100 * plane_small:.0f} % ({size(small_plane)}) of the "
-        "plain TLS socket"
+        f"(medians of {len(rounds)} alternated round(s)) the link on gRPC alone, "
+        f"without its data plane: {100 * grpc_big:.0f} % ({size(link)}), "
+        f"{100 * grpc_small:.0f} % ({size(rounds[0][3])}) of the plain TLS socket; "
+        f"scalar RTT {grpc_rtt:.1f} x"
     )
     print(
         f"link: {100 * link_big:.0f} % ({size(link)}), {100 * link_small:.0f} % "
-        f"({size(small_link)}) of the plain TLS socket; scalar RTT {rtt:.1f} x"
+        f"({size(rounds[0][4])}) of the plain TLS socket; scalar RTT {rtt:.1f} x"
     )
 
 

@@ -20,6 +20,11 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+def join_host_port(host: str, port: int) -> str:
+    """The inverse of :func:`split_host_port` (brackets around an IPv6 host)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def is_loopback(host: str) -> bool:
     """``localhost`` or a loopback IP (``127.0.0.0/8``, ``::1``; brackets allowed).
 

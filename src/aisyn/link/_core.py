@@ -27,13 +27,13 @@ import queue
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 
 from .base import Link, LinkOptions, PeerHello
-from .codec import CodecOverflowError, dtype_name, effective_codec, encode
+from .codec import CodecOverflowError, Encoded, dtype_name, effective_codec, encode
 from .errors import (
     FrameError,
     FrameMismatchError,
@@ -54,7 +54,9 @@ from .frames import (
     TENSOR,
     FrameKey,
     Inbound,
+    ReceivePool,
     TensorAssembler,
+    Wire,
     check_scalar,
     frame_kind,
     key_problem,
@@ -77,8 +79,23 @@ class _Job(NamedTuple):
     version: int | None = None
 
 
+#: tensors up to this size may be written from the caller's thread
+_INLINE_BYTES = 64 * 1024
+
+
+def _small(job: _Job) -> bool:
+    if job.key is None or job.key.kind == SCALAR:
+        return job.key is not None
+    assert job.tensor is not None
+    return job.tensor.numel() * job.tensor.element_size() <= _INLINE_BYTES
+
+
 class LinkCore(Link):
     """Common machinery of all link endpoints; see the module docstring."""
+
+    #: write scalars and small tensors from the caller's thread when nothing
+    #: else is queued (a transport whose writes do not block for long)
+    _inline_small = False
 
     def __init__(self, options: LinkOptions, name: str, peer: PeerHello) -> None:
         self.peer = peer
@@ -102,10 +119,14 @@ class LinkCore(Link):
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._sent = 0
         self._received = 0
-        self._assembler = TensorAssembler(options.max_tensor_bytes, self._admit)
+        self._assembler = TensorAssembler(
+            options.max_tensor_bytes, self._admit, ReceivePool(options.recv_pool_bytes)
+        )
+        self._tail = bytearray()  # the sender's copy of a tensor's last chunk
         self._sender = threading.Thread(
             target=self._send_loop, name=f"{name}-send", daemon=True
         )
+        self._write_lock = threading.Lock()  # one writer: the sender or inline
 
     def _start(self) -> None:
         self._sender.start()
@@ -113,9 +134,14 @@ class LinkCore(Link):
     # ----------------------------------------------------------- transport hooks
 
     @abstractmethod
-    def _write(self, frame: bytes) -> None:
-        """Hand one serialised frame to the wire; may block; raises LinkError if
+    def _write(self, frame: bytes | Wire) -> int:
+        """Hand one serialised frame (or one item of ``_tensor_wire``) to the
+        wire and return its size on the wire; may block; raises LinkError if
         the transport is gone."""
+
+    def _tensor_wire(self, key: FrameKey, enc: Encoded) -> Iterator[bytes | Wire]:
+        """The frames carrying one tensor, in the form ``_write`` takes."""
+        return tensor_frames(key, enc, self._opts.chunk_bytes)
 
     @abstractmethod
     def _end_writes(self) -> None:
@@ -187,24 +213,47 @@ class LinkCore(Link):
             if key in self._out_keys:
                 raise ValueError(f"{key} was already sent")
             self._out_keys.add(key)
+            inline = self._inline_small and not self._queued and _small(job)
             self._queued += 1
-            # Inside the lock so wire order always matches the step checks above.
-            self._jobs.put(job)
+            if inline:
+                # Nothing is queued or being written: write it from this
+                # thread, which saves a thread hand-off per message (a good
+                # part of a round trip). The lock is free (the sender thread
+                # releases it before it counts its job done) and taken before
+                # _cond is let go, so a job queued after this one waits for it.
+                self._write_lock.acquire()
+            else:
+                # Inside the lock so wire order always matches the step checks above.
+                self._jobs.put(job)
+        if inline:
+            try:
+                self._send_one(job)
+            finally:
+                self._write_lock.release()
+                self._job_done()
 
     def _send_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                if self._error is None:  # after a failure, queued jobs are dropped
-                    self._transmit(job)
-            except LinkError as exc:  # the transport is gone, or a deliberate abort
-                self._fail(exc, notify_peer=isinstance(exc, SessionAbortedError))
-            except Exception as exc:  # a bug here must not leave recv() hanging
-                log.exception("%s: sender failed", self._name)
-                self._fail(LinkError(f"sender failed: {exc!r}"), notify_peer=False)
+                with self._write_lock:
+                    self._send_one(job)
             finally:
-                with self._cond:
-                    self._queued -= 1
-                    self._cond.notify_all()
+                self._job_done()
+
+    def _send_one(self, job: _Job) -> None:
+        try:
+            if self._error is None:  # after a failure, queued jobs are dropped
+                self._transmit(job)
+        except LinkError as exc:  # the transport is gone, or a deliberate abort
+            self._fail(exc, notify_peer=isinstance(exc, SessionAbortedError))
+        except Exception as exc:  # a bug here must not leave recv() hanging
+            log.exception("%s: sender failed", self._name)
+            self._fail(LinkError(f"sender failed: {exc!r}"), notify_peer=False)
+
+    def _job_done(self) -> None:
+        with self._cond:
+            self._queued -= 1
+            self._cond.notify_all()
 
     def _transmit(self, job: _Job) -> None:
         if job.key is None:
@@ -222,7 +271,7 @@ class LinkCore(Link):
         except CodecOverflowError as e:
             # Ends the session, telling the peer why (as abort() does).
             raise SessionAbortedError(f"cannot send {job.key}: {e}") from None
-        frames = tensor_frames(job.key, enc, self._opts.chunk_bytes)
+        frames = self._tensor_wire(job.key, enc)
         # Write each frame only once the next one is built, so the last frame is
         # still held back when all reads of the tensor's memory are done: if the
         # caller modified it meanwhile, the peer never completes a torn tensor.
@@ -230,6 +279,8 @@ class LinkCore(Link):
         for frame in frames:
             self._write_frame(last)
             last = frame
+        if isinstance(last, Wire):  # views of the tensor: read them now
+            last = Wire(last.header, [self._copy_tail(last.data)])
         if job.version is not None and job.tensor._version != job.version:
             raise LinkError(
                 f"{job.key} was modified in place after send() and before it was "
@@ -237,9 +288,21 @@ class LinkCore(Link):
             )
         self._write_frame(last)
 
-    def _write_frame(self, frame: bytes) -> None:
-        self._write(frame)
-        self._sent += len(frame)
+    def _copy_tail(self, views: Sequence[memoryview | bytes]) -> memoryview:
+        """The views' bytes in the sender's reused buffer (written before the
+        next tensor is encoded, so one buffer does)."""
+        size = sum(len(v) for v in views)
+        if len(self._tail) < size:
+            self._tail = bytearray(size)
+        out = memoryview(self._tail)
+        offset = 0
+        for view in views:
+            out[offset : offset + len(view)] = view
+            offset += len(view)
+        return out[:size]
+
+    def _write_frame(self, frame: bytes | Wire) -> None:
+        self._sent += self._write(frame)
 
     def flush(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -22,6 +22,8 @@ from aisyn.net import is_loopback, split_host_port
 
 from ._core import LinkCore
 from .base import LinkOptions, PeerHello
+from .codec import Encoded
+from .data_plane import Plane
 from .errors import (
     AuthError,
     FrameError,
@@ -32,7 +34,15 @@ from .errors import (
     PeerAbortedError,
     PeerLostError,
 )
-from .frames import MAX_MESSAGE_BYTES, Inbound, check_hello
+from .frames import (
+    MAX_MESSAGE_BYTES,
+    FrameKey,
+    Inbound,
+    Wire,
+    check_hello,
+    frame_kind,
+    tensor_chunks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +51,20 @@ METHOD = f"/{SERVICE}/Exchange"
 TOKEN_HEADER = "authorization"
 
 _END = b""  # sentinel in the outbound queue; real frames are never empty
+#: how long a dropped data plane waits for the reason on the control stream
+_REASON_GRACE_S = 2.0
 
 
 def identity(frame: bytes) -> bytes:
     return frame
+
+
+def _kind(item: Inbound) -> str:
+    return "none" if item.frame is None else frame_kind(item.frame)
+
+
+def _is_error(item: Inbound) -> bool:
+    return _kind(item) == "error"
 
 
 # ------------------------------------------------------------------ addresses
@@ -138,6 +158,9 @@ class GrpcLink(LinkCore):
 
     #: on a server's link: what its session callback agreed to (``Accept``)
     agreed: object = None
+    #: on a client's link: the server's data-plane offer (port, secret)
+    _offer: tuple[int, bytes] | None = None
+    _inline_small = True
 
     def __init__(
         self, options: LinkOptions, name: str, peer: PeerHello | None, remote: str
@@ -151,18 +174,39 @@ class GrpcLink(LinkCore):
             target=self._read_loop, name=f"{name}-recv", daemon=True
         )
         self._inbound: Iterable[Inbound] = ()
+        # The data plane, once attached (data_plane.py); until then, and
+        # without one, frames travel on the gRPC stream.
+        self._plane: Plane | None = None
+        self._plane_offered = False  # frames on the stream are then a violation
+        self._plane_reader = threading.Thread(
+            target=self._plane_loop, name=f"{name}-plane", daemon=True
+        )
+
+    def _attach(self, plane: Plane) -> None:
+        self._plane = plane
+        self._plane_reader.start()
 
     # -- outbound
 
-    def _write(self, frame: bytes) -> None:
+    def _write(self, frame: bytes | Wire) -> int:
+        if self._plane is not None:
+            if isinstance(frame, Wire):
+                return self._plane.out.write(frame.header, frame.data)
+            return self._plane.out.write(frame)
+        assert isinstance(frame, bytes)
         # Bounded waits so a sender blocked on a stalled stream notices teardown.
         while not self._dead.is_set():
             try:
                 self._out.put(frame, timeout=0.1)
-                return
+                return len(frame)
             except queue.Full:
                 continue
         raise PeerLostError(f"{self._name}: stream closed")
+
+    def _tensor_wire(self, key: FrameKey, enc: Encoded) -> Iterator[bytes | Wire]:
+        if self._plane is None:
+            return super()._tensor_wire(key, enc)
+        return tensor_chunks(key, enc, self._opts.chunk_bytes)
 
     def _outgoing(self) -> Iterator[bytes]:
         """Frames for gRPC to write, until the end marker."""
@@ -203,10 +247,15 @@ class GrpcLink(LinkCore):
     def _read_loop(self) -> None:
         try:
             for item in self._inbound:
-                if self._hello_done:
-                    self._on_frame(item)
-                else:
+                if not self._hello_done:
                     self._on_hello(item)
+                elif self._plane_offered and not _is_error(item):
+                    raise MalformedFrameError(
+                        "a frame came on the control stream: this session's "
+                        "frames travel on its data plane"
+                    )
+                else:
+                    self._on_frame(item)
         except (FrameError, HandshakeError) as exc:
             self._fail(exc, notify_peer=True)
         except grpc.RpcError as exc:
@@ -219,12 +268,57 @@ class GrpcLink(LinkCore):
             log.exception("%s: receiver failed", self._name)
             self._fail(LinkError(f"receiver failed: {exc!r}"), notify_peer=False)
         else:
-            with self._cond:
-                expected = self._closing or self._peer_gone is not None
-            if not expected:
+            if not self._ended() and self._plane_reader.is_alive():
+                # The goodbye travels on the data plane, which may be behind.
+                self._plane_reader.join(self._opts.close_timeout_s)
+            if not self._ended():
                 self._fail(PeerLostError(self._ended_abruptly()), notify_peer=False)
         finally:
             self._dead.set()
+
+    def _plane_loop(self) -> None:
+        """The data plane's receiving thread: every frame after the HELLOs."""
+        assert self._plane is not None
+        inbound = self._plane.inbound
+        try:
+            while (item := inbound.read()) is not None:
+                self._on_frame(item)
+                if _kind(item) == "bye":
+                    return  # nothing may follow; the peer closes its end
+            self._plane_lost()
+        except (FrameError, HandshakeError) as exc:
+            self._fail(exc, notify_peer=True)
+        except PeerLostError:
+            self._plane_lost()
+        except Exception as exc:  # a bug here must not leave recv() hanging
+            log.exception("%s: data-plane receiver failed", self._name)
+            self._fail(LinkError(f"receiver failed: {exc!r}"), notify_peer=False)
+
+    def _ended(self) -> bool:
+        """Closed here, or the peer said goodbye: an end of stream is due."""
+        with self._cond:
+            return self._closing or self._peer_gone is not None
+
+    def _plane_lost(self) -> None:
+        if self._ended() or self._torn_down.is_set():
+            return
+        # A peer ending the session abnormally says why on the control stream,
+        # which may arrive a moment after its data-plane connection dropped.
+        self._torn_down.wait(_REASON_GRACE_S)
+        self._fail(PeerLostError(self._ended_abruptly()), notify_peer=False)
+
+    def _close_plane(self) -> None:
+        if self._plane is not None:
+            self._plane.out.close()
+            self._plane.inbound.close()
+            if self._plane_reader.is_alive():
+                self._plane_reader.join(self._opts.close_timeout_s)
+
+    def _shutdown_plane(self) -> None:
+        """Unblock the data plane's reader and writer (teardown)."""
+        if self._plane is not None:
+            self._plane.out.shutdown()
+            self._plane.inbound.shutdown()
 
     def _ended_abruptly(self) -> str:
         return f"{self._remote} ended the session without saying goodbye"
@@ -234,7 +328,11 @@ class GrpcLink(LinkCore):
         if item.frame is None:
             raise MalformedFrameError(item.error or "undecodable frame")
         peer = check_hello(item.frame)
+        hello = item.frame.hello
         with self._cond:
+            if hello.data_port:  # the server offers its data plane
+                self._offer = (hello.data_port, hello.data_secret)
+                self._plane_offered = True
             self.peer = peer
             self._hello_done = True
             self._cond.notify_all()

@@ -32,6 +32,9 @@ class LinkOptions:
     max_tensor_bytes: int = 1 << 30
     #: received-but-unconsumed data buffered before the peer is cut off
     max_pending_bytes: int = 4 << 30
+    #: buffers of received tensors the application has dropped, kept for the
+    #: next tensors of the same size (``frames.ReceivePool``); 0 turns it off
+    recv_pool_bytes: int = 1 << 30
     #: serialised frames queued ahead of the transport (lets encoding overlap I/O)
     frames_in_flight: int = 4
     #: default timeout of recv()/recv_scalar(); None waits until data or peer loss
@@ -61,6 +64,8 @@ class LinkOptions:
             raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}]")
         if self.frames_in_flight < 1:
             raise ValueError("frames_in_flight must be >= 1")
+        if self.recv_pool_bytes < 0:
+            raise ValueError("recv_pool_bytes must be >= 0")
         for name in ("max_tensor_bytes", "max_pending_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")

@@ -14,6 +14,7 @@ from the tensor's memory. The result is ordinary protobuf wire format
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,8 @@ MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024
 MAX_DIMS = 8
 MAX_ROLE_CHARS = 64
 MAX_SESSION_BYTES = 32 * 1024
+#: the one-time secret of a data-plane offer (data_plane.py)
+DATA_SECRET_BYTES = 32
 _TAG_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
@@ -76,12 +79,21 @@ def key_problem(tag: str, step: int, micro: int) -> str | None:
 # --------------------------------------------------------------------- outbound
 
 
-def hello_frame(role: str, session: str) -> bytes:
+def hello_frame(
+    role: str, session: str, data_port: int = 0, data_secret: bytes = b""
+) -> bytes:
+    """A HELLO; a server's may offer its data plane (``data_plane.py``)."""
     if len(role) > MAX_ROLE_CHARS:
         raise ValueError(f"role must be at most {MAX_ROLE_CHARS} characters")
     if len(session.encode()) > MAX_SESSION_BYTES:
         raise ValueError(f"session string must be at most {MAX_SESSION_BYTES} bytes")
-    hello = pb.Hello(role=role, protocol_version=PROTOCOL_VERSION, session=session)
+    hello = pb.Hello(
+        role=role,
+        protocol_version=PROTOCOL_VERSION,
+        session=session,
+        data_port=data_port,
+        data_secret=data_secret,
+    )
     return pb.Frame(hello=hello).SerializeToString()
 
 
@@ -109,7 +121,7 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _chunk_prefixes(
+def _chunk_headers(
     key: FrameKey,
     codec: str,
     dtype: torch.dtype,
@@ -118,7 +130,7 @@ def _chunk_prefixes(
     total: int,
     chunk_bytes: int,
 ) -> Iterator[tuple[bytes, int, int]]:
-    """Yield (frame bytes up to the data, start, end) for each chunk of the stream."""
+    """Yield (serialised TensorChunk without data, start, end) per chunk."""
     num = max(1, -(-total // chunk_bytes))
     header = pb.TensorChunk(
         tag=key.tag,
@@ -134,8 +146,22 @@ def _chunk_prefixes(
     for index in range(num):
         header.chunk_index = index
         start = index * chunk_bytes
-        end = min(total, start + chunk_bytes)
-        body = header.SerializeToString()
+        yield header.SerializeToString(), start, min(total, start + chunk_bytes)
+
+
+def _chunk_prefixes(
+    key: FrameKey,
+    codec: str,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    side_bytes: int,
+    total: int,
+    chunk_bytes: int,
+) -> Iterator[tuple[bytes, int, int]]:
+    """Yield (frame bytes up to the data, start, end) for each chunk of the stream."""
+    for body, start, end in _chunk_headers(
+        key, codec, dtype, shape, side_bytes, total, chunk_bytes
+    ):
         data_len = _varint(end - start)
         inner = len(body) + len(_CHUNK_DATA_TAG) + len(data_len) + end - start
         prefix = b"".join(
@@ -144,20 +170,48 @@ def _chunk_prefixes(
         yield prefix, start, end
 
 
+def _slices(buffers: list[memoryview], start: int, end: int) -> list[memoryview]:
+    """Views of bytes [start, end) of the stream the buffers make end to end."""
+    parts, offset = [], 0
+    for buf in buffers:
+        lo, hi = max(start, offset), min(end, offset + len(buf))
+        if lo < hi:
+            parts.append(buf[lo - offset : hi - offset])
+        offset += len(buf)
+    return parts
+
+
+def _stream(enc: Encoded) -> list[memoryview]:
+    parts = (enc.side, enc.payload)
+    return [memoryview(t.numpy()).cast("B") for t in parts if t.numel()]
+
+
 def tensor_frames(key: FrameKey, enc: Encoded, chunk_bytes: int) -> Iterator[bytes]:
     """Serialised frames carrying ``enc``; each copies its slice exactly once."""
-    buffers = [memoryview(t.numpy()) for t in (enc.side, enc.payload) if t.numel()]
+    buffers = _stream(enc)
     for prefix, start, end in _chunk_prefixes(
         key, enc.codec, enc.dtype, enc.shape, enc.side.numel(), enc.nbytes, chunk_bytes
     ):
-        parts = [prefix]
-        offset = 0
-        for buf in buffers:
-            lo, hi = max(start, offset), min(end, offset + len(buf))
-            if lo < hi:
-                parts.append(buf[lo - offset : hi - offset])
-            offset += len(buf)
-        yield b"".join(parts)
+        yield b"".join([prefix, *_slices(buffers, start, end)])
+
+
+class Wire(NamedTuple):
+    """One frame as the data plane writes it: a serialised Frame (for a
+    tensor chunk, without its data) and the data, as views or bytes."""
+
+    header: bytes
+    data: Sequence[memoryview | bytes] = ()
+
+
+def tensor_chunks(key: FrameKey, enc: Encoded, chunk_bytes: int) -> Iterator[Wire]:
+    """The data plane's form of ``tensor_frames``: per chunk, the header and
+    views of the data (no copy)."""
+    buffers = _stream(enc)
+    for body, start, end in _chunk_headers(
+        key, enc.codec, enc.dtype, enc.shape, enc.side.numel(), enc.nbytes, chunk_bytes
+    ):
+        header = b"".join((_FRAME_TENSOR_TAG, _varint(len(body)), body))
+        yield Wire(header, _slices(buffers, start, end))
 
 
 def tensor_wire_size(key: FrameKey, tensor: torch.Tensor, chunk_bytes: int) -> int:
@@ -172,15 +226,27 @@ def tensor_wire_size(key: FrameKey, tensor: torch.Tensor, chunk_bytes: int) -> i
 # ---------------------------------------------------------------------- inbound
 
 
+class Deferred(NamedTuple):
+    """A frame's data still on the wire (the data plane): ``read_into`` fills
+    a destination of exactly ``nbytes`` bytes, so ``TensorAssembler.add`` can
+    receive it straight into the tensor once the header has passed its checks."""
+
+    nbytes: int
+    read_into: Callable[[memoryview], None]
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
 class Inbound(NamedTuple):
     """One received message: the parsed frame, or why it could not be parsed."""
 
     frame: pb.Frame | None
     nbytes: int
     error: str | None = None
-    #: A TENSOR frame's data as a view of the received message; the chunk's
-    #: own ``data`` field is then left empty.
-    data: memoryview | None = None
+    #: A TENSOR frame's data as a view of the received message (gRPC) or still
+    #: to be read (the data plane); the chunk's own ``data`` field is then empty.
+    data: memoryview | Deferred | None = None
 
 
 def parse_frame(raw: bytes) -> Inbound:
@@ -275,6 +341,15 @@ def check_hello(frame: pb.Frame) -> PeerHello:
         )
     if len(hello.role) > MAX_ROLE_CHARS or len(hello.session) > MAX_SESSION_BYTES:
         raise MalformedFrameError("HELLO role or session string too long")
+    if hello.data_port > 65535 or (
+        bool(hello.data_port) != bool(hello.data_secret)
+        or len(hello.data_secret) not in (0, DATA_SECRET_BYTES)
+    ):
+        raise MalformedFrameError(
+            f"HELLO offers a data plane on port {hello.data_port} with a "
+            f"{len(hello.data_secret)}-byte secret (want 1-65535, "
+            f"{DATA_SECRET_BYTES} bytes)"
+        )
     return PeerHello(hello.role, hello.protocol_version, hello.session)
 
 
@@ -283,6 +358,70 @@ def check_scalar(scalar: pb.Scalar) -> FrameKey:
     if problem:
         raise MalformedFrameError(f"bad SCALAR frame: {problem}")
     return FrameKey(SCALAR, scalar.tag, scalar.step, 0)
+
+
+class ReceivePool:
+    """Recycles the buffers of received tensors once the application has let
+    go of them.
+
+    Every received tensor is the caller's own, but a fresh multi-MiB buffer
+    per tensor is a fresh mapping whose pages fault in as the data lands:
+    that alone cost a third of a TLS socket's rate on the 2-core test box
+    (``bench/link_throughput.py``). Activations and gradients come in the same
+    few sizes every step, so a buffer of the size wanted whose storage nobody
+    else references any more (the storage's use count says so: any tensor,
+    view, numpy array or autograd record still using it counts) is handed out
+    again instead. Per size the buffers rotate oldest first (the oldest is
+    the likeliest to be free) and only a few are tried, so a caller holding
+    many costs nothing. Buffers under ``min_bytes`` are left to the
+    allocator; the pool keeps at most ``max_bytes``. One receiving thread
+    uses it.
+    """
+
+    #: buffers of one size tried before a new one is allocated
+    TRIES = 4
+
+    def __init__(self, max_bytes: int, min_bytes: int = 64 * 1024) -> None:
+        self._max = max_bytes
+        self._min = min_bytes
+        self._by_size: dict[int, collections.deque[torch.Tensor]] = {}
+        self._bytes = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if nbytes < self._min or nbytes > self._max:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        ring = self._by_size.setdefault(nbytes, collections.deque())
+        for _ in range(min(self.TRIES, len(ring))):
+            buffer = ring.popleft()
+            ring.append(buffer)
+            if _unused(buffer):
+                return buffer
+        if self._bytes + nbytes > self._max:
+            self._evict(nbytes)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if self._bytes + nbytes <= self._max:
+            ring.append(buffer)
+            self._bytes += nbytes
+        return buffer
+
+    def _evict(self, nbytes: int) -> None:
+        """Drop unused buffers (other sizes first) until ``nbytes`` fit."""
+        for size in sorted(self._by_size, key=lambda k: k == nbytes):
+            ring = self._by_size[size]
+            for buffer in [b for b in ring if _unused(b)]:
+                ring.remove(buffer)
+                self._bytes -= size
+                if self._bytes + nbytes <= self._max:
+                    return
+
+    @property
+    def pooled_bytes(self) -> int:
+        return self._bytes
+
+
+def _unused(buffer: torch.Tensor) -> bool:
+    # The pool's own tensor and the temporary storage object asked: 2.
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
 
 
 @dataclass(slots=True)
@@ -325,10 +464,14 @@ class TensorAssembler:
     """
 
     def __init__(
-        self, max_tensor_bytes: int, admit: Callable[[FrameKey, int], None]
+        self,
+        max_tensor_bytes: int,
+        admit: Callable[[FrameKey, int], None],
+        pool: ReceivePool | None = None,
     ) -> None:
         self._max = max_tensor_bytes
         self._admit = admit
+        self._pool = pool or ReceivePool(0)
         self._cur: _Partial | None = None
 
     @property
@@ -337,10 +480,11 @@ class TensorAssembler:
         return None if self._cur is None else self._describe(self._cur)
 
     def add(
-        self, chunk: pb.TensorChunk, data: memoryview | bytes | None = None
+        self, chunk: pb.TensorChunk, data: memoryview | bytes | Deferred | None = None
     ) -> tuple[FrameKey, torch.Tensor] | None:
         """Consume one chunk whose data is ``data`` (default ``chunk.data``);
-        returns (key, tensor) when the tensor is complete."""
+        returns (key, tensor) when the tensor is complete. ``Deferred`` data is
+        read into the tensor's buffer only once the chunk passed every check."""
         if data is None:
             data = chunk.data  # each access of a bytes field copies: do it once
         n = len(data)
@@ -378,7 +522,10 @@ class TensorAssembler:
                 f"{cur.key}: chunks carry more than the {cur.buffer.numel()} bytes "
                 "announced"
             )
-        cur.view[cur.filled : cur.filled + n] = np.frombuffer(data, np.uint8)
+        if isinstance(data, Deferred):
+            data.read_into(memoryview(cur.view[cur.filled : cur.filled + n]))
+        else:
+            cur.view[cur.filled : cur.filled + n] = np.frombuffer(data, np.uint8)
         cur.filled += n
         cur.next_index += 1
         if cur.next_index < cur.num_chunks:
@@ -429,7 +576,7 @@ class TensorAssembler:
                 f"{key}: {chunk.num_chunks} chunks cannot carry {total} bytes"
             )
         self._admit(key, decoded)
-        buffer = torch.empty(total, dtype=torch.uint8)
+        buffer = self._pool.take(total)
         return _Partial(
             key=key,
             header=_header(chunk),

@@ -29,8 +29,9 @@ from typing import NamedTuple, Self
 
 import grpc
 
-from aisyn.net import split_host_port
+from aisyn.net import join_host_port, split_host_port
 
+from . import data_plane
 from ._grpc_transport import (
     METHOD,
     SERVICE,
@@ -44,6 +45,7 @@ from ._grpc_transport import (
 from .admission import AdmissionQueue
 from .base import LinkOptions, PeerHello, Service
 from .certs import TlsConfig
+from .data_plane import DataListener, FrameSocket, Plane
 from .errors import (
     AuthError,
     HandshakeError,
@@ -128,6 +130,7 @@ class _ClientLink(GrpcLink):
 
     def _teardown(self, exc: LinkError, notify_peer: bool) -> None:
         self._dead.set()
+        self._shutdown_plane()
         if notify_peer:
             self._push_end(error_frame(str(exc)), drop_queued=True)
             self._aborter = threading.Thread(
@@ -154,7 +157,15 @@ class _ClientLink(GrpcLink):
         if self._aborter is not None:  # let the ERROR frame reach the server
             self._aborter.join(timeout)
         self._discard(timeout)
+        self._close_plane()
         self._channel.close()
+
+    def _open_plane(self, address: str, tls: TlsConfig | None, timeout: float) -> None:
+        """Dial the data plane the server offered and move the session onto it."""
+        assert self._offer is not None
+        server_name = tls.server_name if tls is not None else None
+        up, down = data_plane.dial(address, self._offer[1], tls, server_name, timeout)
+        self._attach(Plane(FrameSocket(up, self._name), FrameSocket(down, self._name)))
 
     def _discard(self, timeout: float = 2.0) -> None:
         """Abandon this call (but not the channel, which connect() may reuse)."""
@@ -179,8 +190,13 @@ def connect(
     session: str = "",
     options: LinkOptions | None = None,
     timeout: float | None = None,
+    data_peer: str | None = None,
 ) -> GrpcLink:
     """Open a session with the server at ``peer`` ("host:port") and return the link.
+
+    A server that offers a data plane is dialled on ``peer``'s host at the
+    port it names, or at ``data_peer`` ("host:port") where that differs (a
+    proxy or NAT in between).
 
     Retries while the server is unreachable or busy, for up to ``timeout``
     seconds (default ``options.handshake_timeout_s``); a busy server queues
@@ -237,8 +253,18 @@ def connect(
             link._discard()
             channel.close()
             raise
-        log.info("%s: session open (peer role %r)", name, link.peer.role)
-        return link
+        break
+    if link._offer is not None:
+        address = data_peer or join_host_port(split_host_port(peer)[0], link._offer[0])
+        try:
+            link._open_plane(address, tls, max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            link._discard()
+            channel.close()
+            raise
+        log.info("%s: data plane open to %s", name, address)
+    log.info("%s: session open (peer role %r)", name, link.peer.role)
+    return link
 
 
 # -------------------------------------------------------------------- server
@@ -256,9 +282,14 @@ class _ServerLink(GrpcLink):
         server_stopping: Callable[[], bool],
         agreed: object = None,
         on_closed: Callable[[], None] = lambda: None,
+        on_ready: Callable[[GrpcLink], None] = lambda link: None,
+        plane_wait: Callable[[GrpcLink], Plane] | None = None,
     ) -> None:
         super().__init__(options, name, peer, context.peer())
         self.agreed = agreed
+        self._on_ready = on_ready
+        self._plane_wait = plane_wait
+        self._plane_offered = plane_wait is not None
         self._context = context
         self._server_stopping = server_stopping
         self._on_closed = on_closed
@@ -278,6 +309,14 @@ class _ServerLink(GrpcLink):
             # what is queued) must not drop the HELLO, or the client would
             # take the session for never opened.
             yield self._hello_reply
+            if self._plane_wait is not None:
+                try:  # the HELLO told the client where; it dials now
+                    self._attach(self._plane_wait(self))
+                except LinkError as exc:  # the application never sees it
+                    self._fail(exc, notify_peer=True)
+                    self._on_closed()
+                else:
+                    self._on_ready(self)
             yield from self._outgoing()
             if self._abort is not None:
                 self._context.abort(*self._abort)
@@ -287,6 +326,7 @@ class _ServerLink(GrpcLink):
     def _teardown(self, exc: LinkError, notify_peer: bool) -> None:
         self._abort = (status_for(exc), str(exc))
         self._dead.set()
+        self._shutdown_plane()
         self._push_end(drop_queued=True)
 
     def _shutdown(self, graceful: bool, timeout: float) -> None:
@@ -302,6 +342,7 @@ class _ServerLink(GrpcLink):
             if not self._served.wait(timeout):
                 self._context.cancel()
             self._reader.join(timeout)
+            self._close_plane()
         finally:
             self._on_closed()
 
@@ -349,8 +390,10 @@ class GrpcLinkServer(Service):
         session: SessionReply = "",
         options: LinkOptions | None = None,
         max_workers: int = 8,
+        data_listen: str | None = None,
     ) -> None:
-        check_plaintext(listen, insecure, allow_insecure_remote, tls is not None)
+        for address in (listen, data_listen) if data_listen else (listen,):
+            check_plaintext(address, insecure, allow_insecure_remote, tls is not None)
         _check_token(token)
         self._token = token.encode()
         self._role = role
@@ -392,7 +435,15 @@ class GrpcLinkServer(Service):
         host = split_host_port(listen)[0]
         #: the bound port (useful with port 0) and a dialable "host:port"
         self.port: int = port
-        self.address: str = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.address: str = join_host_port(host, port)
+        #: the bulk data plane offered to every session (data_plane.py), if any
+        self._plane = (
+            DataListener(data_listen, tls, self._opts.handshake_timeout_s)
+            if data_listen is not None
+            else None
+        )
+        #: its bound port (None without one)
+        self.data_port: int | None = None if self._plane is None else self._plane.port
 
     def start(self) -> Self:
         self._server.start()
@@ -413,6 +464,8 @@ class GrpcLinkServer(Service):
         """Stop serving; an active session's link fails with LinkClosedError."""
         self._stopping = True
         self._server.stop(grace).wait(grace + 5.0)
+        if self._plane is not None:
+            self._plane.stop()
 
     # -- the servicer: validate, delegate, map errors to status codes
 
@@ -481,7 +534,20 @@ class GrpcLinkServer(Service):
         peer = dataclasses.replace(peer, identity=identity)
         answer = self._answer(peer, context.peer())
         name = f"link[{self._role}<-{context.peer()}]"
-        reply_frame = hello_frame(self._role, answer.reply)
+        plane_wait = None
+        if self._plane is None:
+            reply_frame = hello_frame(self._role, answer.reply)
+        else:
+            plane = self._plane
+            secret, expected = plane.expect(identity)
+            reply_frame = hello_frame(self._role, answer.reply, plane.port, secret)
+
+            def plane_wait(link: GrpcLink) -> Plane:
+                up, down = plane.wait(
+                    expected, self._opts.handshake_timeout_s, link._dead.is_set
+                )
+                return Plane(FrameSocket(down, name), FrameSocket(up, name))
+
         link = _ServerLink(
             context,
             self._opts,
@@ -496,14 +562,22 @@ class GrpcLinkServer(Service):
             # would otherwise pile up sessions (threads, buffers, gRPC call
             # state) faster than they are served.
             on_closed=lambda: self._admission.release(link),
+            on_ready=self._ready,
+            plane_wait=plane_wait,
         )
         self._admission.hand_over(ticket, link)
         if not context.add_callback(link.rpc_done):
             self._admission.release(link)
+            if self._plane is not None:
+                self._plane.forget(expected)
             raise PeerLostError("client went away during the handshake")
-        log.info("%s: session open (peer role %r)", name, peer.role)
-        self._sessions.put(link)
+        if plane_wait is None:  # else once its data plane is attached
+            self._ready(link)
         return link
+
+    def _ready(self, link: GrpcLink) -> None:
+        log.info("%s: session open (peer role %r)", link._name, link.peer.role)
+        self._sessions.put(link)
 
     def _answer(self, peer: PeerHello, remote: str) -> Accept:
         """The session callback's verdict on ``peer``'s HELLO."""

@@ -39,8 +39,9 @@ class MemoryLink(LinkCore):
 
     _peer: MemoryLink
 
-    def _write(self, frame: bytes) -> None:
+    def _write(self, frame: bytes) -> int:
         self._peer._receive(frame)
+        return len(frame)
 
     def _transmit_tensor(self, job: _Job) -> None:
         assert job.key is not None and job.tensor is not None

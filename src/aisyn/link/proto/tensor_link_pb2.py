@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61isyn/link/tensor_link.proto\x12\raisyn.link.v1\"\xd7\x01\n\x05\x46rame\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x14.aisyn.link.v1.HelloH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.aisyn.link.v1.TensorChunkH\x00\x12\'\n\x06scalar\x18\x03 \x01(\x0b\x32\x15.aisyn.link.v1.ScalarH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.aisyn.link.v1.ErrorH\x00\x12!\n\x03\x62ye\x18\x05 \x01(\x0b\x32\x12.aisyn.link.v1.ByeH\x00\x42\x06\n\x04kind\"@\n\x05Hello\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07session\x18\x03 \x01(\t\"\xc4\x01\n\x0bTensorChunk\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05micro\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x07 \x01(\r\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12\x13\n\x0btotal_bytes\x18\t \x01(\x04\x12\x12\n\nside_bytes\x18\n \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"2\n\x06Scalar\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05value\x18\x03 \x01(\x01\"\x18\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x05\n\x03\x42ye2H\n\nTensorLink\x12:\n\x08\x45xchange\x12\x14.aisyn.link.v1.Frame\x1a\x14.aisyn.link.v1.Frame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61isyn/link/tensor_link.proto\x12\raisyn.link.v1\"\xd7\x01\n\x05\x46rame\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x14.aisyn.link.v1.HelloH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.aisyn.link.v1.TensorChunkH\x00\x12\'\n\x06scalar\x18\x03 \x01(\x0b\x32\x15.aisyn.link.v1.ScalarH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.aisyn.link.v1.ErrorH\x00\x12!\n\x03\x62ye\x18\x05 \x01(\x0b\x32\x12.aisyn.link.v1.ByeH\x00\x42\x06\n\x04kind\"h\n\x05Hello\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07session\x18\x03 \x01(\t\x12\x11\n\tdata_port\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x61ta_secret\x18\x05 \x01(\x0c\"\xc4\x01\n\x0bTensorChunk\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05micro\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x07 \x01(\r\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12\x13\n\x0btotal_bytes\x18\t \x01(\x04\x12\x12\n\nside_bytes\x18\n \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"2\n\x06Scalar\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05value\x18\x03 \x01(\x01\"\x18\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x05\n\x03\x42ye2H\n\nTensorLink\x12:\n\x08\x45xchange\x12\x14.aisyn.link.v1.Frame\x1a\x14.aisyn.link.v1.Frame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FRAME']._serialized_start=48
   _globals['_FRAME']._serialized_end=263
   _globals['_HELLO']._serialized_start=265
-  _globals['_HELLO']._serialized_end=329
-  _globals['_TENSORCHUNK']._serialized_start=332
-  _globals['_TENSORCHUNK']._serialized_end=528
-  _globals['_SCALAR']._serialized_start=530
-  _globals['_SCALAR']._serialized_end=580
-  _globals['_ERROR']._serialized_start=582
-  _globals['_ERROR']._serialized_end=606
-  _globals['_BYE']._serialized_start=608
-  _globals['_BYE']._serialized_end=613
-  _globals['_TENSORLINK']._serialized_start=615
-  _globals['_TENSORLINK']._serialized_end=687
+  _globals['_HELLO']._serialized_end=369
+  _globals['_TENSORCHUNK']._serialized_start=372
+  _globals['_TENSORCHUNK']._serialized_end=568
+  _globals['_SCALAR']._serialized_start=570
+  _globals['_SCALAR']._serialized_end=620
+  _globals['_ERROR']._serialized_start=622
+  _globals['_ERROR']._serialized_end=646
+  _globals['_BYE']._serialized_start=648
+  _globals['_BYE']._serialized_end=653
+  _globals['_TENSORLINK']._serialized_start=655
+  _globals['_TENSORLINK']._serialized_end=727
 # @@protoc_insertion_point(module_scope)

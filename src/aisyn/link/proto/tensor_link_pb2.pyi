@@ -23,14 +23,18 @@ class Frame(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., tensor: _Optional[_Union[TensorChunk, _Mapping]] = ..., scalar: _Optional[_Union[Scalar, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., bye: _Optional[_Union[Bye, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("role", "protocol_version", "session")
+    __slots__ = ("role", "protocol_version", "session", "data_port", "data_secret")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_SECRET_FIELD_NUMBER: _ClassVar[int]
     role: str
     protocol_version: int
     session: str
-    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    data_port: int
+    data_secret: bytes
+    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., data_port: _Optional[int] = ..., data_secret: _Optional[bytes] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("tag", "step", "micro", "dtype", "shape", "codec", "chunk_index", "num_chunks", "total_bytes", "side_bytes", "data")
