@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from aisyn.link import DevCerts, GrpcLinkServer, ShapedProxy, connect, make_dev_certs
+from aisyn.link import DevCerts, GrpcLinkServer, connect, make_dev_certs
 from aisyn.link.codec import encode
 from aisyn.link.data_plane import tls_context
 from aisyn.link.frames import MAX_MESSAGE_BYTES, FrameKey, tensor_frames
@@ -234,12 +234,34 @@ def stop_peer(proc: subprocess.Popen[str]) -> None:
     proc.wait(30)
 
 
-def via_proxy(port: int, args: argparse.Namespace) -> tuple[ShapedProxy | None, int]:
+class _ProxyProcess:
+    """A ``ShapedProxy`` in a process of its own: on a real WAN the network
+    does the shaping, not the parties' CPUs or their interpreter's lock."""
+
+    def __init__(self, port: int, args: argparse.Namespace) -> None:
+        rate = args.mbit * 1e6 if args.mbit else None
+        code = (
+            "import sys; from aisyn.link import ShapedProxy\n"
+            f"p = ShapedProxy(0, '127.0.0.1', {port}, {args.rtt_ms}, {rate}).start()\n"
+            "print(p.port, flush=True); sys.stdin.read(); p.stop()"
+        )
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        self.port = int(self._proc.stdout.readline())
+
+    def stop(self) -> None:
+        stop_peer(self._proc)
+
+
+def via_proxy(port: int, args: argparse.Namespace) -> tuple[_ProxyProcess | None, int]:
     if not args.rtt_ms and not args.mbit:
         return None, port
-    proxy = ShapedProxy(
-        0, "127.0.0.1", port, args.rtt_ms, args.mbit * 1e6 if args.mbit else None
-    ).start()
+    proxy = _ProxyProcess(port, args)
     return proxy, proxy.port
 
 
@@ -530,6 +552,15 @@ def main(argv: list[str] | None = None) -> None:
         f"{100 * grpc_small:.0f} % ({size(rounds[0][3])}) of the plain TLS socket; "
         f"scalar RTT {grpc_rtt:.1f} x"
     )
+    if args.mbit:
+        shaped = args.mbit * 1e6 / 8 / MB
+        shaped_link = median(lambda t, lk, g, ts, ls, gs: rate(lk)) / shaped
+        shaped_tls = median(lambda t, lk, g, ts, ls, gs: rate(t)) / shaped
+        print(
+            f"shaped {args.rtt_ms:g} ms RTT, {args.mbit:g} Mbit/s ({shaped:.1f} MB/s):"
+            f" link {100 * shaped_link:.0f} %, TLS socket {100 * shaped_tls:.0f} % "
+            f"of the shaped rate ({size(link)})"
+        )
     print(
         f"link: {100 * link_big:.0f} % ({size(link)}), {100 * link_small:.0f} % "
         f"({size(rounds[0][4])}) of the plain TLS socket; scalar RTT {rtt:.1f} x"

@@ -4,11 +4,13 @@ Unsplit training (``train.executor.LocalExecutor``) against split training of th
 model on the same batches, with the same seed and micro-batching:
 
 * in-process (both parties in this process, in-memory link);
-* over gRPC on loopback (the compute party is a separate ``aisyn split serve``
-  process, mutual TLS), lockstep and pipelined, each cut-layer codec;
-* the same through a shaped link (``ShapedProxy``: added round-trip latency and
-  a bandwidth cap per direction), where pipelining and compression must win
-  back most of the time lockstep loses.
+* over the network link on loopback (the compute party is a separate ``aisyn
+  split serve`` process, mutual TLS, its bulk data plane beside the gRPC
+  control stream), lockstep and pipelined, each cut-layer codec;
+* the same through a shaped link (``ShapedProxy`` in front of both the control
+  stream and the data plane: added round-trip latency and a bandwidth cap per
+  direction), where pipelining and compression must win back most of the time
+  lockstep loses.
 
 Per configuration: median step time, tokens/s, ratio to the unsplit baseline,
 and bytes on the wire per step. Also the effect of int8 compression on the
@@ -59,6 +61,7 @@ from aisyn.model.segments import (
     init_seeds,
     parse_partition,
 )
+from aisyn.net import free_port
 from aisyn.split import protocol as proto
 from aisyn.split.compute_party import ComputeParty
 from aisyn.split.data_party import DataSession
@@ -470,8 +473,17 @@ def main(argv: list[str] | None = None) -> int:
     if sections & {"loopback", "shaped"}:
         env = {"OMP_NUM_THREADS": str(args.threads)}
         with tempfile.TemporaryDirectory() as tmp:
+            # Its bulk data plane on a port known here, so the shaped section
+            # can put a shaper in front of it too.
+            data_port = free_port()
             server = spawn_compute_party(
-                Path(tmp) / "b", cfg, part, Path(tmp) / "b-runs", device="cpu", env=env
+                Path(tmp) / "b",
+                cfg,
+                part,
+                Path(tmp) / "b-runs",
+                device="cpu",
+                env=env,
+                data_listen=f"127.0.0.1:{data_port}",
             )
 
             def grpc(settings, link_name, window, codec, tc=tcfg) -> Result:
@@ -507,9 +519,15 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(r)
                 if "shaped" in sections:
                     port = int(server.settings.address.rpartition(":")[2])
-                    with shaped_link(port, args.rtt_ms, args.mbit, spare) as p_port:
+                    with (
+                        shaped_link(port, args.rtt_ms, args.mbit, spare) as p_port,
+                        shaped_link(data_port, args.rtt_ms, args.mbit, spare) as d_port,
+                    ):
+                        # Both the control stream and the data plane shaped.
                         shaped = dataclasses.replace(
-                            server.settings, address=f"127.0.0.1:{p_port}"
+                            server.settings,
+                            address=f"127.0.0.1:{p_port}",
+                            data_address=f"127.0.0.1:{d_port}",
                         )
                         name = f"shaped {args.rtt_ms:g} ms RTT, {args.mbit:g} Mbit/s"
                         configs = [(0, "none"), (0, "int8")]

@@ -398,3 +398,33 @@ def test_concurrent_sends_keep_their_order(tls_server, pki):
         assert b.recv_scalar(f"s{i}", step=0, timeout=5) == float(i)
     a.close()
     b.close()
+
+
+def test_recv_timeout_leaves_the_session_usable(tls_server, pki):
+    """A receiver that reads the data plane itself and times out between
+    frames gives the reading back: the next frame still arrives whole."""
+    from aisyn.link import LinkTimeoutError
+
+    a, b = _pair(tls_server, pki)
+    with pytest.raises(LinkTimeoutError):
+        b.recv("act", step=0, timeout=0.3)
+    x = torch.randn(512, 1024)
+    a.send("act", x, step=0)
+    assert torch.equal(b.recv("act", step=0, timeout=5), x)
+    a.close()
+    b.close()
+
+
+def test_peer_stalled_mid_frame_ends_the_session(tls_server, pki):
+    from aisyn.link import LinkTimeoutError
+
+    a, b = _pair(tls_server, pki)
+    header = _tensor_header()
+    a._plane.out._sock.sendall(_HEADER.pack(len(header), 16) + header + b"x" * 4)
+    with pytest.raises(LinkTimeoutError, match="part of a frame"):
+        b.recv("act", step=0, timeout=1)
+    with pytest.raises(LinkError):  # the session is over, on both sides
+        a.recv("grad", step=0, timeout=10)
+    a.close()
+    b.close()
+    _next_session_works(tls_server, pki)

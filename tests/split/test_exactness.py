@@ -52,11 +52,18 @@ def test_in_process_matches_unsplit_training(
     assert config["kind"] == "split" and config["partition"]["front"] == 1
 
 
+@pytest.mark.parametrize("data_plane", [False, True], ids=["grpc", "data-plane"])
 def test_grpc_matches_unsplit_training(
-    tmp_path, news_data, split_config, baseline, token_file
+    tmp_path, news_data, split_config, baseline, token_file, data_plane
 ):
-    # Prepare: a real gRPC compute party (plaintext on loopback)
-    settings = LinkSettings("127.0.0.1:0", token_file=str(token_file), insecure=True)
+    # Prepare: a real gRPC compute party (plaintext on loopback), offering its
+    # bulk data plane or not
+    settings = LinkSettings(
+        "127.0.0.1:0",
+        token_file=str(token_file),
+        insecure=True,
+        data_address="127.0.0.1:0" if data_plane else None,
+    )
     with start_server(split_config, tmp_path / "b", settings) as server:
         peer = LinkSettings(server.address, token_file=str(token_file), insecure=True)
         # Execute: pipelined over the wire

@@ -391,9 +391,13 @@ class LinkCore(Link):
                     raise LinkTimeoutError(
                         f"{self._name}: timed out after {timeout:g} s waiting for {key}"
                     )
-                self._cond.wait(remaining)
+                self._wait_for_frames(remaining)
         self._fail(violation, notify_peer=True)
         raise violation
+
+    def _wait_for_frames(self, timeout: float | None) -> None:
+        """A receiver waits (caller holds _cond) until frames may have come."""
+        self._cond.wait(timeout)
 
     def _advance(self, step: int) -> FrameError | None:
         """Receiver moves on to ``step``; drop what earlier steps left unread.

@@ -11,8 +11,10 @@ deserialiser.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
+import socket
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -23,13 +25,14 @@ from aisyn.net import is_loopback, split_host_port
 from ._core import LinkCore
 from .base import LinkOptions, PeerHello
 from .codec import Encoded
-from .data_plane import Plane
+from .data_plane import IDLE, Plane
 from .errors import (
     AuthError,
     FrameError,
     FrameTooLargeError,
     HandshakeError,
     LinkError,
+    LinkTimeoutError,
     MalformedFrameError,
     PeerAbortedError,
     PeerLostError,
@@ -178,12 +181,17 @@ class GrpcLink(LinkCore):
         # without one, frames travel on the gRPC stream.
         self._plane: Plane | None = None
         self._plane_offered = False  # frames on the stream are then a violation
+        self._plane_over = False  # nothing more will be read from it
+        self._reading = False  # a thread holds the reader's role (under _cond)
+        self._want_read = 0  # receivers waiting to take it
         self._plane_reader = threading.Thread(
             target=self._plane_loop, name=f"{name}-plane", daemon=True
         )
 
     def _attach(self, plane: Plane) -> None:
         self._plane = plane
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
         self._plane_reader.start()
 
     # -- outbound
@@ -276,23 +284,104 @@ class GrpcLink(LinkCore):
         finally:
             self._dead.set()
 
+    # Reading the data plane. Frames are read one at a time by whoever holds
+    # the reader's role (_reading, under _cond): a receiver waiting in recv()
+    # takes it and reads its frames itself; the plane thread reads whenever
+    # no receiver does. A frame handed from a reading thread to a waiting one
+    # costs two thread wake-ups (the waiter, then the interpreter lock) -- on
+    # a small virtual machine as much as a round trip on the wire -- which
+    # reading in the waiting thread saves. The plane thread waits for a
+    # frame's start without the role; a receiver taking it pokes the thread
+    # (_wake), which then parks until the role is free again, so only the
+    # receiver wakes when the frame comes.
+
     def _plane_loop(self) -> None:
-        """The data plane's receiving thread: every frame after the HELLOs."""
+        """The data plane's background reader."""
         assert self._plane is not None
         inbound = self._plane.inbound
+        while True:
+            with self._cond:
+                while (self._reading or self._want_read) and not self._plane_over:
+                    self._cond.wait()
+                if self._plane_over:
+                    return
+            if not inbound.wait_readable(None, self._wake_r):
+                continue  # poked: a receiver is taking the role
+            with self._cond:
+                if self._reading or self._want_read or self._plane_over:
+                    continue
+                self._reading = True
+            try:
+                inbound.set_timeout(None)
+                self._read_frame()
+            finally:
+                self._release_reader()
+
+    def _wait_for_frames(self, timeout: float | None) -> None:
+        if self._plane is None or self._plane_over:
+            self._cond.wait(timeout)
+            return
+        if self._reading:  # mid-frame, or another receiver: it delivers
+            self._want_read += 1
+            try:
+                self._cond.wait(timeout)
+            finally:
+                self._want_read -= 1
+            return
+        self._reading = True
+        with contextlib.suppress(OSError):  # the plane thread: step aside
+            self._wake_w.send(b"\0")
+        self._cond.release()
         try:
-            while (item := inbound.read()) is not None:
-                self._on_frame(item)
-                if _kind(item) == "bye":
-                    return  # nothing may follow; the peer closes its end
-            self._plane_lost()
+            inbound = self._plane.inbound
+            if inbound.wait_readable(timeout, None):
+                # A peer alive but stuck mid-frame must not hold this caller
+                # past its own timeout (the read then fails the session).
+                inbound.set_timeout(None if timeout is None else max(timeout, 1.0))
+                self._read_frame()
+        finally:
+            self._cond.acquire()
+            self._reading = False
+            self._cond.notify_all()
+
+    def _release_reader(self) -> None:
+        with self._cond:
+            self._reading = False
+            self._cond.notify_all()
+
+    def _read_frame(self) -> None:
+        """Read and handle one frame (the reader's role held); a failure ends
+        the link, and the end of the data plane stops all reading."""
+        assert self._plane is not None
+        try:
+            item = self._plane.inbound.read()
+            if item is IDLE:
+                return
+            if item is None:
+                self._plane_ended()
+                self._plane_lost()
+                return
+            self._on_frame(item)
+            if _kind(item) == "bye":
+                self._plane_ended()  # nothing may follow; the peer closes its end
         except (FrameError, HandshakeError) as exc:
+            self._plane_ended()
+            self._fail(exc, notify_peer=True)
+        except LinkTimeoutError as exc:
+            self._plane_ended()
             self._fail(exc, notify_peer=True)
         except PeerLostError:
+            self._plane_ended()
             self._plane_lost()
         except Exception as exc:  # a bug here must not leave recv() hanging
+            self._plane_ended()
             log.exception("%s: data-plane receiver failed", self._name)
             self._fail(LinkError(f"receiver failed: {exc!r}"), notify_peer=False)
+
+    def _plane_ended(self) -> None:
+        with self._cond:
+            self._plane_over = True
+            self._cond.notify_all()
 
     def _ended(self) -> bool:
         """Closed here, or the peer said goodbye: an end of stream is due."""
@@ -309,16 +398,22 @@ class GrpcLink(LinkCore):
 
     def _close_plane(self) -> None:
         if self._plane is not None:
-            self._plane.out.close()
-            self._plane.inbound.close()
+            self._shutdown_plane()
             if self._plane_reader.is_alive():
                 self._plane_reader.join(self._opts.close_timeout_s)
+            self._plane.out.close()
+            self._plane.inbound.close()
+            self._wake_r.close()
+            self._wake_w.close()
 
     def _shutdown_plane(self) -> None:
         """Unblock the data plane's reader and writer (teardown)."""
         if self._plane is not None:
+            self._plane_ended()
             self._plane.out.shutdown()
             self._plane.inbound.shutdown()
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
 
     def _ended_abruptly(self) -> str:
         return f"{self._remote} ended the session without saying goodbye"

@@ -32,11 +32,13 @@ beyond the header); the sender writes the data straight from the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import secrets
+import select
 import socket
 import ssl
 import struct
@@ -126,6 +128,10 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 # ------------------------------------------------------------------ framing
 
 
+#: what ``FrameSocket.read`` returns when no frame began before its timeout
+IDLE = Inbound(None, 0, "no frame yet")
+
+
 class FrameSocket:
     """One direction of the data plane: frames out, or frames in."""
 
@@ -135,6 +141,7 @@ class FrameSocket:
         self._buf = bytearray(_READ_BUFFER)
         self._view = memoryview(self._buf)
         self._pos = self._end = 0  # unread bytes: _buf[_pos:_end]
+        self._timeout: float | None = sock.gettimeout()
         self._closed = False
 
     def write(self, header: bytes, data: Sequence[memoryview | bytes] = ()) -> int:
@@ -154,10 +161,16 @@ class FrameSocket:
 
     def read(self) -> Inbound | None:
         """The next frame, its data still to be read (``Inbound.data``); None
-        at a clean end of stream between frames. Raises FrameError for a bad
+        at a clean end of stream between frames; ``IDLE`` if the read timed
+        out before a frame began (TLS records that carry no data can make a
+        socket readable with no frame behind them). Raises FrameError for a bad
         header, PeerLostError for a connection lost mid-frame."""
-        if not self._buffered() and not self._refill():
-            return None
+        if not self._buffered():
+            try:
+                if not self._refill():
+                    return None
+            except LinkTimeoutError:  # not one byte of a frame yet: nothing lost
+                return IDLE
         head = self._take(_HEADER.size)
         header_len, data_len = _HEADER.unpack(head)
         if header_len > MAX_HEADER_BYTES:
@@ -200,6 +213,8 @@ class FrameSocket:
             self._pos, self._end = 0, len(tail)
         try:
             got = self._sock.recv_into(self._view[self._end :])
+        except TimeoutError:
+            raise self._stalled() from None
         except OSError as exc:
             raise PeerLostError(f"{self._name}: data plane lost: {exc}") from None
         self._end += got
@@ -214,6 +229,13 @@ class FrameSocket:
         self._pos += n
         return out
 
+    def _stalled(self) -> LinkTimeoutError:
+        timeout = self._sock.gettimeout()
+        return LinkTimeoutError(
+            f"{self._name}: the peer sent part of a frame, then nothing for "
+            f"{timeout:g} s"
+        )
+
     def _fill(self, view: memoryview) -> None:
         have = min(self._buffered(), len(view))
         view[:have] = self._view[self._pos : self._pos + have]
@@ -222,8 +244,32 @@ class FrameSocket:
             _recv_exact(self._sock, view[have:])
         except EOFError:
             raise PeerLostError(f"{self._name}: data plane cut mid-frame") from None
+        except TimeoutError:
+            raise self._stalled() from None
         except OSError as exc:
             raise PeerLostError(f"{self._name}: data plane lost: {exc}") from None
+
+    def wait_readable(self, timeout: float | None, wake: socket.socket | None) -> bool:
+        """Wait until a frame has begun to arrive (True) or ``wake`` is poked
+        or ``timeout`` passes (False). Called between frames only."""
+        if self._buffered() or getattr(self._sock, "pending", lambda: 0)():
+            return True
+        try:
+            fds = [self._sock] if wake is None else [self._sock, wake]
+            ready = select.select(fds, [], [], timeout)[0]
+        except (OSError, ValueError):  # closed under us: the read will say so
+            return True
+        if wake is not None and wake in ready:
+            with contextlib.suppress(OSError):
+                wake.recv(4096)
+        return self._sock in ready
+
+    def set_timeout(self, timeout: float | None) -> None:
+        """How long one receive call may wait (None: forever)."""
+        if timeout != self._timeout:  # each change costs system calls
+            self._timeout = timeout
+            with contextlib.suppress(OSError):
+                self._sock.settimeout(timeout)
 
     def shutdown(self) -> None:
         """Unblock any thread reading or writing (at the socket, not TLS level:

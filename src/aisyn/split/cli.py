@@ -59,6 +59,22 @@ def _add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
             help="name to verify in the server certificate when it differs from "
             "the --peer host",
         )
+        g.add_argument(
+            "--data-peer",
+            type=validate.host_port,
+            help="dial the compute party's data plane (when it offers one) at this "
+            "HOST:PORT instead of the --peer host and the port it names: for a "
+            "proxy or NAT between the parties",
+        )
+    else:
+        g.add_argument(
+            "--data-listen",
+            type=validate.listen_address,
+            help="also offer every session a bulk data plane on HOST:PORT (port 0: "
+            "any free): its tensors then travel on two mutual-TLS connections "
+            "beside the gRPC stream, near a plain TLS socket's rate; the data "
+            "party's firewall must let it reach this port too",
+        )
     g.add_argument(
         "--token-file",
         help="file holding the shared token (default: $AISYN_SPLIT_TOKEN)",
@@ -94,6 +110,8 @@ def _settings(args, address: str):
         token_file=args.token_file,
         insecure=args.insecure,
         allow_insecure_remote=args.allow_insecure_remote,
+        data_address=getattr(args, "data_listen", None)
+        or getattr(args, "data_peer", None),
     )
 
 

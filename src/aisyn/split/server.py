@@ -67,6 +67,7 @@ class SplitServer:
             role="B",
             session=self._on_hello,
             options=options,
+            data_listen=settings.data_address,
         )
         #: sessions run so far, and how many of them failed (for logs and tests)
         self.sessions_served = 0

@@ -168,6 +168,7 @@ def open_grpc(
         session=proto.encode_json(hello),
         options=link_options(codec, recv_timeout_s),
         timeout=connect_timeout_s,
+        data_peer=settings.data_address,
     )
     try:
         try:
@@ -207,8 +208,12 @@ def spawn_compute_party(
     start_timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
     init_from: str | Path | None = None,
+    data_listen: str | None = "127.0.0.1:0",
 ) -> SpawnedServer:
     """Start a compute party on 127.0.0.1 (free port) and wait until it listens.
+
+    It offers its bulk data plane on ``data_listen`` (None: gRPC alone); on
+    loopback nothing stands in its way.
 
     Unless ``insecure``, it gets a dev CA with server and client certificates
     under ``workdir/certs``, and a random token (file mode 0600). Both are
@@ -250,6 +255,8 @@ def spawn_compute_party(
         # to their data party are this data party's own.
         "--accept-unbound-runs",
     ]
+    if data_listen:
+        args += ["--data-listen", data_listen]
     if init_from:
         folder = hf_folder(init_from)
         where = f"hf:{folder.resolve()}" if folder else str(Path(init_from).resolve())

@@ -52,6 +52,10 @@ class LinkSettings:
     token_file: str | None = None
     insecure: bool = False
     allow_insecure_remote: bool = False
+    #: the bulk data plane (``link/data_plane.py``): where B offers it
+    #: (``--data-listen``), or where A dials it when not at ``address``'s host
+    #: and the port B names (``--data-peer``: a proxy or NAT between)
+    data_address: str | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.tls_cert, self.tls_key, self.tls_ca)]
@@ -69,13 +73,18 @@ class LinkSettings:
         """Fail early (before any run folder is written) on bad settings."""
         self.tls()
         self.token()
-        host = split_host_port(self.address)[0]
-        if self.insecure and not self.allow_insecure_remote and not is_loopback(host):
-            raise ValueError(
-                f"refusing plaintext to non-loopback {self.address}: use mutual TLS "
-                "(activations and gradients reveal training data), or force it "
-                "with --allow-insecure-remote"
-            )
+        for address in filter(None, (self.address, self.data_address)):
+            host = split_host_port(address)[0]
+            if (
+                self.insecure
+                and not self.allow_insecure_remote
+                and not is_loopback(host)
+            ):
+                raise ValueError(
+                    f"refusing plaintext to non-loopback {address}: use mutual TLS "
+                    "(activations and gradients reveal training data), or force it "
+                    "with --allow-insecure-remote"
+                )
 
     def tls(self) -> TlsConfig | None:
         if self.insecure:
