@@ -204,6 +204,7 @@ def test_wrong_secret_or_certificate_cannot_attach(tls_server, pki, monkeypatch)
     b.close()
 
 
+@pytest.mark.slow  # waits out the server's handshake timeout
 def test_client_that_never_dials_frees_the_slot(tls_server, pki, monkeypatch):
     from aisyn.link import grpc_link
 
@@ -428,3 +429,24 @@ def test_peer_stalled_mid_frame_ends_the_session(tls_server, pki):
     a.close()
     b.close()
     _next_session_works(tls_server, pki)
+
+
+def test_a_flood_of_silent_dials_does_not_lock_the_client_out(tls_server, pki):
+    """Connections that never finish their handshake, from one address, take
+    at most a few slots: the session's own client still attaches."""
+    import time as _time
+
+    # An address other than the client's own 127.0.0.1 (all of 127/8 is
+    # loopback on Linux).
+    silent = []
+    for _ in range(70):  # more than the listener's handshakes in all
+        s = socket.socket()
+        s.bind(("127.0.0.2", 0))
+        s.connect(("127.0.0.1", tls_server.data_port))
+        silent.append(s)
+    _time.sleep(0.2)
+    try:
+        _next_session_works(tls_server, pki)
+    finally:
+        for s in silent:
+            s.close()

@@ -32,6 +32,15 @@ authenticate and keep alive, and a dead peer takes the whole session down at
 once instead of leaving one half hanging. Frames carry (tag, step, micro) so
 ``recv`` can match by key with several micro-batches in flight.
 
+*A bulk data plane beside the stream* (``data_plane.py``, opt-in on the
+server with ``data_listen``): gRPC costs about a millisecond per message and
+moves half of what one TLS socket does, so a server may offer each session,
+in its HELLO, a port and a one-time secret; the client opens two mutual-TLS
+connections there (one per direction, the same certificate as the stream)
+and every later frame travels on them in order, received straight into the
+destination tensor, while the gRPC stream stays as the control stream
+(keepalive, and the reason when a side breaks off).
+
 *Chunking at 4 MiB.* gRPC's default message limit is 4 MiB and proxies on the
 way are tuned for it; bounded messages also bound what one frame can make
 either side allocate, and let the sender interleave encoding with
@@ -56,13 +65,13 @@ A lost peer is detected by gRPC keepalive pings within about
 ``keepalive_s + keepalive_timeout_s`` (3 s by default) and surfaces as
 :class:`PeerLostError` from every pending and later call.
 
-Performance: a tensor is copied once on each side outside gRPC (into the
-outgoing frame, into the received tensor); int8 quantisation costs CPU time on
-both ends (see the benchmark). Every received tensor is a fresh
-allocation, and with glibc's default thresholds multi-MiB allocations are new
-mmaps that page-fault on first touch; deployments moving large activations
-should raise ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` or use
-jemalloc/tcmalloc (``bench/link_throughput.py --tune-malloc`` shows the gain).
+Performance: on gRPC a tensor is copied once on each side outside gRPC (into
+the outgoing frame, into the received tensor); on the data plane it is sent
+from its own memory and received into its destination. int8 quantisation
+costs CPU time on both ends (see the benchmark). Every received tensor is the
+caller's own; the buffers of those it has dropped are reused for the next of
+the same size (``frames.ReceivePool``), since a fresh multi-MiB buffer's pages
+fault in as the data lands.
 """
 
 from .base import MAX_CHUNK_BYTES, Link, LinkOptions, PeerHello

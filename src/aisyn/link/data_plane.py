@@ -81,8 +81,11 @@ MAX_HEADER_BYTES = 64 * 1024
 _COALESCE_BYTES = 64 * 1024
 #: what one receive call may read ahead; must hold the largest header
 _READ_BUFFER = MAX_HEADER_BYTES + 8 + 64 * 1024
-#: TLS handshakes in progress at once; a flood of dials beyond it is dropped
-_MAX_HANDSHAKES = 16
+#: TLS handshakes in progress at once, in all and from one address: a flood
+#: of dials beyond it is dropped, and one host's flood cannot fill the slots
+#: the session's own client needs
+_MAX_HANDSHAKES = 64
+_MAX_HANDSHAKES_PER_HOST = 4
 
 
 def new_secret() -> bytes:
@@ -325,6 +328,7 @@ class DataListener:
         self._lock = threading.Lock()
         self._expected: list[_Expected] = []
         self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+        self._per_host: dict[str, int] = {}  # handshakes in progress per address
         self._stopped = False
         self._thread = threading.Thread(
             target=self._accept_loop, name="data-plane-accept", daemon=True
@@ -387,15 +391,28 @@ class DataListener:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            if not self._handshakes.acquire(blocking=False):
+            host = addr[0] if isinstance(addr, tuple) else str(addr)
+            with self._lock:
+                busy = self._per_host.get(host, 0) >= _MAX_HANDSHAKES_PER_HOST
+                if not busy:
+                    self._per_host[host] = self._per_host.get(host, 0) + 1
+            if busy or not self._handshakes.acquire(blocking=False):
+                if not busy:
+                    self._unclaim(host)
                 log.warning("data plane: too many handshakes; dropped %s", addr)
                 conn.close()
                 continue
             threading.Thread(
-                target=self._handshake, args=(conn, addr), daemon=True
+                target=self._handshake, args=(conn, addr, host), daemon=True
             ).start()
 
-    def _handshake(self, conn: socket.socket, addr: object) -> None:
+    def _unclaim(self, host: str) -> None:
+        with self._lock:
+            left = self._per_host.pop(host, 1) - 1
+            if left:
+                self._per_host[host] = left
+
+    def _handshake(self, conn: socket.socket, addr: object, host: str) -> None:
         held = [conn]  # and, once wrapped, its TLS socket
         try:
             problem = self._admit(held)
@@ -403,6 +420,7 @@ class DataListener:
             problem = f"handshake failed: {exc}"
         finally:
             self._handshakes.release()
+            self._unclaim(host)
         if problem:
             log.warning("data plane: refused a connection from %s: %s", addr, problem)
             held[-1].close()
