@@ -150,18 +150,10 @@ def _chunk_headers(
 
 
 def _chunk_prefixes(
-    key: FrameKey,
-    codec: str,
-    dtype: torch.dtype,
-    shape: Sequence[int],
-    side_bytes: int,
-    total: int,
-    chunk_bytes: int,
+    headers: Iterator[tuple[bytes, int, int]],
 ) -> Iterator[tuple[bytes, int, int]]:
-    """Yield (frame bytes up to the data, start, end) for each chunk of the stream."""
-    for body, start, end in _chunk_headers(
-        key, codec, dtype, shape, side_bytes, total, chunk_bytes
-    ):
+    """(frame bytes up to the data, start, end) for each of ``_chunk_headers``."""
+    for body, start, end in headers:
         data_len = _varint(end - start)
         inner = len(body) + len(_CHUNK_DATA_TAG) + len(data_len) + end - start
         prefix = b"".join(
@@ -181,6 +173,14 @@ def _slices(buffers: list[memoryview], start: int, end: int) -> list[memoryview]
     return parts
 
 
+def _enc_headers(
+    key: FrameKey, enc: Encoded, chunk_bytes: int
+) -> Iterator[tuple[bytes, int, int]]:
+    return _chunk_headers(
+        key, enc.codec, enc.dtype, enc.shape, enc.side.numel(), enc.nbytes, chunk_bytes
+    )
+
+
 def _stream(enc: Encoded) -> list[memoryview]:
     parts = (enc.side, enc.payload)
     return [memoryview(t.numpy()).cast("B") for t in parts if t.numel()]
@@ -189,9 +189,7 @@ def _stream(enc: Encoded) -> list[memoryview]:
 def tensor_frames(key: FrameKey, enc: Encoded, chunk_bytes: int) -> Iterator[bytes]:
     """Serialised frames carrying ``enc``; each copies its slice exactly once."""
     buffers = _stream(enc)
-    for prefix, start, end in _chunk_prefixes(
-        key, enc.codec, enc.dtype, enc.shape, enc.side.numel(), enc.nbytes, chunk_bytes
-    ):
+    for prefix, start, end in _chunk_prefixes(_enc_headers(key, enc, chunk_bytes)):
         yield b"".join([prefix, *_slices(buffers, start, end)])
 
 
@@ -207,9 +205,7 @@ def tensor_chunks(key: FrameKey, enc: Encoded, chunk_bytes: int) -> Iterator[Wir
     """The data plane's form of ``tensor_frames``: per chunk, the header and
     views of the data (no copy)."""
     buffers = _stream(enc)
-    for body, start, end in _chunk_headers(
-        key, enc.codec, enc.dtype, enc.shape, enc.side.numel(), enc.nbytes, chunk_bytes
-    ):
+    for body, start, end in _enc_headers(key, enc, chunk_bytes):
         header = b"".join((_FRAME_TENSOR_TAG, _varint(len(body)), body))
         yield Wire(header, _slices(buffers, start, end))
 
@@ -218,7 +214,7 @@ def tensor_wire_size(key: FrameKey, tensor: torch.Tensor, chunk_bytes: int) -> i
     """Bytes ``tensor_frames`` would produce for an uncompressed tensor."""
     total = tensor.numel() * tensor.dtype.itemsize
     prefixes = _chunk_prefixes(
-        key, "none", tensor.dtype, tensor.shape, 0, total, chunk_bytes
+        _chunk_headers(key, "none", tensor.dtype, tensor.shape, 0, total, chunk_bytes)
     )
     return sum(len(prefix) + end - start for prefix, start, end in prefixes)
 
