@@ -101,7 +101,8 @@ class LinkCore(Link):
         self.peer = peer
         self._opts = options
         self._name = name
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()  # a transport may add conditions on it
+        self._cond = threading.Condition(self._lock)
         # Receive side; guarded by _cond.
         self._pending: dict[FrameKey, tuple[torch.Tensor | float, int]] = {}
         self._pending_bytes = 0

@@ -16,6 +16,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 import grpc
@@ -56,6 +57,8 @@ TOKEN_HEADER = "authorization"
 _END = b""  # sentinel in the outbound queue; real frames are never empty
 #: how long a dropped data plane waits for the reason on the control stream
 _REASON_GRACE_S = 2.0
+#: the plane thread leaves the data plane to receivers that read it within this
+_CALLER_GRACE_S = 0.002
 
 
 def identity(frame: bytes) -> bytes:
@@ -184,6 +187,9 @@ class GrpcLink(LinkCore):
         self._plane_over = False  # nothing more will be read from it
         self._reading = False  # a thread holds the reader's role (under _cond)
         self._want_read = 0  # receivers waiting to take it
+        self._caller_read_at = 0.0  # when a receiver last read (monotonic)
+        self._plane_waiting = False  # the plane thread waits for a frame
+        self._plane_cond = threading.Condition(self._lock)  # where it parks
         self._plane_reader = threading.Thread(
             target=self._plane_loop, name=f"{name}-plane", daemon=True
         )
@@ -287,13 +293,14 @@ class GrpcLink(LinkCore):
     # Reading the data plane. Frames are read one at a time by whoever holds
     # the reader's role (_reading, under _cond): a receiver waiting in recv()
     # takes it and reads its frames itself; the plane thread reads whenever
-    # no receiver does. A frame handed from a reading thread to a waiting one
-    # costs two thread wake-ups (the waiter, then the interpreter lock) -- on
-    # a small virtual machine as much as a round trip on the wire -- which
-    # reading in the waiting thread saves. The plane thread waits for a
-    # frame's start without the role; a receiver taking it pokes the thread
-    # (_wake), which then parks until the role is free again, so only the
-    # receiver wakes when the frame comes.
+    # no receiver has for a moment. A frame handed from a reading thread to a
+    # waiting one costs two thread wake-ups (the waiter, then the interpreter
+    # lock) -- on a small virtual machine as much as a round trip on the wire
+    # -- which reading in the waiting thread saves. So that the plane thread
+    # neither wakes on a receiver's frames nor is woken when they are
+    # delivered, it parks on a condition of its own while receivers are
+    # active (it looks again every _CALLER_GRACE_S) and only then waits for
+    # a frame's start; a receiver that finds it waiting pokes it (_wake).
 
     def _plane_loop(self) -> None:
         """The data plane's background reader."""
@@ -301,15 +308,22 @@ class GrpcLink(LinkCore):
         inbound = self._plane.inbound
         while True:
             with self._cond:
-                while (self._reading or self._want_read) and not self._plane_over:
-                    self._cond.wait()
+                while not self._plane_over:
+                    busy = self._reading or self._want_read
+                    quiet = time.monotonic() - self._caller_read_at
+                    if not busy and quiet >= _CALLER_GRACE_S:
+                        break
+                    self._plane_cond.wait(_CALLER_GRACE_S)
                 if self._plane_over:
                     return
-            if not inbound.wait_readable(None, self._wake_r):
-                continue  # poked: a receiver is taking the role
+                self._plane_waiting = True
+            ready = inbound.wait_readable(None, self._wake_r)
             with self._cond:
-                if self._reading or self._want_read or self._plane_over:
-                    continue
+                self._plane_waiting = False
+                if not ready or self._reading or self._want_read:
+                    continue  # poked: a receiver is taking the role
+                if self._plane_over:
+                    return
                 self._reading = True
             try:
                 inbound.set_timeout(None)
@@ -329,8 +343,9 @@ class GrpcLink(LinkCore):
                 self._want_read -= 1
             return
         self._reading = True
-        with contextlib.suppress(OSError):  # the plane thread: step aside
-            self._wake_w.send(b"\0")
+        if self._plane_waiting:  # the plane thread: step aside
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
         self._cond.release()
         try:
             inbound = self._plane.inbound
@@ -342,7 +357,8 @@ class GrpcLink(LinkCore):
         finally:
             self._cond.acquire()
             self._reading = False
-            self._cond.notify_all()
+            self._caller_read_at = time.monotonic()
+            self._cond.notify_all()  # receivers waiting for the role
 
     def _release_reader(self) -> None:
         with self._cond:
@@ -382,6 +398,7 @@ class GrpcLink(LinkCore):
         with self._cond:
             self._plane_over = True
             self._cond.notify_all()
+            self._plane_cond.notify_all()
 
     def _ended(self) -> bool:
         """Closed here, or the peer said goodbye: an end of stream is due."""
