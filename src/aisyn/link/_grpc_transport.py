@@ -59,6 +59,7 @@ _END = b""  # sentinel in the outbound queue; real frames are never empty
 _REASON_GRACE_S = 2.0
 #: the plane thread leaves the data plane to receivers that read it within this
 _CALLER_GRACE_S = 0.002
+_PLANE_PAUSE_MAX_S = 0.02
 
 
 def identity(frame: bytes) -> bytes:
@@ -299,8 +300,8 @@ class GrpcLink(LinkCore):
     # -- which reading in the waiting thread saves. So that the plane thread
     # neither wakes on a receiver's frames nor is woken when they are
     # delivered, it parks on a condition of its own while receivers are
-    # active (it looks again every _CALLER_GRACE_S) and only then waits for
-    # a frame's start; a receiver that finds it waiting pokes it (_wake).
+    # active (looking again after 2 to 20 ms) and only then waits for a
+    # frame's start; a receiver that finds it waiting pokes it (_wake).
 
     def _plane_loop(self) -> None:
         """The data plane's background reader."""
@@ -308,12 +309,17 @@ class GrpcLink(LinkCore):
         inbound = self._plane.inbound
         while True:
             with self._cond:
+                # Looks again after 2 ms, then ever less often while receivers
+                # keep reading (up to 50 times a second): a receiver waiting
+                # long for its frame must not keep this thread spinning.
+                pause = _CALLER_GRACE_S
                 while not self._plane_over:
                     busy = self._reading or self._want_read
                     quiet = time.monotonic() - self._caller_read_at
                     if not busy and quiet >= _CALLER_GRACE_S:
                         break
-                    self._plane_cond.wait(_CALLER_GRACE_S)
+                    self._plane_cond.wait(pause)
+                    pause = min(2 * pause, _PLANE_PAUSE_MAX_S)
                 if self._plane_over:
                     return
                 self._plane_waiting = True
