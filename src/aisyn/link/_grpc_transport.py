@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import socket
 import threading
@@ -357,8 +358,11 @@ class GrpcLink(LinkCore):
             inbound = self._plane.inbound
             if inbound.wait_readable(timeout, None):
                 # A peer alive but stuck mid-frame must not hold this caller
-                # past its own timeout (the read then fails the session).
-                inbound.set_timeout(None if timeout is None else max(timeout, 1.0))
+                # past its own timeout (the read then fails the session);
+                # whole seconds, so that it rarely changes (system calls).
+                inbound.set_timeout(
+                    None if timeout is None else float(math.ceil(max(timeout, 1.0)))
+                )
                 self._read_frame()
         finally:
             self._cond.acquire()
