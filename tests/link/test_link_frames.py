@@ -193,6 +193,22 @@ def test_hello_checks():
         hello_frame("A", "x" * 40_000)
 
 
+@pytest.mark.parametrize(
+    "port,secret",
+    [(70_000, b"s" * 32), (5000, b"s" * 5), (5000, b""), (0, b"s" * 32)],
+    ids=["port-out-of-range", "short-secret", "port-without-secret", "no-port"],
+)
+def test_hello_with_a_bad_data_plane_offer_is_refused(port, secret):
+    """A server's HELLO that offers a data plane names a real port and a
+    32-byte secret, or neither; anything else is one line, not a dial."""
+    hello = pb.Hello(role="B", protocol_version=1, data_port=port, data_secret=secret)
+    with pytest.raises(MalformedFrameError, match="offers a data plane") as info:
+        check_hello(pb.Frame(hello=hello))
+    assert "\n" not in str(info.value)
+    offer = parse_frame(hello_frame("B", "", 5000, b"s" * 32)).frame
+    assert check_hello(offer).role == "B"
+
+
 def test_fast_tensor_parse_agrees_with_protobuf():
     """parse_frame's TENSOR fast path must never accept a frame differently
     from protobuf: on random corruptions it either errors or agrees exactly."""

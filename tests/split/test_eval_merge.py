@@ -117,12 +117,28 @@ def test_cli_errors_are_one_line(tmp_path, news_data, token_file, capsys):
             + ["--token-file", str(token_file)],
             "refusing plaintext to non-loopback",
         ),
+        (
+            ["split", "train", "--data", str(news_data), "--out", str(out)]
+            + ["--mode", "grpc", "--peer", "127.0.0.1:5000", "--insecure"]
+            + ["--token-file", str(token_file), "--data-peer", "10.0.0.2:5001"],
+            "refusing plaintext to non-loopback 10.0.0.2:5001",
+        ),
         (["split", "plan", "--model", "2.6B", "--party", "A:1:1GB"], "exactly one"),
         (["split", "plan", "--model", "2.6B", "--party", "A:x"], "NAME:THROUGHPUT"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("aisyn: error:") and message in err[-1], err
+    # A malformed address is the flag parser's one line.
+    with pytest.raises(SystemExit) as info:
+        main(
+            ["split", "train", "--data", str(news_data), "--out", str(out)]
+            + ["--mode", "grpc", "--peer", "127.0.0.1:5000", "--insecure"]
+            + ["--token-file", str(token_file), "--data-peer", "no-port"]
+        )
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--data-peer" in err[-1] and "expected HOST:PORT" in err[-1], err
     assert not out.exists()  # nothing written for a run that could not start
 
 

@@ -45,7 +45,7 @@ from ._grpc_transport import (
 from .admission import AdmissionQueue
 from .base import LinkOptions, PeerHello, Service
 from .certs import TlsConfig
-from .data_plane import DataListener, FrameSocket, Plane
+from .data_plane import DataListener, FrameSocket, Plane, certificate_identity
 from .errors import (
     AuthError,
     HandshakeError,
@@ -519,7 +519,7 @@ class GrpcLinkServer(Service):
         pem = context.auth_context().get("x509_pem_cert")
         if pem:
             der = ssl.PEM_cert_to_DER_cert(pem[0].decode("ascii"))
-            return "x509-sha256:" + hashlib.sha256(der).hexdigest()
+            return certificate_identity(der)
         digest = hashlib.sha256(b"aisyn-link\0" + self._token).hexdigest()
         return "token-sha256:" + digest
 
