@@ -210,21 +210,6 @@ def test_pending_budget():
     b.close()
 
 
-def test_in_place_modification_before_transmit_fails_the_link():
-    a, b = memory_pair("int8")
-    x = torch.randn(1_000_000)
-    a.send("act", x, step=0)
-    x.add_(1)  # races the sender thread; usually before it encodes
-    try:
-        y = b.recv("act", step=0, timeout=5)
-    except PeerLostError as exc:
-        assert "modified in place" in str(exc)
-    else:  # the sender won the race: then the data must be the original
-        assert float((y - (x - 1)).norm() / x.norm()) < 0.01
-    a.close()
-    b.close()
-
-
 def test_close_is_graceful_and_sticky():
     a, b = memory_pair()
     a.send("act", torch.ones(3), step=0)

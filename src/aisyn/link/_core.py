@@ -283,7 +283,8 @@ class LinkCore(Link):
         if isinstance(last, Wire):  # views of the tensor: read them now
             last = Wire(last.header, [self._copy_tail(last.data)])
         if job.version is not None and job.tensor._version != job.version:
-            raise LinkError(
+            # Ends the session telling the peer why, as a codec overflow does.
+            raise SessionAbortedError(
                 f"{job.key} was modified in place after send() and before it was "
                 "transmitted; clone it before sending or send it later"
             )

@@ -122,8 +122,12 @@ class Link(ABC):
         The tensor is detached (autograd graphs never cross the link) and
         neither copied nor modified here; a background thread encodes and
         transmits it, overlapping communication with compute. Do not modify it
-        in place until the peer has it; if that happens before it was encoded
-        the link fails rather than send torn data. ``codec`` overrides the
+        in place before :meth:`flush` returns (the contract of
+        ``torch.distributed.isend``). A modification that finished before the
+        sender read the tensor's last bytes ends the session, with the reason
+        told to both sides, rather than send torn data; one that races that
+        read itself can go unseen, since torch bumps a tensor's version only
+        when an in-place op is done. ``codec`` overrides the
         link's default for this tensor. Raises ValueError for a bad key/dtype.
         """
 
