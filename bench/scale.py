@@ -202,7 +202,7 @@ def measure_350m(
             str(token),
             "--device",
             "cpu",
-            "--max-sessions",
+            "--exit-after",
             "1",
         ],
         root / "b.log",

@@ -55,6 +55,7 @@ from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.link import ShapedProxy
 from aisyn.link.memory import memory_pair
 from aisyn.model.families import build_model, load_config
+from aisyn.model.plan import PartySpec, Workload, evaluate
 from aisyn.model.segments import (
     COMPUTE_PARTY,
     DATA_PARTY,
@@ -447,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs",
         flush=True,
     )
+    print(f"# {pipelining_floor(args.model, cfg, part, tcfg)}", flush=True)
 
     def log(r: Result) -> None:
         print(
@@ -592,6 +594,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def pipelining_floor(model: str, cfg, part, tcfg) -> str:
+    """What the cut allows pipelining, from the planner's FLOP counts: with a
+    core each, a pipelined step takes at least the busier party's share of the
+    unsplit step (compute only, before the pipeline's fill and drain)."""
+    equal = {p: PartySpec(p, 1.0, math.inf) for p in (DATA_PARTY, COMPUTE_PARTY)}
+    work = Workload(tcfg.batch_size, tcfg.micro, seq_len=cfg.seq_len)
+    plan = evaluate(model, cfg, part, equal, work)
+    a, b = (
+        plan.time_units(p) / plan.lockstep_time for p in (DATA_PARTY, COMPUTE_PARTY)
+    )
+    return (
+        f"compute per step: A {100 * a:.1f} %, B {100 * b:.1f} % (planner's FLOPs): "
+        f"pipelined on a core each can reach x{max(a, b):.3f} of unsplit at best"
+    )
 
 
 def print_targets(rows: list[Result], shaped_rows: list[Result], tcfg) -> None:

@@ -210,7 +210,11 @@ class FakeParty:
         # Another test's leftovers are not this server's sessions.
         self._threads_before = set(threading.enumerate())
 
-    def negotiate(self, hello_text: str, identity: str) -> tuple[str, Session]:
+    ranks = None  # one process
+
+    def negotiate(
+        self, hello_text: str, identity: str, tenant: str = ""
+    ) -> tuple[str, Session]:
         try:
             h = proto.decode_json(hello_text, "hello")
         except proto.ProtocolError as e:  # as ComputeParty.negotiate does

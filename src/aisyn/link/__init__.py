@@ -77,6 +77,7 @@ fault in as the data lands.
 from .base import MAX_CHUNK_BYTES, Link, LinkOptions, PeerHello
 from .certs import DevCerts, TlsConfig, make_dev_certs
 from .codec import CODECS
+from .data_plane import certificate_identity
 from .errors import (
     AuthError,
     FrameError,
@@ -93,7 +94,14 @@ from .errors import (
     PeerLostError,
     SessionAbortedError,
 )
-from .grpc_link import Accept, GrpcLink, GrpcLinkServer, connect
+from .grpc_link import (
+    Accept,
+    GrpcLink,
+    GrpcLinkServer,
+    certificate_subject,
+    connect,
+    token_identity,
+)
 from .memory import memory_pair
 from .shaper import ShapedProxy
 
@@ -123,7 +131,10 @@ __all__ = [
     "SessionAbortedError",
     "ShapedProxy",
     "TlsConfig",
+    "certificate_identity",
+    "certificate_subject",
     "connect",
     "make_dev_certs",
     "memory_pair",
+    "token_identity",
 ]

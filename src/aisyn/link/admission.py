@@ -1,4 +1,4 @@
-"""Who gets a link server's one session slot next: a fair queue by identity.
+"""Who gets a link server's session slots next: a fair queue by identity.
 
 Without it, a freed slot went to whichever caller happened to retry first,
 so one credential holder that reconnects at once -- a hello, silence, dropped,
@@ -16,28 +16,34 @@ __all__ = ["AdmissionQueue"]
 
 
 class AdmissionQueue:
-    """The one session slot, handed out in order of arrival by identity.
+    """``capacity`` session slots (one by default), handed out in order of
+    arrival by identity.
 
-    A caller turned away while the slot is held (or while others wait) is
+    A caller turned away while every slot is held (or while others wait) is
     queued under its identity (``PeerHello.identity``: its certificate or
     token) and keeps its place as long as it keeps asking -- a caller silent
-    for ``forget_s`` gave up and is dropped from the queue. When the slot is
+    for ``forget_s`` gave up and is dropped from the queue. When a slot is
     free, only the identity at the head may take it. So an identity that held
-    the slot and reconnects goes behind everyone who waited meanwhile. Callers
+    a slot and reconnects goes behind everyone who waited meanwhile. Callers
     sharing an identity (one token, no client certificates) share one place.
     """
 
     def __init__(
         self,
         forget_s: float = 5.0,
+        capacity: int = 1,
         max_waiting: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._forget_s = forget_s
         self._max_waiting = max_waiting
         self._clock = clock
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._capacity = capacity
         self._lock = threading.Lock()
-        self._holder: object | None = None
+        #: who holds the slots now (by object identity)
+        self._holders: list[object] = []
         #: identity -> when it last asked, in order of arrival
         self._waiting: dict[str, float] = {}
 
@@ -50,9 +56,9 @@ class AdmissionQueue:
                 if now - asked > self._forget_s:
                     del self._waiting[waiting]
             head = next(iter(self._waiting), None)
-            if self._holder is None and head in (None, identity):
+            if len(self._holders) < self._capacity and head in (None, identity):
                 self._waiting.pop(identity, None)
-                self._holder = holder
+                self._holders.append(holder)
                 return 0
             if identity in self._waiting or len(self._waiting) < self._max_waiting:
                 self._waiting[identity] = now  # an update keeps its place
@@ -60,19 +66,24 @@ class AdmissionQueue:
             return len(self._waiting) + 1  # a full queue: told, not queued
 
     def hand_over(self, old: object, new: object) -> bool:
-        """The slot's holder ``old`` becomes ``new`` (the handshake's ticket,
-        the session's link); False if ``old`` no longer holds it."""
+        """A slot's holder ``old`` becomes ``new`` (the handshake's ticket,
+        the session's link); False if ``old`` holds none."""
         with self._lock:
-            if self._holder is not old:
-                return False
-            self._holder = new
-            return True
+            for i, held in enumerate(self._holders):
+                if held is old:
+                    self._holders[i] = new
+                    return True
+            return False
 
     def release(self, holder: object) -> None:
-        """Free the slot if ``holder`` holds it (a no-op otherwise)."""
+        """Free ``holder``'s slot if it holds one (a no-op otherwise)."""
         with self._lock:
-            if self._holder is holder:
-                self._holder = None
+            self._holders = [h for h in self._holders if h is not holder]
+
+    def held(self) -> int:
+        """How many slots are held now."""
+        with self._lock:
+            return len(self._holders)
 
     def waiting(self) -> list[str]:
         """The identities queued now, in order (for logs and tests)."""

@@ -89,6 +89,12 @@ class PeerHello:
     #: under mutual TLS, else ``token-sha256:<hex>`` of the token it presented;
     #: ``in-process`` on a memory link; empty where nothing vouches for it
     identity: str = ""
+    #: on a gRPC server, ``token-sha256:<hex>`` of the token the peer
+    #: presented (a server may accept several: one per tenant)
+    token_identity: str = ""
+    #: on a gRPC server under mutual TLS, the client certificate's subject
+    #: (RFC 4514, e.g. ``CN=hospital,O=Example``); empty otherwise
+    subject: str = ""
 
 
 class Link(ABC):

@@ -23,7 +23,7 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Self
 
@@ -68,10 +68,14 @@ class Accept(NamedTuple):
     of its own with the session: ``reply`` goes to the client, ``agreed`` comes
     back as the accepted link's ``agreed`` attribute (e.g. the terms the hello
     was accepted on). Tied to that one connection, unlike anything keyed by
-    the hello's text, which two clients may share."""
+    the hello's text, which two clients may share. ``on_closed`` is called
+    once the session is over -- closed by the application, or never opened
+    (the client went away during the handshake) -- to release what the
+    callback reserved for it."""
 
     reply: str
     agreed: object = None
+    on_closed: Callable[[], None] | None = None
 
 
 #: The server's reply session string, or a function of the client's HELLO
@@ -85,6 +89,24 @@ def _check_token(token: str) -> None:
     # It travels as an HTTP/2 header value: printable ASCII only.
     if not token or not (token.isascii() and token.isprintable()):
         raise ValueError("token must be a non-empty printable ASCII string")
+
+
+def token_identity(token: str | bytes) -> str:
+    """The link's name for a client that presented ``token`` (hashed: an
+    identity may be stored on disk, a token must not be)."""
+    raw = token.encode() if isinstance(token, str) else token
+    return "token-sha256:" + hashlib.sha256(b"aisyn-link\0" + raw).hexdigest()
+
+
+def certificate_subject(der: bytes) -> str:
+    """A certificate's subject as RFC 4514 text (``CN=...,O=...``); empty if
+    it cannot be parsed (the TLS layer already verified it)."""
+    from cryptography import x509
+
+    try:
+        return x509.load_der_x509_certificate(der).subject.rfc4514_string()
+    except ValueError:
+        return ""
 
 
 # -------------------------------------------------------------------- client
@@ -382,7 +404,7 @@ class GrpcLinkServer(Service):
         self,
         listen: str,
         *,
-        token: str,
+        token: str | Collection[str],
         tls: TlsConfig | None = None,
         insecure: bool = False,
         allow_insecure_remote: bool = False,
@@ -391,16 +413,24 @@ class GrpcLinkServer(Service):
         options: LinkOptions | None = None,
         max_workers: int = 8,
         data_listen: str | None = None,
+        max_sessions: int = 1,
     ) -> None:
         for address in (listen, data_listen) if data_listen else (listen,):
             check_plaintext(address, insecure, allow_insecure_remote, tls is not None)
-        _check_token(token)
-        self._token = token.encode()
+        tokens = [token] if isinstance(token, str) else list(token)
+        if not tokens:
+            raise ValueError("a link server needs at least one token")
+        for t in tokens:
+            _check_token(t)
+        #: the tokens a client may present (several: one per tenant)
+        self._tokens = [t.encode() for t in tokens]
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self._role = role
         self._session = session
         self._opts = options or LinkOptions()
-        #: the one session slot, taken in order of arrival by identity
-        self._admission = AdmissionQueue()
+        #: the session slots, taken in order of arrival by identity
+        self._admission = AdmissionQueue(capacity=max_sessions)
         self._sessions: queue.Queue[GrpcLink] = queue.Queue()
         self._stopping = False
         handler = grpc.method_handlers_generic_handler(
@@ -413,8 +443,11 @@ class GrpcLinkServer(Service):
                 )
             },
         )
+        # Each open session's stream holds a worker; a few more turn callers
+        # away as busy while every slot is taken.
+        workers = max(max_workers, max_sessions + 4)
         self._server = grpc.server(
-            ThreadPoolExecutor(max_workers, thread_name_prefix="link-server"),
+            ThreadPoolExecutor(workers, thread_name_prefix="link-server"),
             handlers=[handler],
             options=grpc_options(self._opts, server=True),
         )
@@ -474,11 +507,15 @@ class GrpcLinkServer(Service):
     ) -> Iterator[bytes]:
         remote = context.peer()
         try:
-            self._authenticate(context)
+            token = self._authenticate(context)
         except AuthError as exc:
             log.warning("rejected session from %s: %s", remote, exc)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-        identity = self._identity(context)
+        der = self._certificate(context)
+        # Who the client is, as the transport proves it: its certificate
+        # under mutual TLS (clients may share a token, not a key), else the
+        # token it passed.
+        identity = certificate_identity(der) if der else token_identity(token)
         ticket = object()  # holds the slot until the session's link does
         place = self._admission.claim(identity, ticket)
         if place:
@@ -489,7 +526,8 @@ class GrpcLinkServer(Service):
             )
         link = None
         try:
-            link = self._open(requests, context, identity, ticket)
+            credentials = (identity, token_identity(token), der)
+            link = self._open(requests, context, credentials, ticket)
         except (LinkError, ValueError) as exc:
             log.warning("refused session from %s: %s", remote, exc)
             code = status_for(exc) if isinstance(exc, LinkError) else None
@@ -504,35 +542,58 @@ class GrpcLinkServer(Service):
                 self._admission.release(ticket)
         yield from link.serve(requests)
 
-    def _authenticate(self, context: grpc.ServicerContext) -> None:
+    def _authenticate(self, context: grpc.ServicerContext) -> bytes:
+        """The token the client presented, if it is one of ours."""
         metadata = dict(context.invocation_metadata())
         value = metadata.get(TOKEN_HEADER)
         if not isinstance(value, str) or not value.startswith("Bearer "):
             raise AuthError("missing bearer token")
-        if not hmac.compare_digest(value.removeprefix("Bearer ").encode(), self._token):
+        given = value.removeprefix("Bearer ").encode()
+        # Every token is compared: the time taken says nothing of which matched.
+        matches = [hmac.compare_digest(given, t) for t in self._tokens]
+        if not any(matches):
             raise AuthError("invalid token")
+        return self._tokens[matches.index(True)]
 
-    def _identity(self, context: grpc.ServicerContext) -> str:
-        """Who the client is, as the transport proves it: its certificate
-        under mutual TLS (every client shares the token, not its key), else
-        the token it passed (hashed: an identity may be stored on disk)."""
+    @staticmethod
+    def _certificate(context: grpc.ServicerContext) -> bytes:
+        """The client certificate (DER) under mutual TLS; empty otherwise."""
         pem = context.auth_context().get("x509_pem_cert")
-        if pem:
-            der = ssl.PEM_cert_to_DER_cert(pem[0].decode("ascii"))
-            return certificate_identity(der)
-        digest = hashlib.sha256(b"aisyn-link\0" + self._token).hexdigest()
-        return "token-sha256:" + digest
+        return ssl.PEM_cert_to_DER_cert(pem[0].decode("ascii")) if pem else b""
 
     def _open(
         self,
         requests: Iterator[Inbound],
         context: grpc.ServicerContext,
-        identity: str,
+        credentials: tuple[str, str, bytes],
         ticket: object,
     ) -> _ServerLink:
+        identity, token_id, der = credentials
         peer, nbytes = self._read_hello(requests, context)
-        peer = dataclasses.replace(peer, identity=identity)
+        peer = dataclasses.replace(
+            peer,
+            identity=identity,
+            token_identity=token_id,
+            subject=certificate_subject(der) if der else "",
+        )
         answer = self._answer(peer, context.peer())
+        released = answer.on_closed or (lambda: None)
+        try:
+            return self._open_agreed(context, peer, nbytes, answer, ticket, released)
+        except BaseException:
+            released()  # the session never opened (a no-op if it did, then closed)
+            raise
+
+    def _open_agreed(
+        self,
+        context: grpc.ServicerContext,
+        peer: PeerHello,
+        nbytes: int,
+        answer: Accept,
+        ticket: object,
+        released: Callable[[], None],
+    ) -> _ServerLink:
+        identity = peer.identity
         name = f"link[{self._role}<-{context.peer()}]"
         plane_wait = None
         if self._plane is None:
@@ -561,10 +622,17 @@ class GrpcLinkServer(Service):
             # not when the call ends: a client that drops its calls at once
             # would otherwise pile up sessions (threads, buffers, gRPC call
             # state) faster than they are served.
-            on_closed=lambda: self._admission.release(link),
+            on_closed=lambda: closed(link),
             on_ready=self._ready,
             plane_wait=plane_wait,
         )
+
+        def closed(link: _ServerLink) -> None:
+            # What the application reserved first: the next session admitted
+            # must find it free.
+            released()
+            self._admission.release(link)
+
         self._admission.hand_over(ticket, link)
         if not context.add_callback(link.rpc_done):
             self._admission.release(link)

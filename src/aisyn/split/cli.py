@@ -90,6 +90,18 @@ def _add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
     )
 
 
+def _memory(text: str) -> float:
+    from aisyn.model.plan import PlanError, parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 bytes")
+    return value
+
+
 def _timeout(text: str) -> float | None:
     """--recv-timeout / --idle-timeout: seconds, or 0 / none to wait forever."""
     try:
@@ -332,10 +344,11 @@ def _train_rank0(args, ranks) -> None:
 def cmd_serve(args) -> None:
     """Holds only the middle blocks of --model cut by --cut; takes the
     optimisation settings from each data party's hello; keeps one run folder per
-    data-party run under --out. Serves one session at a time and stays up when a
-    session fails. Under torchrun the blocks spread over the ranks: pipeline
-    stages, or FSDP2 shards with more ranks than blocks (rank 0 alone listens;
-    docs/split.md)."""
+    data-party run under --out. Serves --max-sessions sessions at once (one by
+    default) and stays up when a session fails. With --tenants each data owner
+    is a tenant: its runs under --out/TENANT, its own quotas. Under torchrun
+    the blocks spread over the ranks: pipeline stages, or FSDP2 shards with
+    more ranks than blocks (rank 0 alone listens; docs/split.md)."""
 
     from aisyn.model.families import hf_folder, load_config
     from aisyn.model.segments import parse_partition
@@ -345,6 +358,12 @@ def cmd_serve(args) -> None:
     from aisyn.train import distributed
     from aisyn.train.device import resolve_device
 
+    tenants = None
+    if args.tenants:  # checked before anything is loaded
+        from aisyn.split.tenants import load_tenants
+
+        tenants = load_tenants(args.tenants)
+        log.info("serving %d tenant(s): %s", len(tenants), ", ".join(tenants.by_name))
     cfg = load_config(args.model)
     partition = parse_partition(args.cut, cfg)
     device, ranks = args.device, None
@@ -374,13 +393,19 @@ def cmd_serve(args) -> None:
         return
     options = link_options(recv_timeout_s=args.idle_timeout)
     server = SplitServer(
-        party, _settings(args, args.listen), options, args.hello_timeout
+        party,
+        _settings(args, args.listen),
+        options,
+        args.hello_timeout,
+        tenants=tenants,
+        max_sessions=args.max_sessions,
+        memory_bytes=args.memory,
     )
     server.start(args.address_file)
     stages = "" if ranks is None else f" (blocks over {ranks.world} ranks)"
     print(f"compute party listening on {server.address}{stages}", flush=True)
     try:
-        server.serve_forever(args.max_sessions)
+        server.serve_forever(args.exit_after)
     finally:
         server.stop()
 
@@ -717,6 +742,28 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
         ("--address-file", None, None, "write the bound HOST:PORT here once listening"),
         (
             "--max-sessions",
+            positive_int,
+            1,
+            "sessions served at once, each on a thread of its own; more callers "
+            "are told the server is busy and queued",
+        ),
+        (
+            "--memory",
+            _memory,
+            "inf",
+            "what the open sessions may hold at B in all, as the planner "
+            "estimates each (e.g. 64GB); a session over it is refused with the "
+            "numbers",
+        ),
+        (
+            "--tenants",
+            None,
+            None,
+            "TOML file of the data owners served (docs/split.md#tenants): each "
+            "its own certificate and/or token, folder under --out and quotas",
+        ),
+        (
+            "--exit-after",
             positive_int,
             None,
             "exit after this many sessions (default: serve forever)",

@@ -76,6 +76,11 @@ class Session:
     #: the hello it was agreed from (the other ranks of a pipelined compute
     #: party agree to it again, each against its own checkpoints)
     hello: str = ""
+    #: the tenant it is for when a centre serves several (``split.tenants``):
+    #: its runs live under ``root/<tenant>/``
+    tenant: str = ""
+    #: the session's hold on its tenant's quotas (``tenants.Lease``), if any
+    lease: object = None
 
 
 class ComputeParty:
@@ -153,26 +158,36 @@ class ComputeParty:
 
     # --- handshake -------------------------------------------------------------
 
-    def run_dir(self, run_id: str) -> RunDir | None:
-        return None if self.root is None else RunDir(self.root / run_id)
+    def run_dir(self, run_id: str, tenant: str = "") -> RunDir | None:
+        """Run ``run_id``'s folder (of ``tenant``'s runs, when tenants are
+        served; its name was checked to be a plain folder name)."""
+        if self.root is None:
+            return None
+        return RunDir((self.root / tenant if tenant else self.root) / run_id)
 
-    def negotiate(self, hello_text: str, identity: str) -> tuple[str, Session]:
+    def negotiate(
+        self, hello_text: str, identity: str, tenant: str = ""
+    ) -> tuple[str, Session]:
         """Check A's hello; returns (reply JSON, session). ``identity`` is the
-        data party as its link vouches for it (``PeerHello.identity``): a run
-        is bound to the identity that created it. Raises HandshakeError with a
-        one-line reason to refuse (B stays up either way)."""
+        data party as its link vouches for it (``PeerHello.identity``), or the
+        tenant it was found to be (``Tenant.owner``): a run is bound to the
+        identity that created it. ``tenant`` names the folder its runs are in.
+        Raises HandshakeError with a one-line reason to refuse (B stays up
+        either way)."""
         try:
-            return self._negotiate(hello_text, identity)
+            return self._negotiate(hello_text, identity, tenant)
         except (ValueError, TypeError, OSError) as e:  # ProtocolError: ValueError
             raise HandshakeError(f"compute party refused the session: {e}") from None
 
-    def _negotiate(self, hello_text: str, identity: str) -> tuple[str, Session]:
+    def _negotiate(
+        self, hello_text: str, identity: str, tenant: str
+    ) -> tuple[str, Session]:
         if not identity:
             # Nothing vouches for this peer: it could pass for any run's owner.
             raise proto.ProtocolError("the link does not identify the data party")
         h = proto.parse_hello(hello_text)
         run_id, purpose = h.run_id, h.purpose
-        run = self.run_dir(run_id)
+        run = self.run_dir(run_id, tenant)
         if run is not None:
             # First: a stranger learns nothing of another's run (not its steps).
             check_owner(run, run_id, identity, accept_unbound=self.accept_unbound)
@@ -266,6 +281,7 @@ class ComputeParty:
             cfg=cfg,
             owner=identity,
             hello=hello_text,
+            tenant=tenant,
         )
 
     def lora_a_names(self, method: Method) -> list[str]:
@@ -336,7 +352,7 @@ class ComputeParty:
         )
         folder = None
         if session.start_step:
-            run = self.run_dir(session.run_id)
+            run = self.run_dir(session.run_id, session.tenant)
             assert run is not None  # negotiate() only resumes with a folder
             folder = ckpt.step_folder(run.checkpoints, session.start_step)
         place_weights(
@@ -363,7 +379,7 @@ class ComputeParty:
         ranks = self.ranks
         assert ranks is not None
         session, first = rounds.session, ranks.rank == 0
-        run = self.run_dir(session.run_id)
+        run = self.run_dir(session.run_id, session.tenant)
         new_folder = run is not None and not run.path.exists()
         ok = run is not None
         if ok and first and not (run.path / "config.json").is_file():

@@ -173,7 +173,7 @@ class Control:
 
 def check_run_id(run_id: object) -> str:
     """A run id names a folder on the compute party: keep it a plain name."""
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise ProtocolError(
             f"run id {run_id!r} must be 1-64 characters of letters, digits, . _ -"
         )

@@ -140,6 +140,10 @@ class Rounds:
 
     def _train(self, r: int, c: proto.Control) -> None:
         self._at_next_step(c, "TRAIN round")
+        if self.session.lease is not None:
+            # Before any of the step's work: a refused step leaves both
+            # parties at the last one, and every checkpoint as it was.
+            self.session.lease.before_step()
         self.state.train(True)
         inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         shape = (c.micro_size, c.seq_len, self.hidden)
@@ -241,7 +245,7 @@ class Rounds:
 
     def _save(self, r: int, c: proto.Control) -> None:
         self._at_next_step(c, "SAVE")
-        run = self.party.run_dir(self.session.run_id)
+        run = self.party.run_dir(self.session.run_id, self.session.tenant)
         if run is None:
             log.warning("asked to checkpoint step %d but serving without --out", c.step)
             self.link.send_scalar("saved", -1.0, step=r)

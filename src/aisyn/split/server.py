@@ -1,6 +1,10 @@
 """``aisyn split serve``: a compute party serving data-party sessions over gRPC.
 
-One session at a time (the link server turns a second caller away as busy).
+Up to ``max_sessions`` sessions at once (default one), each on a thread of
+its own; a caller beyond that is told the server is busy and queued. With
+``tenants`` (``split.tenants``) every session belongs to the tenant its
+credentials prove, runs in that tenant's folder, and holds a lease on its
+quotas (sessions, memory, steps per hour) that its end gives back.
 A session that fails -- bad frames, a refused hello, a vanished peer, even a
 bug -- is logged and ends, the data party being told why; the server keeps
 listening, and since every session starts from B's checkpoint on disk, nothing
@@ -16,20 +20,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import threading
 from pathlib import Path
 
 from aisyn.link.base import LinkOptions, PeerHello
-from aisyn.link.errors import LinkError
+from aisyn.link.errors import HandshakeError, LinkError
 from aisyn.link.grpc_link import Accept, GrpcLinkServer
+from aisyn.model.segments import COMPUTE_PARTY
 from aisyn.split.compute_party import ComputeParty, Session
 from aisyn.split.pipeline import RanksOutOfStep, stop_ranks
 from aisyn.split.session import failure_reason
+from aisyn.split.tenants import QuotaError, Tenant, TenantError, Tenants, Usage
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
     LinkSettings,
     link_options,
 )
+from aisyn.train.memory import party_bytes
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +51,8 @@ class SplitServer:
     ``options.recv_timeout_s`` is the idle timeout (default
     ``COMPUTE_PARTY_IDLE_TIMEOUT_S``; None: wait forever);
     ``hello_timeout_s`` bounds the wait for a session's first round (None:
-    the idle timeout).
+    the idle timeout). ``max_sessions`` sessions run at once, holding at most
+    ``memory_bytes`` at B in all (as the planner estimates each session).
     """
 
     def __init__(
@@ -51,8 +61,26 @@ class SplitServer:
         settings: LinkSettings,
         options: LinkOptions | None = None,
         hello_timeout_s: float | None = COMPUTE_PARTY_HELLO_TIMEOUT_S,
+        *,
+        tenants: Tenants | None = None,
+        max_sessions: int = 1,
+        memory_bytes: float = math.inf,
     ) -> None:
+        if max_sessions > 1 and party.ranks is not None:
+            raise ValueError(
+                "a compute party spread over torchrun ranks serves one session "
+                "at a time: --max-sessions must be 1"
+            )
+        if tenants is not None and party.ranks is not None:
+            raise ValueError(
+                "--tenants needs a one-process compute party (not torchrun ranks)"
+            )
         self.party = party
+        self.tenants = tenants
+        self.usage = Usage(max_sessions, memory_bytes)
+        # Without a tenants file every data party is one of a single pool,
+        # bound to its runs by its link identity, as before.
+        self._anyone = Tenant("", certificate="-", max_sessions=max_sessions)
         if options is None:
             options = link_options(recv_timeout_s=COMPUTE_PARTY_IDLE_TIMEOUT_S)
         # The rounds read every frame: see link_options().
@@ -61,28 +89,70 @@ class SplitServer:
         if hello_timeout_s is None or (idle is not None and idle < hello_timeout_s):
             hello_timeout_s = idle  # never longer than the idle timeout
         self.hello_timeout_s = hello_timeout_s
+        own = [] if tenants is None else tenants.token_secrets()
+        # With tenants of their own tokens, a shared one is optional: it is
+        # what tenants known by their certificate alone present.
+        security = settings.security(token_required=not own)
+        if own:
+            security["token"] = [security["token"]] * bool(security["token"]) + own
         self.server = GrpcLinkServer(
             settings.address,
-            **settings.security(),
+            **security,
             role="B",
             session=self._on_hello,
             options=options,
             data_listen=settings.data_address,
+            max_sessions=max_sessions,
         )
+        self._threads: list[threading.Thread] = []
         #: sessions run so far, and how many of them failed (for logs and tests)
         self.sessions_served = 0
         self.sessions_failed = 0
+        self._count_lock = threading.Lock()
 
     @property
     def address(self) -> str:
         return self.server.address
 
     def _on_hello(self, peer: PeerHello) -> Accept:
+        tenant, owner = self._anyone, peer.identity
+        if self.tenants is not None:
+            try:
+                tenant = self.tenants.resolve(peer)
+            except TenantError as e:
+                reason = f"compute party refused the session: {e}"
+                raise HandshakeError(reason) from None
+            owner = tenant.owner
         # The identity is the link's (certificate or token), not the hello's.
-        reply, session = self.party.negotiate(peer.session, peer.identity)
+        reply, session = self.party.negotiate(peer.session, owner, tenant.name)
+        # Sized only where a budget needs it (it builds the model on meta).
+        sized = math.isfinite(self.usage.memory_bytes) or math.isfinite(
+            tenant.memory_bytes
+        )
+        memory = self.session_bytes(session) if sized else 0.0
+        try:
+            lease = self.usage.open(tenant, session.run_id, memory)
+        except QuotaError as e:
+            raise HandshakeError(f"compute party refused the session: {e}") from None
+        if tenant is not self._anyone:
+            session.lease = lease  # its steps count against the tenant's quota
         # The session travels with its own connection's link: two clients may
         # well send the same hello text.
-        return Accept(reply, session)
+        return Accept(reply, session, on_closed=lease.close)
+
+    def session_bytes(self, session: Session) -> float:
+        """What a session holds at B, as the planner estimates it: B's
+        weights, gradients, optimizer state and the activations of a step's
+        micro-batches (at most all of them in flight)."""
+        train = session.train
+        return party_bytes(
+            session.cfg or self.party.cfg,
+            self.party.partition,
+            COMPUTE_PARTY,
+            train.micro,
+            (session.cfg or self.party.cfg).seq_len,
+            in_flight=train.grad_accum,
+        )
 
     def start(self, address_file: str | Path | None = None) -> SplitServer:
         self.server.start()
@@ -102,7 +172,9 @@ class SplitServer:
 
     def serve_one(self, timeout: float | None = None) -> bool:
         """Accept and run one session; True if it ended cleanly."""
-        link = self.server.accept(timeout)
+        return self._serve_link(self.server.accept(timeout))
+
+    def _serve_link(self, link) -> bool:
         session: Session = link.agreed
         log.info("session for run %s (%s)", session.run_id, session.purpose)
         ok = False
@@ -125,18 +197,40 @@ class SplitServer:
             # Tell the data party why (a no-op if the link already told it).
             link.abort(failure_reason(e))
         finally:
-            link.close()
-        self.sessions_served += 1
-        self.sessions_failed += not ok
+            link.close()  # gives the session's lease back
+        with self._count_lock:
+            self.sessions_served += 1
+            self.sessions_failed += not ok
         return ok
 
     def serve_forever(self, max_sessions: int | None = None) -> None:
+        """Serve sessions (``max_sessions`` of them, then return; None: until
+        stopped), each on a thread of its own when several may run at once."""
         n = 0
         while max_sessions is None or n < max_sessions:
-            self.serve_one()
+            if self.usage.max_sessions == 1:
+                self.serve_one()
+            else:
+                self.serve_in_background()
             n += 1
+        self.join()
         if self.party.ranks is not None:
             stop_ranks(self.party.ranks)
+
+    def serve_in_background(self, timeout: float | None = None) -> threading.Thread:
+        """Accept the next session and run it on a thread of its own."""
+        link = self.server.accept(timeout)
+        thread = threading.Thread(
+            target=self._serve_link, args=(link,), name="split-session", daemon=True
+        )
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+        return thread
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the sessions running in the background to end."""
+        for t in list(self._threads):
+            t.join(timeout)
 
     def stop(self) -> None:
         self.server.stop()

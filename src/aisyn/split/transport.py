@@ -117,11 +117,18 @@ class LinkSettings:
             )
         return token
 
-    def security(self) -> dict:
+    def has_token(self) -> bool:
+        """Whether a shared token is configured (a file, or the variable)."""
+        configured = os.environ.get(TOKEN_ENV, "").strip()
+        return self.token_file is not None or bool(configured)
+
+    def security(self, *, token_required: bool = True) -> dict:
         """The token, TLS and plaintext arguments of either end of the link
-        (``GrpcLinkServer``, ``grpc_link.connect``)."""
+        (``GrpcLinkServer``, ``grpc_link.connect``). Without
+        ``token_required`` (a server whose tenants have tokens of their own)
+        the token is "" when none is configured."""
         return dict(
-            token=self.token(),
+            token=self.token() if token_required or self.has_token() else "",
             tls=self.tls(),
             insecure=self.insecure,
             allow_insecure_remote=self.allow_insecure_remote,
