@@ -70,6 +70,46 @@ def baseline(tmp_path_factory, news_data, split_config) -> list[float]:
 
 
 @pytest.fixture(scope="session")
+def ft_config() -> PanguConfig:
+    """The split tests' five-layer model, with room for 64-token SFT items."""
+    return PanguConfig(
+        vocab_size=8000,
+        hidden_size=32,
+        num_layers=5,
+        num_heads=4,
+        ffn_size=64,
+        seq_len=64,
+    )
+
+
+@pytest.fixture(scope="session")
+def ft_base(tmp_path_factory, news_data, ft_config) -> Path:
+    """The pre-trained base: a 2-step ``aisyn train`` run on news shards."""
+    out = tmp_path_factory.mktemp("ft_base") / "run"
+    train(ft_config, [news_data], out, train_cfg(steps=2, seed=5), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ft_sft_dir(tmp_path_factory, tokenizer) -> Path:
+    """Cloze items of 400 news paragraphs cut to 10-59 characters, so that
+    items differ in length and batches in their padded length."""
+    from aisyn.data.corpora import load_corpus
+    from aisyn.data.sft import prepare_sft
+
+    root = tmp_path_factory.mktemp("ft_sft")
+    docs = [d.text.replace("\n", " ") for d in load_corpus("news").documents[:400]]
+    corpus = root / "news.txt"
+    corpus.write_text(
+        "".join(d[: 10 + (i * 13) % 50] + "\n" for i, d in enumerate(docs)),
+        encoding="utf-8",
+    )
+    out = root / "sft"
+    prepare_sft(load_corpus(corpus), tokenizer, 64, out, per_document=2)
+    return out
+
+
+@pytest.fixture(scope="session")
 def token_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("token") / "token"
     path.write_text(TOKEN + "\n")

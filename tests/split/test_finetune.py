@@ -18,7 +18,6 @@ import pytest
 import torch
 from conftest import CUT, losses, start_server, train_cfg
 
-from aisyn.model.pangu import PanguConfig
 from aisyn.split.merge import merge
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
@@ -26,7 +25,6 @@ from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.finetune import finetune
 from aisyn.train.lora import Method
-from aisyn.train.pretrain import train
 from aisyn.train.run import RunDir, read_metrics
 
 REL = 1e-5
@@ -34,43 +32,13 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def ft_config() -> PanguConfig:
-    """The split tests' five-layer model, with room for 64-token SFT items."""
-    return PanguConfig(
-        vocab_size=8000,
-        hidden_size=32,
-        num_layers=5,
-        num_heads=4,
-        ffn_size=64,
-        seq_len=64,
-    )
+def base(ft_base) -> Path:
+    return ft_base
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory, news_data, ft_config) -> Path:
-    """The pre-trained base: a 2-step ``aisyn train`` run on news shards."""
-    out = tmp_path_factory.mktemp("ft_base") / "run"
-    train(ft_config, [news_data], out, train_cfg(steps=2, seed=5), progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory, tokenizer) -> Path:
-    """Cloze items of 400 news paragraphs cut to 10-59 characters, so that
-    items differ in length and batches in their padded length."""
-    from aisyn.data.corpora import load_corpus
-    from aisyn.data.sft import prepare_sft
-
-    root = tmp_path_factory.mktemp("ft_sft")
-    docs = [d.text.replace("\n", " ") for d in load_corpus("news").documents[:400]]
-    corpus = root / "news.txt"
-    corpus.write_text(
-        "".join(d[: 10 + (i * 13) % 50] + "\n" for i, d in enumerate(docs)),
-        encoding="utf-8",
-    )
-    out = root / "sft"
-    prepare_sft(load_corpus(corpus), tokenizer, 64, out, per_document=2)
-    return out
+def sft_dir(ft_sft_dir) -> Path:
+    return ft_sft_dir
 
 
 def ft_cfg():

@@ -304,8 +304,12 @@ def test_steps_per_hour_are_a_sliding_hour():
 class Centre:
     """A compute party serving tenants, several sessions at once."""
 
-    def __init__(self, cfg, root: Path, listen: LinkSettings, tenants, **kwargs):
-        party = ComputeParty(cfg, parse_partition(CUT, cfg), root, device="cpu")
+    def __init__(
+        self, cfg, root: Path, listen: LinkSettings, tenants, init_from=None, **kwargs
+    ):
+        partition = parse_partition(CUT, cfg)
+        party = ComputeParty(cfg, partition, root, device="cpu", init_from=init_from)
+        self.party = party
         self.server = SplitServer(party, listen, tenants=tenants, **kwargs)
         self.server.usage.settle_s = 0.2
         self.stopped = threading.Event()
@@ -494,3 +498,29 @@ def test_serve_refuses_a_bad_tenants_file_before_loading_anything(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     assert err.startswith("aisyn: error: ") and "tenant '../x': a name is" in err
+
+
+def test_a_session_is_sized_by_what_it_holds_at_b(
+    tmp_path, ft_config, ft_base, token_file
+):
+    """Full training: B's weights, gradients, AdamW moments and activations;
+    LoRA over the shared base: its activations, the base counted once for all."""
+    from test_finetune import LORA
+
+    from aisyn.model.families import build_model
+    from aisyn.split.compute_party import Session
+
+    party = ComputeParty(
+        ft_config, parse_partition(CUT, ft_config), tmp_path, init_from=ft_base
+    )
+    listen = LinkSettings("127.0.0.1:0", token_file=str(token_file), insecure=True)
+    server = SplitServer(party, listen, memory_bytes=1e12)
+    meta = dict(build_model(ft_config, device="meta").named_parameters())
+    weights = 4.0 * sum(meta[n].numel() for n in party.own_parameters)  # fp32
+    full = server.session_bytes(Session("train", "r", train_cfg(), 0))
+    assert server.usage.resident_bytes == 0
+    lora = server.session_bytes(Session("train", "r", train_cfg(), 0, lora=(LORA, {})))
+    assert server.usage.resident_bytes == weights  # the base, once
+    # weights + gradients + two AdamW moments, and the same activations
+    assert full == pytest.approx(4 * weights + lora)
+    assert lora > 0

@@ -221,6 +221,26 @@ def check_party(party: str) -> None:
         raise PartitionError(f"unknown party {party!r} (known: {', '.join(PARTIES)})")
 
 
+def share_frozen(
+    model: nn.Module, names: list[str], tensors: dict[str, torch.Tensor]
+) -> None:
+    """Make each parameter ``names`` of ``model`` (on meta) a frozen parameter
+    over the memory of ``tensors[name]`` (same shape; cast only if its dtype
+    differs, which copies)."""
+    if diff := name_differences(names, tensors):
+        raise PartitionError(f"frozen weights are not this party's ({diff})")
+    for name in names:
+        prefix, _, leaf = name.rpartition(".")
+        module = model.get_submodule(prefix)
+        old, t = module._parameters[leaf], tensors[name]
+        if old is None or tuple(old.shape) != tuple(t.shape):
+            raise PartitionError(
+                f"frozen weight {name}: shape {tuple(t.shape)}, the model's is "
+                f"{None if old is None else tuple(old.shape)}"
+            )
+        module._parameters[leaf] = nn.Parameter(t.to(old.dtype), requires_grad=False)
+
+
 def build_party_model(
     cfg: ModelConfig,
     partition: Partition,
@@ -229,6 +249,7 @@ def build_party_model(
     seed: int | None = None,
     seeds: dict[str, int] | None = None,
     device: str | torch.device = "cpu",
+    frozen: dict[str, torch.Tensor] | None = None,
 ) -> CausalLM:
     """The model with only ``party``'s modules materialised, the rest on meta.
 
@@ -237,6 +258,11 @@ def build_party_model(
     weights as the unsplit one without ever allocating the other party's part.
     A party that must not know the run's seed gets ``seeds`` instead: the
     per-parameter seeds of exactly its own parameters (``init_seeds``).
+
+    ``frozen``: the party's weights themselves, already on ``device``; its
+    parameters then share their memory (nothing is allocated), so several
+    models -- one per LoRA session over one base -- hold one copy. They are
+    frozen (``requires_grad`` off) and must never be written to.
     """
     if partition.layout != cfg.layout:
         raise PartitionError(
@@ -244,9 +270,13 @@ def build_party_model(
             f"of {partition.layout.num_layers} layers, not this "
             f"{cfg.layout.family} model of {cfg.layout.num_layers}"
         )
+    model = build_model(cfg, device="meta")
+    if frozen is not None:
+        share_frozen(model, partition.parameter_names(model, party), frozen)
+        model.tie_weights()
+        return model
     if (seed is None) == (seeds is None):
         raise TypeError("build_party_model takes either seed or seeds")
-    model = build_model(cfg, device="meta")
     for path in partition.module_paths(party):
         model.get_submodule(path).to_empty(device=device)
     # to_empty replaced the embedding's weight; a tied head still points at

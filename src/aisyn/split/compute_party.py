@@ -14,9 +14,11 @@ from __future__ import annotations
 import hmac
 import logging
 import shutil
+import threading
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from aisyn.link.base import Link
@@ -116,6 +118,9 @@ class ComputeParty:
         self.device = resolve_device(device)
         self.keep = keep_checkpoints
         self.accept_unbound = accept_unbound
+        #: B's tensors of the base, shared by the LoRA sessions (frozen_base)
+        self._frozen: dict[str, torch.Tensor] | None = None
+        self._frozen_lock = threading.Lock()
         #: the torchrun job this party's blocks are spread over (None: this
         #: process holds them all); see ``split.pipeline``
         self.ranks: Ranks | None = None
@@ -284,6 +289,25 @@ class ComputeParty:
             tenant=tenant,
         )
 
+    def frozen_base(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """This party's tensors of the base, read once and kept on its device
+        for every LoRA session (they share it: none writes it)."""
+        assert self.base is not None  # negotiate() refuses LoRA without one
+        with self._frozen_lock:
+            if self._frozen is None:
+                shapes = own_tensor_shapes(cfg, self.partition, COMPUTE_PARTY)
+                whose = f"party {COMPUTE_PARTY} needs (cut {self.partition.spec})"
+                tensors = ckpt.read_some_tensors(self.base.checkpoint, shapes, whose)
+                self._frozen = {
+                    n: t.to(self.device).requires_grad_(False)
+                    for n, t in tensors.items()
+                }
+                log.info(
+                    "holding the base's %d tensors for the LoRA sessions",
+                    len(self._frozen),
+                )
+            return self._frozen
+
     def lora_a_names(self, method: Method) -> list[str]:
         """The ``A`` matrices of LoRA ``method`` on this party's blocks."""
         names = lora_parameter_names(
@@ -340,8 +364,12 @@ class ComputeParty:
                     build_model(session.cfg or self.cfg, device="meta"), COMPUTE_PARTY
                 )
                 seeds = {n: seeds[n] for n in mine}
+        cfg = session.cfg or self.cfg
+        # LoRA never writes the base: every such session of one process reads
+        # the one copy this party keeps (a torchrun party's ranks hold shares).
+        shared = method is not None and method.name == "lora" and ranks is None
         state = PartyState(
-            session.cfg or self.cfg,
+            cfg,
             partition,
             COMPUTE_PARTY,
             session.train,
@@ -349,6 +377,7 @@ class ComputeParty:
             seeds=seeds,
             method=method,
             lora_seeds=lora_seeds,
+            frozen=self.frozen_base(cfg) if shared else None,
         )
         folder = None
         if session.start_step:

@@ -54,6 +54,7 @@ class PartyState:
         seeds: dict[str, int] | None = None,
         method: Method | None = None,
         lora_seeds: dict[str, int] | None = None,
+        frozen: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """``seeds``: per-parameter init seeds of this party's parameters, for a
         party that is not told the run's seed (the compute party); otherwise the
@@ -62,7 +63,15 @@ class PartyState:
         ``method`` LoRA: once its weights are in place (``init_from`` a base),
         ``adapt`` freezes them and trains adapters on this party's blocks only;
         their ``A`` matrices are drawn from ``lora_seeds`` (the compute party's,
-        given by the data party) or from ``train.seed``."""
+        given by the data party) or from ``train.seed``.
+
+        ``frozen`` (LoRA only): the base's weights of this party, shared with
+        other sessions over the same base (``build_party_model``): the model
+        holds no copy of its own and needs no ``init_from``."""
+        if frozen is not None and (method is None or method.name != "lora"):
+            raise ValueError(
+                "shared frozen weights are for LoRA, which never writes them"
+            )
         self.cfg = cfg
         self.partition = partition
         self.party = party
@@ -76,7 +85,10 @@ class PartyState:
             seed=train.seed if seeds is None else None,
             seeds=seeds,
             device=device,
+            frozen=frozen,
         )
+        #: whether the weights are a base shared with other sessions
+        self.shares_base = frozen is not None
         self.method = method or Method()
         self.lora_seeds = lora_seeds
         self.named = own_named_parameters(self.model, partition, party)
@@ -354,7 +366,8 @@ def place_weights(
                 "LoRA trains adapters on a base model: give --init-from BASE "
                 "(or --model hf:DIR)"
             )
-        state.init_from(base)
+        if not state.shares_base:  # else they are in place already
+            state.init_from(base)
         state.adapt()
     if start is not None:
         return state.load(start, rank=rank, world=world)

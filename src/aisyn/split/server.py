@@ -27,6 +27,8 @@ from pathlib import Path
 from aisyn.link.base import LinkOptions, PeerHello
 from aisyn.link.errors import HandshakeError, LinkError
 from aisyn.link.grpc_link import Accept, GrpcLinkServer
+from aisyn.model.families import build_model
+from aisyn.model.plan import Workload, module_sizes, party_load
 from aisyn.model.segments import COMPUTE_PARTY
 from aisyn.split.compute_party import ComputeParty, Session
 from aisyn.split.pipeline import RanksOutOfStep, stop_ranks
@@ -38,7 +40,7 @@ from aisyn.split.transport import (
     LinkSettings,
     link_options,
 )
-from aisyn.train.memory import party_bytes
+from aisyn.train.device import autocast_on
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +144,29 @@ class SplitServer:
 
     def session_bytes(self, session: Session) -> float:
         """What a session holds at B, as the planner estimates it: B's
-        weights, gradients, optimizer state and the activations of a step's
-        micro-batches (at most all of them in flight)."""
+        weights, gradients and optimizer state, and the activations of a
+        step's micro-batches (at most all of them in flight). A LoRA session
+        over the base this party shares holds only its activations (and its
+        adapters, too small to count); the base itself is held once
+        (``Usage.resident_bytes``, set when it is first read)."""
+        cfg = session.cfg or self.party.cfg
         train = session.train
-        return party_bytes(
-            session.cfg or self.party.cfg,
-            self.party.partition,
-            COMPUTE_PARTY,
-            train.micro,
-            (session.cfg or self.party.cfg).seq_len,
+        work = Workload(
+            batch_size=train.micro * train.grad_accum,
+            micro_batch_size=train.micro,
+            seq_len=cfg.seq_len,
             in_flight=train.grad_accum,
+            autocast=autocast_on(self.party.device, train.autocast),
+            activation_checkpointing=train.activation_checkpointing,
         )
+        sizes = module_sizes(build_model(cfg, device="meta"))
+        (r,) = party_load(sizes, cfg, self.party.partition, COMPUTE_PARTY, work).ranks
+        if session.lora is not None:  # the shared, frozen base: see above
+            if not self.usage.resident_bytes:
+                self.usage.resident_bytes = r.weights_bytes
+            return r.cache_bytes + r.activation_bytes
+        held = r.weights_bytes + r.grads_bytes + r.optimizer_bytes + r.cache_bytes
+        return held + r.activation_bytes
 
     def start(self, address_file: str | Path | None = None) -> SplitServer:
         self.server.start()

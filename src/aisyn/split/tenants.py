@@ -335,6 +335,9 @@ class Usage:
     ) -> None:
         self.max_sessions = max_sessions
         self.memory_bytes = memory_bytes
+        #: held for all sessions, counted once against ``memory_bytes`` (the
+        #: base the LoRA sessions share)
+        self.resident_bytes = 0.0
         self._clock = clock
         #: how long a session that would be over a quota waits for others to
         #: end before it is refused: a data party that reconnects right after
@@ -385,7 +388,7 @@ class Usage:
                 f"hold {format_bytes(held)} of its quota of "
                 f"{format_bytes(tenant.memory_bytes)}"
             )
-        total = sum(s.memory_bytes for s in self._open)
+        total = self.resident_bytes + sum(s.memory_bytes for s in self._open)
         if total + memory > self.memory_bytes:
             raise QuotaError(
                 f"this session needs {format_bytes(memory)} at the compute "
