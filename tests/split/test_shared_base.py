@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import CUT, losses, server_settings
 from test_finetune import LORA, REL, ft_cfg, lora_split
+from test_split_generate import SAMPLINGS, assert_same, split
 from test_tenants import Centre, client, fingerprint
 
 from aisyn.link.certs import make_dev_certs
@@ -25,6 +26,7 @@ from aisyn.split.train import split_train
 from aisyn.train import checkpoint as ckpt
 
 NAMES = ("alice", "bob", "carol")
+GREEDY = SAMPLINGS["greedy"]
 
 
 def test_lora_sessions_hold_one_copy_of_the_base(ft_config, ft_base):
@@ -122,7 +124,30 @@ def test_three_tenants_fine_tune_lora_at_once_on_one_base(
             t.start()
         for t in threads:
             t.join(240)
-    assert errors == {}
+        assert errors == {}
+        # Then each generates from its run with its own adapters: alone, and
+        # all three at once (deliverable 6)
+        peers = {n: client(pki, centre.server.address, n, token_file) for n in NAMES}
+        alone = {
+            n: split(tmp_path / n, GREEDY, peer=peers[n], mode="grpc") for n in NAMES
+        }
+        together: dict[str, object] = {}
+
+        def generate(name: str) -> None:
+            try:
+                together[name] = split(
+                    tmp_path / name, GREEDY, peer=peers[name], mode="grpc"
+                )
+            except BaseException as e:  # reported below
+                together[name] = e
+
+        threads = [threading.Thread(target=generate, args=(n,)) for n in NAMES]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    for name in NAMES:
+        assert_same(together[name], alone[name])
     for name in NAMES:
         assert losses(tmp_path / name) == pytest.approx(
             losses(tmp_path / "solo"), rel=REL

@@ -7,6 +7,7 @@ given back."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -191,4 +192,10 @@ def test_four_tenants_one_healthy_one_killed_one_garbage_one_stalled(
     assert losses(bob_out)[-1] == pytest.approx(losses(solo)[-1], rel=1e-6)
     assert stalled_for < 10
     assert leases == []  # every session's hold on its tenant's quota given back
-    assert sorted(p.name for p in root.iterdir()) == ["alice", "bob"]
+    # runs for the two that trained; the others' folders hold their session
+    # records alone
+    runs = {p.parent.name for p in root.glob("*/*") if p.is_dir()}
+    assert runs == {"alice", "bob"}
+    for name in ("carol", "dave"):
+        [line] = (root / name / "sessions.jsonl").read_text().splitlines()
+        assert json.loads(line)["outcome"].startswith("failed: ")

@@ -10,6 +10,7 @@ import json
 import math
 import ssl
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -471,7 +472,7 @@ def test_a_tenant_at_its_quota_is_told_which_and_keeps_its_checkpoints(
             match="tenant bob trained 3 steps in the last hour, its quota is 3",
         ):
             train(split_config, news_data, tmp_path / "bob", bob, steps=6, ckpt_every=2)
-        [run] = (root / "bob").iterdir()
+        [run] = [p for p in (root / "bob").iterdir() if p.is_dir()]
         assert complete_steps(run / "checkpoints") == [2]  # nothing half-written
         # alice: one session at a time; a second is refused while one is open
         alice = client(pki, address, "alice", token_file)
@@ -524,3 +525,47 @@ def test_a_session_is_sized_by_what_it_holds_at_b(
     # weights + gradients + two AdamW moments, and the same activations
     assert full == pytest.approx(4 * weights + lora)
     assert lora > 0
+
+
+def test_the_operator_sees_each_tenants_use(
+    tmp_path, pki, centre_files, token_file, split_config, news_data, capsys
+):
+    from aisyn.cli import main
+
+    tenants, listen = centre_files
+    root = tmp_path / "b"
+    (tmp_path / "bob.token").write_text(BOB_TOKEN)
+    with Centre(
+        split_config, root, listen, tenants, max_sessions=2,
+        metrics_listen="127.0.0.1:0",
+    ) as centre:  # fmt: skip
+        address = centre.server.address
+        alice = client(pki, address, "alice", token_file)
+        train(split_config, news_data, tmp_path / "alice", alice, steps=3)
+        bob = client(pki, address, "bob", tmp_path / "bob.token")
+        with pytest.raises(LinkError, match="its quota is 3"):
+            train(split_config, news_data, tmp_path / "bob", bob, steps=4)
+        deadline = time.monotonic() + 10  # B closes bob's session after telling him
+        while centre.server.usage.sessions() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        metrics = f"127.0.0.1:{centre.server.metrics_port}"
+        assert main(["split", "status", "--metrics", metrics, "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert main(["split", "status", "--metrics", metrics]) == 0
+        table = capsys.readouterr().out
+    a, b = rows["alice"], rows["bob"]
+    tokens = train_cfg().batch_size * split_config.seq_len
+    assert (a["steps_total"], a["tokens_total"]) == (3, 3 * tokens)
+    assert (b["steps_total"], b["refusals_total"]) == (3, 1)
+    assert a["compute_seconds_total"] > 0 and a["sessions"] == b["sessions"] == 0
+    assert a["received_bytes_total"] > 0 and a["sent_bytes_total"] > 0
+    assert table.splitlines()[0].split()[:3] == ["tenant", "sessions", "steps"]
+    [line] = (root / "alice" / "sessions.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert (record["steps"], record["tokens"], record["outcome"]) == (
+        3,
+        3 * tokens,
+        "ended",
+    )
+    [line] = (root / "bob" / "sessions.jsonl").read_text().splitlines()
+    assert json.loads(line)["outcome"].startswith("failed: tenant bob trained 3 steps")

@@ -400,6 +400,7 @@ def cmd_serve(args) -> None:
         tenants=tenants,
         max_sessions=args.max_sessions,
         memory_bytes=args.memory,
+        metrics_listen=args.metrics_listen,
     )
     server.start(args.address_file)
     stages = "" if ranks is None else f" (blocks over {ranks.world} ranks)"
@@ -475,6 +476,35 @@ def cmd_merge(args) -> None:
     print(f"merged checkpoint: {folder}  (run folder {args.out})")
 
 
+def cmd_status(args) -> None:
+    """Each tenant's use of a running compute party, from its metrics
+    endpoint (`aisyn split serve --metrics-listen HOST:PORT`): sessions open,
+    steps, tokens, compute seconds, bytes each way, memory held, seconds
+    queued and refusals."""
+    import urllib.error
+    import urllib.request
+
+    from aisyn.split.tenant_metrics import format_status, read_status
+
+    url = f"http://{args.metrics}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as reply:
+            text = reply.read(16 << 20).decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConnectionError(f"cannot read {url}: {reason}") from None
+    try:
+        rows = read_status(text)
+    except ValueError as e:
+        raise ValueError(f"{url}: not a metrics page: {e}") from None
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+    elif rows:
+        print(format_status(rows))
+    else:
+        print(f"no tenant has opened a session on {args.metrics} yet")
+
+
 # --- parser -----------------------------------------------------------------------
 
 
@@ -495,6 +525,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         _add_eval,
         _add_generate,
         _add_merge,
+        _add_status,
     ):
         add(ssub)
 
@@ -763,6 +794,15 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
             "its own certificate and/or token, folder under --out and quotas",
         ),
         (
+            "--metrics-listen",
+            validate.listen_address,
+            None,
+            "HOST:PORT of a Prometheus endpoint with each tenant's steps, "
+            "tokens, compute seconds, bytes, sessions, memory, queue wait and "
+            "refusals (plain HTTP: keep it on loopback or an operators' "
+            "network; `aisyn split status --metrics HOST:PORT` reads it)",
+        ),
+        (
             "--exit-after",
             positive_int,
             None,
@@ -800,6 +840,21 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
     )
     _add_link_args(v, server=True)
     add_config_flag(v, "split-serve")
+
+
+def _add_status(ssub: argparse._SubParsersAction) -> None:
+    st = add_command(ssub, "status", cmd_status, "each tenant's use of a compute party")
+    add_flags(
+        st,
+        (
+            "--metrics",
+            validate.listen_address,
+            REQUIRED,
+            "HOST:PORT of --metrics-listen",
+        ),
+        ("--timeout", positive_float, 10.0, "seconds to wait for the endpoint"),
+        ("--json", "store_true", None, "print the figures as JSON"),
+    )
 
 
 def _add_eval(ssub: argparse._SubParsersAction) -> None:

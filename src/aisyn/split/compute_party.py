@@ -83,6 +83,8 @@ class Session:
     tenant: str = ""
     #: the session's hold on its tenant's quotas (``tenants.Lease``), if any
     lease: object = None
+    #: how it ended, for the operator's record ("ended", "failed: ...")
+    outcome: str = ""
 
 
 class ComputeParty:

@@ -9,6 +9,7 @@ rounds over the ranks of a torchrun job.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -70,6 +71,8 @@ class Rounds:
     def _rounds(self) -> None:
         r = 0
         while (c := self._next_control(r)) is not None:
+            cpu, sent, received = time.thread_time(), *self._bytes()
+            step = self.next_step
             if c.op == proto.TRAIN:
                 self._train(r, c)
             elif c.op == proto.EVAL:
@@ -78,7 +81,36 @@ class Rounds:
                 self._generate(r, c)
             else:
                 self._save(r, c)
+            self._meter(c, step, cpu, sent, received)
             r += 1
+
+    def _turn(self) -> contextlib.AbstractContextManager[None]:
+        """A turn at B's compute among the sessions of other tenants (a
+        session without a lease -- in-process -- has B to itself)."""
+        lease = self.session.lease
+        return contextlib.nullcontext() if lease is None else lease.compute()
+
+    def _bytes(self) -> tuple[int, int]:
+        return self.link.bytes_sent, self.link.bytes_received
+
+    def _meter(
+        self, c: proto.Control, step: int, cpu: float, sent: int, received: int
+    ) -> None:
+        """Report the round to the session's lease (the operator's metrics):
+        the steps it took, their tokens, this thread's CPU time on it (each
+        session has a thread of its own) and its bytes each way."""
+        report = getattr(self.session.lease, "on_round", None)
+        if report is None:
+            return
+        steps = self.next_step - step  # 0 if skipped or not a TRAIN round
+        now_sent, now_received = self._bytes()
+        report(
+            steps=steps,
+            tokens=steps * c.micro_batches * c.micro_size * c.seq_len,
+            compute_s=time.thread_time() - cpu,
+            received=now_received - received,
+            sent=now_sent - sent,
+        )
 
     def _next_control(self, r: int) -> proto.Control | None:
         """Round ``r``'s control from A; None when A ended the session."""
@@ -143,7 +175,13 @@ class Rounds:
         if self.session.lease is not None:
             # Before any of the step's work: a refused step leaves both
             # parties at the last one, and every checkpoint as it was.
-            self.session.lease.before_step()
+            try:
+                self.session.lease.before_step()
+            except ValueError as e:  # a QuotaError: counted, then it ends
+                report = getattr(self.session.lease, "on_refused", None)
+                if report is not None:
+                    report(getattr(e, "quota", "steps_per_hour"))
+                raise
         self.state.train(True)
         inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         shape = (c.micro_size, c.seq_len, self.hidden)
@@ -152,7 +190,7 @@ class Rounds:
                 x, mask = self._recv_act(r, i, c)
                 self.state.checked(x, f"the activations (micro-batch {i})")
                 x.requires_grad_()
-                with self.state.autocast():  # as aisyn train
+                with self._turn(), self.state.autocast():  # as aisyn train
                     y = self.middle(x, mask)
                 self.link.send("out", y, step=r, micro=i, codec=self.session.codec)
                 inflight[i] = (x, y)
@@ -162,7 +200,8 @@ class Rounds:
                 )
                 self.state.checked(g, f"the gradient of the output (micro-batch {i})")
                 x, y = inflight.pop(i)
-                torch.autograd.backward(y, g.to(self.state.device))
+                with self._turn():
+                    torch.autograd.backward(y, g.to(self.state.device))
                 self.link.send(
                     "gact", x.grad, step=r, micro=i, codec=self.session.codec
                 )
@@ -189,7 +228,7 @@ class Rounds:
     def _eval(self, r: int, c: proto.Control) -> None:
         self.state.train(False)
         x, mask = self._recv_act(r, 0, c)
-        with autocast_for(self.state.device):
+        with self._turn(), autocast_for(self.state.device):
             y = self.middle(x, mask)
         self.link.send("out", y, step=r, codec=self.session.codec)
 
@@ -240,7 +279,8 @@ class Rounds:
 
     def _generation_step(self, r: int, x: torch.Tensor, cache: StageCache) -> None:
         # fp32 on every device, as the data party and ``aisyn generate`` run
-        y = self.middle(x, cache=cache)
+        with self._turn():
+            y = self.middle(x, cache=cache)
         self.link.send("out", y, step=r, codec=self.session.codec)
 
     def _save(self, r: int, c: proto.Control) -> None:

@@ -19,9 +19,11 @@ behind them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
+import time
 from pathlib import Path
 
 from aisyn.link.base import LinkOptions, PeerHello
@@ -33,6 +35,7 @@ from aisyn.model.segments import COMPUTE_PARTY
 from aisyn.split.compute_party import ComputeParty, Session
 from aisyn.split.pipeline import RanksOutOfStep, stop_ranks
 from aisyn.split.session import failure_reason
+from aisyn.split.tenant_metrics import SessionRecord, TenantMetrics
 from aisyn.split.tenants import QuotaError, Tenant, TenantError, Tenants, Usage
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
@@ -43,6 +46,9 @@ from aisyn.split.transport import (
 from aisyn.train.device import autocast_on
 
 log = logging.getLogger(__name__)
+
+#: the metrics' name for the data parties of a server without tenants
+DEFAULT_TENANT = "-"
 
 
 class SplitServer:
@@ -67,6 +73,7 @@ class SplitServer:
         tenants: Tenants | None = None,
         max_sessions: int = 1,
         memory_bytes: float = math.inf,
+        metrics_listen: str | None = None,
     ) -> None:
         if max_sessions > 1 and party.ranks is not None:
             raise ValueError(
@@ -107,6 +114,11 @@ class SplitServer:
             max_sessions=max_sessions,
         )
         self._threads: list[threading.Thread] = []
+        #: per-tenant figures (``split.tenant_metrics``); served on
+        #: ``metrics_listen`` once started
+        self.metrics = TenantMetrics()
+        self.metrics_listen = metrics_listen
+        self.metrics_port: int | None = None
         #: sessions run so far, and how many of them failed (for logs and tests)
         self.sessions_served = 0
         self.sessions_failed = 0
@@ -132,12 +144,28 @@ class SplitServer:
             tenant.memory_bytes
         )
         memory = self.session_bytes(session) if sized else 0.0
+        label = tenant.name or DEFAULT_TENANT
+        t0 = time.monotonic()
         try:
             lease = self.usage.open(tenant, session.run_id, memory)
         except QuotaError as e:
+            self.metrics.refused(label, e.quota)
             raise HandshakeError(f"compute party refused the session: {e}") from None
-        if tenant is not self._anyone:
-            session.lease = lease  # its steps count against the tenant's quota
+        record = SessionRecord(
+            label, session.run_id, session.purpose, time.time(),
+            time.monotonic() - t0, memory,
+        )  # fmt: skip
+        self.metrics.opened(record)
+        # Its steps count against the tenant's quota, its rounds in the metrics.
+        lease.on_round = functools.partial(self.metrics.round, record)
+        lease.on_refused = functools.partial(self.metrics.refused, label)
+        folder = None
+        if tenant.name and self.party.root is not None:
+            folder = self.party.root / tenant.name
+        lease.on_close = lambda: self.metrics.closed(
+            record, folder, session.outcome or "never opened"
+        )
+        session.lease = lease
         # The session travels with its own connection's link: two clients may
         # well send the same hello text.
         return Accept(reply, session, on_closed=lease.close)
@@ -169,6 +197,8 @@ class SplitServer:
         return held + r.activation_bytes
 
     def start(self, address_file: str | Path | None = None) -> SplitServer:
+        if self.metrics_listen is not None:
+            self.metrics_port = self.metrics.serve(self.metrics_listen)
         self.server.start()
         if address_file is not None:
             # Written only once listening, so a launcher may poll for it.
@@ -192,11 +222,13 @@ class SplitServer:
         session: Session = link.agreed
         log.info("session for run %s (%s)", session.run_id, session.purpose)
         ok = False
+        session.outcome = "failed"
         try:
             self.party.serve_session(
                 link, session, first_round_timeout_s=self.hello_timeout_s
             )
             ok = True
+            session.outcome = "ended"
         except RanksOutOfStep as e:
             # A pipelined party's ranks stopped at different points of a
             # round: nothing lines them up again, so the job ends (its state
@@ -209,6 +241,7 @@ class SplitServer:
             else:
                 log.exception("session for run %s failed", session.run_id)
             # Tell the data party why (a no-op if the link already told it).
+            session.outcome = f"failed: {failure_reason(e)}"
             link.abort(failure_reason(e))
         finally:
             link.close()  # gives the session's lease back
@@ -248,3 +281,4 @@ class SplitServer:
 
     def stop(self) -> None:
         self.server.stop()
+        self.metrics.stop()

@@ -31,11 +31,13 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aisyn.link import PeerHello, certificate_identity, token_identity
 from aisyn.model.plan import PlanError, format_bytes, parse_bytes
+from aisyn.split.fair_share import FairShare
 
 #: A tenant's name is a folder name: no separators, no dots first.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -64,7 +66,13 @@ class TenantError(ValueError):
 
 
 class QuotaError(ValueError):
-    """A tenant (or the server) is at a quota: the reason names it."""
+    """A tenant (or the server) is at a quota: the reason names it, and
+    ``quota`` which one (``sessions``, ``run``, ``server_sessions``,
+    ``memory``, ``server_memory``, ``steps_per_hour``)."""
+
+    def __init__(self, message: str, quota: str) -> None:
+        super().__init__(message)
+        self.quota = quota
 
 
 @dataclass(frozen=True)
@@ -309,7 +317,18 @@ class Lease:
         self.tenant = tenant
         self.run_id = run_id
         self.memory_bytes = memory
+        #: called with each round's figures (``TenantMetrics.round``), if set
+        self.on_round: Callable[..., None] | None = None
+        #: called once when the lease is given back, if set
+        self.on_close: Callable[[], None] | None = None
+        #: called with the quota's name when a step is refused, if set
+        self.on_refused: Callable[[str], None] | None = None
         self._closed = False
+
+    def compute(self) -> AbstractContextManager[None]:
+        """A turn at B's compute, shared among tenants by weight
+        (``split.fair_share``)."""
+        return self._usage.fair.turn(self.tenant.name, self.tenant.weight)
 
     def before_step(self) -> None:
         """Count one training step; QuotaError if the tenant's steps in the
@@ -317,7 +336,13 @@ class Lease:
         self._usage._step(self.tenant)
 
     def close(self) -> None:
+        with self._usage._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._usage._close(self)
+        if self.on_close is not None:
+            self.on_close()
 
 
 class Usage:
@@ -332,6 +357,7 @@ class Usage:
         memory_bytes: float = math.inf,
         clock: Callable[[], float] = time.monotonic,
         settle_s: float = 5.0,
+        slots: int | None = None,
     ) -> None:
         self.max_sessions = max_sessions
         self.memory_bytes = memory_bytes
@@ -344,6 +370,8 @@ class Usage:
         #: its last session (train, then eval) must not find it still open
         self.settle_s = settle_s
         self._lock = threading.Condition()
+        #: B's compute, shared among the tenants by weight
+        self.fair = FairShare(slots)
         self._open: list[Lease] = []
         self._steps: dict[str, collections.deque[float]] = collections.defaultdict(
             collections.deque
@@ -368,17 +396,20 @@ class Usage:
         if any(s.run_id == run_id for s in mine):
             raise QuotaError(
                 f"run {run_id} has a session open already; one session per "
-                "run at a time"
+                "run at a time",
+                "run",
             )
         if len(mine) >= tenant.max_sessions:
             raise QuotaError(
                 f"{tenant.label} has {len(mine)} session(s) open, its "
-                f"quota is {tenant.max_sessions}; try again when one ends"
+                f"quota is {tenant.max_sessions}; try again when one ends",
+                "sessions",
             )
         if len(self._open) >= self.max_sessions:
             raise QuotaError(
                 f"the compute party serves {len(self._open)} session(s), its "
-                f"most (--max-sessions {self.max_sessions}); try again later"
+                f"most (--max-sessions {self.max_sessions}); try again later",
+                "server_sessions",
             )
         held = sum(s.memory_bytes for s in mine)
         if held + memory > tenant.memory_bytes:
@@ -386,14 +417,16 @@ class Usage:
                 f"{tenant.label}: this session needs "
                 f"{format_bytes(memory)} at the compute party, its sessions "
                 f"hold {format_bytes(held)} of its quota of "
-                f"{format_bytes(tenant.memory_bytes)}"
+                f"{format_bytes(tenant.memory_bytes)}",
+                "memory",
             )
         total = self.resident_bytes + sum(s.memory_bytes for s in self._open)
         if total + memory > self.memory_bytes:
             raise QuotaError(
                 f"this session needs {format_bytes(memory)} at the compute "
                 f"party, which has {format_bytes(self.memory_bytes - total)} "
-                f"of its {format_bytes(self.memory_bytes)} free; try again later"
+                f"of its {format_bytes(self.memory_bytes)} free; try again later",
+                "server_memory",
             )
         lease = Lease(self, tenant, run_id, memory)
         self._open.append(lease)
@@ -417,7 +450,8 @@ class Usage:
                 raise QuotaError(
                     f"{tenant.label} trained {len(steps)} steps in the "
                     f"last hour, its quota is {tenant.steps_per_hour}; the next "
-                    f"step is possible in {math.ceil(wait)} s"
+                    f"step is possible in {math.ceil(wait)} s",
+                    "steps_per_hour",
                 )
             steps.append(now)
 
