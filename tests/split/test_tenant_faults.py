@@ -197,5 +197,5 @@ def test_four_tenants_one_healthy_one_killed_one_garbage_one_stalled(
     runs = {p.parent.name for p in root.glob("*/*") if p.is_dir()}
     assert runs == {"alice", "bob"}
     for name in ("carol", "dave"):
-        [line] = (root / name / "sessions.jsonl").read_text().splitlines()
+        [line] = (root / name / "_sessions.jsonl").read_text().splitlines()
         assert json.loads(line)["outcome"].startswith("failed: ")

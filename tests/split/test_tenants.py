@@ -560,12 +560,26 @@ def test_the_operator_sees_each_tenants_use(
     assert a["compute_seconds_total"] > 0 and a["sessions"] == b["sessions"] == 0
     assert a["received_bytes_total"] > 0 and a["sent_bytes_total"] > 0
     assert table.splitlines()[0].split()[:3] == ["tenant", "sessions", "steps"]
-    [line] = (root / "alice" / "sessions.jsonl").read_text().splitlines()
+    [line] = (root / "alice" / "_sessions.jsonl").read_text().splitlines()
     record = json.loads(line)
     assert (record["steps"], record["tokens"], record["outcome"]) == (
         3,
         3 * tokens,
         "ended",
     )
-    [line] = (root / "bob" / "sessions.jsonl").read_text().splitlines()
+    [line] = (root / "bob" / "_sessions.jsonl").read_text().splitlines()
     assert json.loads(line)["outcome"].startswith("failed: tenant bob trained 3 steps")
+
+
+def test_a_tenant_named_like_an_old_run_folder_is_refused(
+    tmp_path, split_config, two_tenants, token_file
+):
+    """Runs of a server that had no tenants live in OUT/<run id>: a tenant of
+    that name would put its runs inside one of them."""
+    root = tmp_path / "b"
+    (root / "alice").mkdir(parents=True)
+    (root / "alice" / "config.json").write_text("{}")
+    party = ComputeParty(split_config, parse_partition(CUT, split_config), root)
+    listen = LinkSettings("127.0.0.1:0", token_file=str(token_file), insecure=True)
+    with pytest.raises(ValueError, match="b/alice is a run folder, not tenant alice's"):
+        SplitServer(party, listen, tenants=two_tenants)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 
 from aisyn import procs, validate
@@ -97,8 +98,10 @@ def _memory(text: str) -> float:
         value = parse_bytes(text)
     except PlanError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 bytes")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: must be a size above 0 (leave the flag out for no budget)"
+        )
     return value
 
 
@@ -399,7 +402,7 @@ def cmd_serve(args) -> None:
         args.hello_timeout,
         tenants=tenants,
         max_sessions=args.max_sessions,
-        memory_bytes=args.memory,
+        memory_bytes=math.inf if args.memory is None else args.memory,
         metrics_listen=args.metrics_listen,
     )
     server.start(args.address_file)
@@ -781,7 +784,7 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
         (
             "--memory",
             _memory,
-            "inf",
+            None,
             "what the open sessions may hold at B in all, as the planner "
             "estimates each (e.g. 64GB); a session over it is refused with the "
             "numbers",

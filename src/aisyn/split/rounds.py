@@ -70,8 +70,12 @@ class Rounds:
 
     def _rounds(self) -> None:
         r = 0
+        # the operator's metrics (a compute centre's lease); the other ranks
+        # of a pipelined party have none, nor a link of their own
+        metered = getattr(self.session.lease, "on_round", None) is not None
         while (c := self._next_control(r)) is not None:
-            cpu, sent, received = time.thread_time(), *self._bytes()
+            if metered:
+                cpu, sent, received = time.thread_time(), *self._bytes()
             step = self.next_step
             if c.op == proto.TRAIN:
                 self._train(r, c)
@@ -81,7 +85,8 @@ class Rounds:
                 self._generate(r, c)
             else:
                 self._save(r, c)
-            self._meter(c, step, cpu, sent, received)
+            if metered:
+                self._meter(c, step, cpu, sent, received)
             r += 1
 
     def _turn(self) -> contextlib.AbstractContextManager[None]:
@@ -99,9 +104,7 @@ class Rounds:
         """Report the round to the session's lease (the operator's metrics):
         the steps it took, their tokens, this thread's CPU time on it (each
         session has a thread of its own) and its bytes each way."""
-        report = getattr(self.session.lease, "on_round", None)
-        if report is None:
-            return
+        report = self.session.lease.on_round
         steps = self.next_step - step  # 0 if skipped or not a TRAIN round
         now_sent, now_received = self._bytes()
         report(

@@ -84,6 +84,16 @@ class SplitServer:
             raise ValueError(
                 "--tenants needs a one-process compute party (not torchrun ranks)"
             )
+        if tenants is not None and party.root is not None:
+            for name in tenants.by_name:
+                # A run folder of a server that had no tenants, under this
+                # name: the tenant's runs would land inside it.
+                if (party.root / name / "config.json").is_file():
+                    raise ValueError(
+                        f"{party.root / name} is a run folder, not tenant "
+                        f"{name}'s: serve the tenants from another --out, or "
+                        "rename the tenant"
+                    )
         self.party = party
         self.tenants = tenants
         self.usage = Usage(max_sessions, memory_bytes)

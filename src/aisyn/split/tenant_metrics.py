@@ -6,7 +6,7 @@ table): per tenant, the steps and tokens trained, the compute seconds B
 spent on them, the bytes each way, the sessions open and the memory they
 hold, the time sessions waited to be admitted, and the refusals by quota.
 And per session, one JSON line in the tenant's folder
-(``OUT/<tenant>/sessions.jsonl``) when it ends.
+(``OUT/<tenant>/_sessions.jsonl``) when it ends.
 
 The registry is this server's own (not the process-wide default), so two
 servers in one process -- tests -- count apart.
@@ -27,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 log = logging.getLogger(__name__)
 
 PREFIX = "aisyn_tenant_"
+#: a tenant's session records, beside its runs (no run id starts with "_")
+SESSIONS_FILE = "_sessions.jsonl"
 #: the per-tenant figures ``aisyn split status`` shows, in its order
 COLUMNS = (
     ("sessions", "sessions"),
@@ -43,7 +45,7 @@ COLUMNS = (
 
 @dataclass
 class SessionRecord:
-    """One session's line in its tenant's ``sessions.jsonl``."""
+    """One session's line in its tenant's ``_sessions.jsonl``."""
 
     tenant: str
     run_id: str
@@ -152,7 +154,7 @@ class TenantMetrics:
         line = asdict(record)
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            with (folder / "sessions.jsonl").open("a", encoding="utf-8") as f:
+            with (folder / SESSIONS_FILE).open("a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
         except OSError as e:  # the session's work is saved; only the line is lost
             log.error("could not record the session in %s: %s", folder, e)
