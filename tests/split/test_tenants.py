@@ -323,6 +323,14 @@ class Centre:
             except LinkTimeoutError:
                 continue
 
+    def drained(self, timeout: float = 10) -> None:
+        """Wait until B has closed every session (it does so after the data
+        party closed its end)."""
+        deadline = time.monotonic() + timeout
+        while self.server.usage.sessions():
+            assert time.monotonic() < deadline, self.server.usage.sessions()
+            time.sleep(0.02)
+
     def __enter__(self) -> Centre:
         self.server.start()
         self.thread.start()
@@ -426,8 +434,9 @@ def test_a_tenant_cannot_reach_anothers_run_nor_pass_for_it(
         address = centre.server.address
         alice = client(pki, address, "alice", token_file)
         train(split_config, news_data, tmp_path / "a", alice, steps=2)
+        centre.drained()  # B has closed alice's session (and recorded it)
         before = snapshot(root)
-        run_id = next((root / "alice").iterdir()).name
+        run_id = next(p.name for p in (root / "alice").iterdir() if p.is_dir())
         hello = fresh_hello(split_config, run_id)
         eve = client(pki, address, "eve", token_file)
         stolen = client(pki, address, "alice", tmp_path / "bob.token")
@@ -545,9 +554,7 @@ def test_the_operator_sees_each_tenants_use(
         bob = client(pki, address, "bob", tmp_path / "bob.token")
         with pytest.raises(LinkError, match="its quota is 3"):
             train(split_config, news_data, tmp_path / "bob", bob, steps=4)
-        deadline = time.monotonic() + 10  # B closes bob's session after telling him
-        while centre.server.usage.sessions() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        centre.drained()  # B closes bob's session after telling him why
         metrics = f"127.0.0.1:{centre.server.metrics_port}"
         assert main(["split", "status", "--metrics", metrics, "--json"]) == 0
         rows = json.loads(capsys.readouterr().out)
