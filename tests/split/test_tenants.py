@@ -513,8 +513,9 @@ def test_serve_refuses_a_bad_tenants_file_before_loading_anything(tmp_path, caps
 def test_a_session_is_sized_by_what_it_holds_at_b(
     tmp_path, ft_config, ft_base, token_file
 ):
-    """Full training: B's weights, gradients, AdamW moments and activations;
-    LoRA over the shared base: its activations, the base counted once for all."""
+    """Full training holds B's weights, gradients and AdamW moments, LoRA over
+    the shared base none of its own (the base is counted once for all); each
+    round's activations come on top, sized from the round."""
     from test_finetune import LORA
 
     from aisyn.model.families import build_model
@@ -527,13 +528,16 @@ def test_a_session_is_sized_by_what_it_holds_at_b(
     server = SplitServer(party, listen, memory_bytes=1e12)
     meta = dict(build_model(ft_config, device="meta").named_parameters())
     weights = 4.0 * sum(meta[n].numel() for n in party.own_parameters)  # fp32
-    full = server.session_bytes(Session("train", "r", train_cfg(), 0))
+    full = Session("train", "r", train_cfg(), 0)
+    assert server.session_bytes(full) == 4 * weights  # weights, grads, 2 moments
     assert server.usage.resident_bytes == 0
-    lora = server.session_bytes(Session("train", "r", train_cfg(), 0, lora=(LORA, {})))
+    lora = Session("train", "r", train_cfg(), 0, lora=(LORA, {}))
+    assert server.session_bytes(lora) == 0
     assert server.usage.resident_bytes == weights  # the base, once
-    # weights + gradients + two AdamW moments, and the same activations
-    assert full == pytest.approx(4 * weights + lora)
-    assert lora > 0
+    # a round's activations: more rows, more memory; the window bounds it
+    one = server.round_bytes(full, 4, 2, ft_config.seq_len, 0)
+    assert 0 < one < server.round_bytes(full, 4, 8, ft_config.seq_len, 0)
+    assert server.round_bytes(full, 4, 2, ft_config.seq_len, 3) > one
 
 
 def test_the_operator_sees_each_tenants_use(
@@ -590,3 +594,52 @@ def test_a_tenant_named_like_an_old_run_folder_is_refused(
     listen = LinkSettings("127.0.0.1:0", token_file=str(token_file), insecure=True)
     with pytest.raises(ValueError, match="b/alice is a run folder, not tenant alice's"):
         SplitServer(party, listen, tenants=two_tenants)
+
+
+def test_a_round_larger_than_the_memory_quota_allows_is_refused():
+    """B learns a run's batch size from its rounds: the lease grows to the
+    largest round's, refused with the numbers past the tenant's quota or the
+    server's budget, before any of the round's work."""
+    usage = Usage(max_sessions=3, memory_bytes=10 * GIB, settle_s=0)
+    a = Tenant("a", CERT, max_sessions=2, memory_bytes=4 * GIB)
+    lease = usage.open(a, "r1", 1 * GIB)
+    lease.round_bytes = lambda m, rows, seq, window: rows * GIB / 2
+    lease.fits_round(4, 2, 64, 0)  # 1 GiB fixed + 1 GiB: fits
+    assert lease.memory_bytes == 2 * GIB
+    lease.fits_round(4, 1, 64, 0)  # smaller: the lease keeps its peak
+    assert lease.memory_bytes == 2 * GIB
+    other = usage.open(a, "r2", 1 * GIB)
+    with pytest.raises(
+        QuotaError,
+        match=r"tenant a: this round needs 4.00 GiB.*"
+        r"other sessions hold 1.00 GiB of its quota of 4.00 GiB",
+    ):
+        lease.fits_round(4, 6, 64, 0)
+    assert lease.memory_bytes == 2 * GIB  # unchanged by the refusal
+    other.close()
+    b = usage.open(Tenant("b", OTHER, memory_bytes=8 * GIB), "r", 7.5 * GIB)
+    with pytest.raises(
+        QuotaError,
+        match=r"this round needs 3.00 GiB .* has 2.50 GiB of its 10.00 GiB free",
+    ):
+        lease.fits_round(4, 4, 64, 0)
+    b.close()
+
+
+def test_a_tenant_is_refused_a_round_past_its_memory_quota_over_the_network(
+    tmp_path, pki, token_file, split_config, news_data
+):
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f'[tenant.alice]\ncertificate = "{fingerprint(pki.client_cert)}"\n'
+        'memory = "300kB"\n'  # the session's own 267 KiB fit, a round does not
+    )
+    listen = server_settings(pki, token_file)
+    with Centre(split_config, tmp_path / "b", listen, load_tenants(path)) as centre:
+        alice = client(pki, centre.server.address, "alice", token_file)
+        with pytest.raises(
+            LinkError,
+            match="tenant alice: this round needs .* of its quota of 292.97 KiB",
+        ):
+            train(split_config, news_data, tmp_path / "a", alice, steps=2)
+        centre.drained()

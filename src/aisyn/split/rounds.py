@@ -78,6 +78,7 @@ class Rounds:
                 cpu, sent, received = time.thread_time(), *self._bytes()
             step = self.next_step
             if c.op == proto.TRAIN:
+                self._fits(c)
                 self._train(r, c)
             elif c.op == proto.EVAL:
                 self._eval(r, c)
@@ -88,6 +89,15 @@ class Rounds:
             if metered:
                 self._meter(c, step, cpu, sent, received)
             r += 1
+
+    def _fits(self, c: proto.Control) -> None:
+        """Before a TRAIN round's work: its size within the session's memory
+        quota. B learns a run's batch size only from its rounds, so the
+        lease grows to the largest round's needs, refused with the numbers
+        when that passes the tenant's or the server's budget."""
+        fits = getattr(self.session.lease, "fits_round", None)
+        if fits is not None:
+            fits(c.micro_batches, c.micro_size, c.seq_len, c.window)
 
     def _turn(self) -> contextlib.AbstractContextManager[None]:
         """A turn at B's compute among the sessions of other tenants (a

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import threading
@@ -133,6 +134,8 @@ class SplitServer:
         self.sessions_served = 0
         self.sessions_failed = 0
         self._count_lock = threading.Lock()
+        #: module sizes by model config, for sizing sessions and rounds
+        self._sizes: dict[str, dict] = {}
 
     @property
     def address(self) -> str:
@@ -168,6 +171,9 @@ class SplitServer:
         self.metrics.opened(record)
         # Its steps count against the tenant's quota, its rounds in the metrics.
         lease.on_round = functools.partial(self.metrics.round, record)
+        if sized:
+            lease.round_bytes = functools.partial(self.round_bytes, session)
+            lease.on_grow = functools.partial(self.metrics.grew, record)
         lease.on_refused = functools.partial(self.metrics.refused, label)
         folder = None
         if tenant.name and self.party.root is not None:
@@ -181,30 +187,47 @@ class SplitServer:
         return Accept(reply, session, on_closed=lease.close)
 
     def session_bytes(self, session: Session) -> float:
-        """What a session holds at B, as the planner estimates it: B's
-        weights, gradients and optimizer state, and the activations of a
-        step's micro-batches (at most all of them in flight). A LoRA session
-        over the base this party shares holds only its activations (and its
-        adapters, too small to count); the base itself is held once
-        (``Usage.resident_bytes``, set when it is first read)."""
-        cfg = session.cfg or self.party.cfg
-        train = session.train
-        work = Workload(
-            batch_size=train.micro * train.grad_accum,
-            micro_batch_size=train.micro,
-            seq_len=cfg.seq_len,
-            in_flight=train.grad_accum,
-            autocast=autocast_on(self.party.device, train.autocast),
-            activation_checkpointing=train.activation_checkpointing,
-        )
-        sizes = module_sizes(build_model(cfg, device="meta"))
-        (r,) = party_load(sizes, cfg, self.party.partition, COMPUTE_PARTY, work).ranks
+        """What a session holds at B whatever its rounds, as the planner
+        estimates it: B's weights, gradients and AdamW state. A LoRA session
+        over the base this party shares holds none of its own (its adapters
+        are too small to count); the base itself is held once
+        (``Usage.resident_bytes``, set when it is first counted). Each TRAIN
+        round's activations come on top (``round_bytes``): B learns a run's
+        batch size only from its rounds."""
+        (r,) = self._load(session, 1, 1, 1, 0).ranks
         if session.lora is not None:  # the shared, frozen base: see above
             if not self.usage.resident_bytes:
                 self.usage.resident_bytes = r.weights_bytes
-            return r.cache_bytes + r.activation_bytes
-        held = r.weights_bytes + r.grads_bytes + r.optimizer_bytes + r.cache_bytes
-        return held + r.activation_bytes
+            return 0.0
+        return r.weights_bytes + r.grads_bytes + r.optimizer_bytes + r.cache_bytes
+
+    def round_bytes(
+        self, session: Session, micro_batches: int, rows: int, seq_len: int, window: int
+    ) -> float:
+        """The activations a TRAIN round of this size holds at B at its peak
+        (``window`` + 1 micro-batches in flight, at most all of them)."""
+        (r,) = self._load(session, micro_batches, rows, seq_len, window).ranks
+        return r.activation_bytes
+
+    def _load(self, session: Session, m: int, rows: int, seq_len: int, window: int):
+        cfg = session.cfg or self.party.cfg
+        train = session.train
+        work = Workload(
+            batch_size=m * rows,
+            micro_batch_size=rows,
+            seq_len=seq_len,
+            in_flight=min(m, window + 1),
+            autocast=autocast_on(self.party.device, train.autocast),
+            activation_checkpointing=train.activation_checkpointing,
+        )
+        key = json.dumps(cfg.to_dict(), sort_keys=True)
+        with self._count_lock:
+            sizes = self._sizes.get(key)
+        if sizes is None:
+            sizes = module_sizes(build_model(cfg, device="meta"))
+            with self._count_lock:
+                self._sizes[key] = sizes
+        return party_load(sizes, cfg, self.party.partition, COMPUTE_PARTY, work)
 
     def start(self, address_file: str | Path | None = None) -> SplitServer:
         if self.metrics_listen is not None:

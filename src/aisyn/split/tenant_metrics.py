@@ -116,6 +116,12 @@ class TenantMetrics:
         self.memory.labels(t).inc(record.memory_bytes)
         self.queue_wait.labels(t).inc(record.queue_wait_s)
 
+    def grew(self, record: SessionRecord, grown: float) -> None:
+        """A session's memory grew to fit a larger round."""
+        with self._lock:
+            record.memory_bytes += grown
+        self.memory.labels(record.tenant).inc(grown)
+
     def refused(self, tenant: str, quota: str) -> None:
         self.refusals.labels(tenant, quota).inc()
 

@@ -317,18 +317,41 @@ class Lease:
         self.tenant = tenant
         self.run_id = run_id
         self.memory_bytes = memory
+        #: what the session holds whatever its rounds (weights, gradients,
+        #: optimizer state); its rounds' activations come on top
+        self.fixed_bytes = memory
         #: called with each round's figures (``TenantMetrics.round``), if set
         self.on_round: Callable[..., None] | None = None
         #: called once when the lease is given back, if set
         self.on_close: Callable[[], None] | None = None
         #: called with the quota's name when a step is refused, if set
         self.on_refused: Callable[[str], None] | None = None
+        #: a TRAIN round's memory at B, from (micro-batches, rows, seq len,
+        #: window); None where no budget asks for it
+        self.round_bytes: Callable[[int, int, int, int], float] | None = None
+        #: called with the bytes the lease grew by, if set (the metrics)
+        self.on_grow: Callable[[float], None] | None = None
         self._closed = False
 
     def compute(self) -> AbstractContextManager[None]:
         """A turn at B's compute, shared among tenants by weight
         (``split.fair_share``)."""
         return self._usage.fair.turn(self.tenant.name, self.tenant.weight)
+
+    def fits_round(self, micro_batches: int, rows: int, seq_len: int, window: int):
+        """Grow the lease to what a TRAIN round of this size holds at B, if
+        more than it holds; QuotaError (nothing of the round done) if that
+        passes the tenant's or the server's memory."""
+        if self.round_bytes is None:
+            return
+        need = self.fixed_bytes + self.round_bytes(micro_batches, rows, seq_len, window)
+        if need > self.memory_bytes:
+            try:
+                self._usage._grow(self, need)
+            except QuotaError:
+                if self.on_refused is not None:
+                    self.on_refused("memory")
+                raise
 
     def before_step(self) -> None:
         """Count one training step; QuotaError if the tenant's steps in the
@@ -431,6 +454,38 @@ class Usage:
         lease = Lease(self, tenant, run_id, memory)
         self._open.append(lease)
         return lease
+
+    def _grow(self, lease: Lease, need: float) -> None:
+        """Raise ``lease``'s memory to ``need`` bytes if both budgets allow."""
+        tenant = lease.tenant
+        with self._lock:
+            held = sum(
+                s.memory_bytes
+                for s in self._open
+                if s.tenant.name == tenant.name and s is not lease
+            )
+            if held + need > tenant.memory_bytes:
+                raise QuotaError(
+                    f"{tenant.label}: this round needs {format_bytes(need)} at "
+                    f"the compute party, its other sessions hold "
+                    f"{format_bytes(held)} of its quota of "
+                    f"{format_bytes(tenant.memory_bytes)}",
+                    "memory",
+                )
+            others = self.resident_bytes + sum(
+                s.memory_bytes for s in self._open if s is not lease
+            )
+            if others + need > self.memory_bytes:
+                raise QuotaError(
+                    f"this round needs {format_bytes(need)} at the compute "
+                    f"party, which has {format_bytes(self.memory_bytes - others)} "
+                    f"of its {format_bytes(self.memory_bytes)} free",
+                    "server_memory",
+                )
+            grown = need - lease.memory_bytes
+            lease.memory_bytes = need
+        if lease.on_grow is not None:
+            lease.on_grow(grown)
 
     def _close(self, lease: Lease) -> None:
         with self._lock:
