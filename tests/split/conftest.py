@@ -124,19 +124,26 @@ def certs(tmp_path_factory):
 
 
 class ServerThread:
-    """A real gRPC compute party, serving sessions on a background thread."""
+    """A real gRPC compute party, serving sessions on a background thread
+    (each on a thread of its own with ``concurrent``)."""
 
-    def __init__(self, server) -> None:
+    def __init__(self, server, concurrent: bool = False) -> None:
         self.server = server
+        self.concurrent = concurrent
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         from aisyn.link.errors import LinkTimeoutError
 
+        serve = (
+            self.server.serve_in_background
+            if self.concurrent
+            else self.server.serve_one
+        )
         while not self.stopped.is_set():
             try:
-                self.server.serve_one(timeout=0.2)
+                serve(timeout=0.2)
             except LinkTimeoutError:
                 continue
 
@@ -152,6 +159,7 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.stopped.set()
         self.thread.join(10)
+        self.server.join(30)  # the sessions running in the background
         self.server.stop()
 
 

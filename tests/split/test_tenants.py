@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CUT, losses, server_settings, train_cfg
+from conftest import CUT, ServerThread, losses, server_settings, train_cfg
 from test_run_owner import snapshot
 from test_server_hardening import fresh_hello
 
@@ -25,7 +25,7 @@ from aisyn.link import (
     token_identity,
 )
 from aisyn.link.certs import make_dev_certs
-from aisyn.link.errors import HandshakeError, LinkError, LinkTimeoutError
+from aisyn.link.errors import HandshakeError, LinkError
 from aisyn.model.segments import parse_partition
 from aisyn.split.compute_party import OWNER, ComputeParty
 from aisyn.split.server import SplitServer
@@ -302,7 +302,7 @@ def test_steps_per_hour_are_a_sliding_hour():
 # --- over the network ---------------------------------------------------------
 
 
-class Centre:
+class Centre(ServerThread):
     """A compute party serving tenants, several sessions at once."""
 
     def __init__(
@@ -311,17 +311,10 @@ class Centre:
         partition = parse_partition(CUT, cfg)
         party = ComputeParty(cfg, partition, root, device="cpu", init_from=init_from)
         self.party = party
-        self.server = SplitServer(party, listen, tenants=tenants, **kwargs)
+        super().__init__(
+            SplitServer(party, listen, tenants=tenants, **kwargs), concurrent=True
+        )
         self.server.usage.settle_s = 0.2
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                self.server.serve_in_background(timeout=0.2)
-            except LinkTimeoutError:
-                continue
 
     def drained(self, timeout: float = 10) -> None:
         """Wait until B has closed every session (it does so after the data
@@ -330,17 +323,6 @@ class Centre:
         while self.server.usage.sessions():
             assert time.monotonic() < deadline, self.server.usage.sessions()
             time.sleep(0.02)
-
-    def __enter__(self) -> Centre:
-        self.server.start()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopped.set()
-        self.thread.join(10)
-        self.server.join(30)
-        self.server.stop()
 
 
 @pytest.fixture(scope="module")
