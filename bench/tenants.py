@@ -106,7 +106,12 @@ class Centre:
     """``aisyn split serve`` for ``n`` token tenants, in its own process."""
 
     def __init__(
-        self, root: Path, cfg_json: Path, base: Path, weights: list[float]
+        self,
+        root: Path,
+        cfg_json: Path,
+        base: Path,
+        weights: list[float],
+        batch: bool = False,
     ) -> None:
         n = len(weights)
         root.mkdir(parents=True, exist_ok=True)
@@ -133,6 +138,7 @@ class Centre:
                 "--tenants", str(root / "tenants.toml"), "--max-sessions", str(n),
                 "--address-file", str(address), "--device", "cpu",
                 "--metrics-listen", metrics,
+                *(["--batch-tenants"] if batch else []),
             ],
             env=env,
             stdout=self.log,
@@ -175,11 +181,13 @@ def run_tenants(
     data: Path,
     weights: list[float],
     steps: int,
+    batch: bool = False,
 ) -> dict:
     """The tenants at once: the centre's memory, each one's steps, and B's
-    compute per tenant while all of them were training."""
+    compute per tenant while all of them were training (``batch``: the
+    centre batches their micro-batches through the base)."""
     n = len(weights)
-    centre = Centre(root, cfg_json, base, weights)
+    centre = Centre(root, cfg_json, base, weights, batch)
     runs = [root / f"a{i}" for i in range(n)]
     errors: list[BaseException] = []
 
@@ -254,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--batch-tenants",
+        action="store_true",
+        help="the centre runs the tenants' waiting micro-batches through the "
+        "base together (aisyn split serve --batch-tenants)",
+    )
     args = ap.parse_args(argv)
     steps = args.steps or (6 if args.quick else 20)
     torch.set_num_threads(1)
@@ -278,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{format_bytes(4 * b_params)} fp32; a session's activations there "
         f"{format_bytes(load.activation_bytes)} by the planner), "
         f"LoRA rank {LORA.rank} on both "
-        f"parties, {steps} steps per tenant at batch {tcfg(1, 0).batch_size}; "
+        f"parties, {steps} steps per tenant at batch {tcfg(1, 0).batch_size}"
+        f"{', micro-batches batched across tenants' * args.batch_tenants}; "
         f"torch {torch.__version__}, {os.cpu_count()} CPUs",
         flush=True,
     )
@@ -294,7 +309,14 @@ def main(argv: list[str] | None = None) -> int:
             # four tenants of different weights: their shares of B follow them
             weights = [1.0, 1.0, 2.0, 4.0] if n == 4 else [1.0] * n
             results[n] = run_tenants(
-                root / f"n{n}", cfg, cfg_json, base, data, weights, steps
+                root / f"n{n}",
+                cfg,
+                cfg_json,
+                base,
+                data,
+                weights,
+                steps,
+                args.batch_tenants,
             )
             r = results[n]
             print(

@@ -41,6 +41,7 @@ def _check_report(out, names):
     assert f"{names[0]}+{names[1]} ft" in regimes
     assert f"{names[0]} split ft" in regimes and f"{names[1]} split ft" in regimes
     assert any(r.startswith("AIsyn federated") for r in regimes)
+    assert any(r.startswith("AIsyn splitfed") for r in regimes)
     assert sum(r.startswith("client ") for r in regimes) == 2
     for r in rows:
         for n in names:
@@ -49,11 +50,16 @@ def _check_report(out, names):
             assert float(r[f"test_loss_{n}"]) > 0
     # equal budget of optimizer steps across fine-tuned regimes
     steps = {r["regime"]: int(r["steps"]) for r in rows}
-    fed = next(v for k, v in steps.items() if k.startswith("AIsyn"))
+    fed = next(v for k, v in steps.items() if k.startswith("AIsyn federated"))
+    splitfed = next(v for k, v in steps.items() if k.startswith("AIsyn splitfed"))
     assert steps[f"{names[0]} ft"] == steps[f"{names[0]}+{names[1]} ft"] == fed
+    assert splitfed == fed  # the shared backbone takes every party's steps
     assert steps[f"{names[0]} split ft"] == steps[f"{names[0]} ft"]
     split = next(r for r in rows if r["regime"] == f"{names[0]} split ft")
     assert float(split["bytes_on_wire"]) > 0
+    for regime in ("AIsyn federated", "AIsyn splitfed"):
+        row = next(r for r in rows if r["regime"].startswith(regime))
+        assert float(row["bytes_on_wire"]) > 0
     report = json.loads((out / "report.json").read_text())
     # The split regime takes standalone fine-tuning's steps: it scores the same.
     for n in names:
@@ -66,8 +72,9 @@ def _check_report(out, names):
         "d_fed_beats_other_standalone",
     }
     plots = sorted(p.name for p in (out / "plots").glob("*.png"))
-    # 2 standalone, fusion, federated global, 2 clients, and the accuracy chart
-    assert len(plots) == 7 and "accuracy.png" in plots
+    # 2 standalone, fusion, federated global, 2 clients, splitfed, and the
+    # accuracy chart
+    assert len(plots) == 8 and "accuracy.png" in plots
     return rows
 
 
@@ -104,6 +111,17 @@ def test_micro_comparison_produces_the_table(tmp_path, monkeypatch):
     # a second run into the same folder is refused (nothing is overwritten)
     with pytest.raises(FileExistsError):
         run_compare(domains, preset, tmp_path / "report")
+    # some of the regimes: only those rows
+    sub = run_compare(
+        domains, preset, tmp_path / "some", regimes=["splitfed", "fusion"]
+    )
+    assert [r["regime"] for r in sub["rows"]] == [
+        "without ft (base)",
+        "news+reviews ft",
+        "AIsyn splitfed (fedavg, full)",
+    ]
+    with pytest.raises(ValueError, match="--regimes fedsplit: expected some of"):
+        run_compare(domains, preset, tmp_path / "bad", regimes=["fedsplit"])
 
 
 @pytest.mark.slow

@@ -75,9 +75,12 @@ def test_lora_sessions_hold_one_copy_of_the_base(ft_config, ft_base):
     assert all(torch.equal(frozen[n], on_disk[n]) for n in frozen)
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["own-passes", "batched"])
 def test_three_tenants_fine_tune_lora_at_once_on_one_base(
-    tmp_path, ft_config, ft_base, ft_sft_dir, token_file, caplog
+    tmp_path, ft_config, ft_base, ft_sft_dir, token_file, caplog, batched
 ):
+    """``batched``: their micro-batches that wait at once go through the base
+    together (``split.tenant_batch``)."""
     caplog.set_level(logging.INFO, logger="aisyn.split.compute_party")
     base, sft_dir = ft_base, ft_sft_dir
     # Prepare: the solo run each tenant's must equal, and the centre
@@ -99,6 +102,7 @@ def test_three_tenants_fine_tune_lora_at_once_on_one_base(
     with Centre(
         ft_config, tmp_path / "b", listen, tenants, init_from=base, max_sessions=3
     ) as centre:
+        centre.party.batch_tenants = batched
         errors: dict[str, BaseException] = {}
 
         def tenant(name: str) -> None:
@@ -125,6 +129,12 @@ def test_three_tenants_fine_tune_lora_at_once_on_one_base(
         for t in threads:
             t.join(240)
         assert errors == {}
+        batchers = list(centre.party._batchers.values())
+        if batched:  # every training micro-batch went the batched way
+            (batcher,) = batchers
+            assert batcher.batched_rows == 3 * ft_cfg().steps * ft_cfg().grad_accum
+        else:
+            assert batchers == []
         # Then each generates from its run with its own adapters: alone, and
         # all three at once (deliverable 6)
         peers = {n: client(pki, centre.server.address, n, token_file) for n in NAMES}

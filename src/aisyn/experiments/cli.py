@@ -13,11 +13,12 @@ from aisyn.validate import positive_float, positive_int
 def cmd_compare(args) -> None:
     """Pretrain (once, cached) a base model on all domains' raw text, fine-tune it
     on supervised cloze items standalone per domain, pooled (data fusion) and
-    federated (one client per domain, Flower on loopback) with an equal budget of
-    optimizer steps, and write the reference's table (Markdown, CSV), loss curves
-    and report.json to --out."""
+    federated (one client per domain, Flower on loopback), split (through an
+    in-process compute party) and SplitFed (one party per domain sharing one
+    backbone) with an equal budget of optimizer steps, and write the
+    reference's table (Markdown, CSV), loss curves and report.json to --out."""
 
-    from aisyn.experiments.compare import run_compare
+    from aisyn.experiments.compare import check_regimes, run_compare
     from aisyn.experiments.report import REPORT_MD
     from aisyn.testbed.presets import get_preset
 
@@ -36,6 +37,9 @@ def cmd_compare(args) -> None:
         echo=args.echo,
         tensorboard=args.tensorboard,
         federated=parse_fl_settings(args.fl_set or []),
+        regimes=check_regimes(
+            [r.strip() for r in args.regimes.split(",") if r.strip()]
+        ),
     )
     print((Path(args.out) / REPORT_MD).read_text(encoding="utf-8"))
     print(f"took {report['elapsed_s'] / 60:.1f} min; wrote {args.out}")
@@ -150,6 +154,12 @@ def register(sub) -> None:
         ("--strategy", list(STRATEGIES), None, "override the federated strategy"),
         ("--method", list(METHODS), None, "override: full weights or LoRA"),
         ("--steps", positive_int, None, "override the step budget"),
+        (
+            "--regimes",
+            None,
+            "standalone,fusion,split,federated,splitfed",
+            "comma-separated regimes to run (the untuned base always)",
+        ),
         ("--lr", positive_float, None, "override the fine-tuning lr"),
         ("--echo", "store_true", None, "stream the Flower server log"),
         (

@@ -7,7 +7,11 @@
    cached), loss on the answer tokens only.
 3. Fine-tune the base, with the same budget of optimizer steps, as
    standalone(d) for each domain, fusion(all domains pooled) and federated
-   (one client per domain, through Flower's runtime on loopback).
+   (one client per domain, through Flower's runtime on loopback), split
+   (each domain's owner through an in-process compute party) and SplitFed
+   (one party per domain, one shared backbone at the compute party, the
+   parties' own segments averaged by the federated regime's strategy;
+   ``aisyn.splitfed``).
 4. Score the untuned base (``lm`` format) and every fine-tuned model (``prompt``
    format, as trained) on each domain's test items, and its LM loss on each
    domain's raw test text (``evaluator``); judge the targets (``targets``);
@@ -22,7 +26,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -129,6 +133,20 @@ def federated_settings(
     return FLSettings.from_dict(d)
 
 
+#: the comparison's regimes besides the untuned base, in the order they run
+REGIMES = ("standalone", "fusion", "split", "federated", "splitfed")
+
+
+def check_regimes(regimes: Sequence[str]) -> list[str]:
+    """``regimes`` in ``REGIMES``' order; one line for an unknown or no regime."""
+    unknown = sorted(set(regimes) - set(REGIMES))
+    if unknown or not regimes:
+        raise ValueError(
+            f"--regimes {','.join(regimes)}: expected some of {','.join(REGIMES)}"
+        )
+    return [r for r in REGIMES if r in regimes]
+
+
 def run_compare(
     domains: Sequence[str],
     preset: Preset,
@@ -138,11 +156,14 @@ def run_compare(
     echo: bool = False,
     tensorboard: bool = False,
     federated: dict | None = None,
+    regimes: Sequence[str] = REGIMES,
 ) -> dict:
-    """Every regime of the comparison in ``out``; ``tensorboard``: each
+    """The ``regimes`` of the comparison in ``out``; ``tensorboard``: each
     fine-tuning run, the federated server and its clients also write
     TensorBoard event files; ``federated``: federated settings by name (e.g.
-    secure-aggregation, dp), over the preset's."""
+    secure-aggregation, dp), over the preset's (SplitFed takes them too,
+    but for secure aggregation, which one process cannot use)."""
+    regimes = check_regimes(regimes)
     t_start = time.perf_counter()
     out = Path(out)
     if (out / REPORT_JSON).exists() or (out / "runs").exists():
@@ -210,18 +231,59 @@ def run_compare(
         )
         plots[name] = run / "loss.png"
 
-    for n in names:
-        finetuned(n, [sft[n]])
-    finetuned("+".join(names), [sft[n] for n in names])
-    if method.name == "full":  # split fine-tuning trains every weight
+    if "standalone" in regimes:
+        for n in names:
+            finetuned(n, [sft[n]])
+    if "fusion" in regimes:
+        finetuned("+".join(names), [sft[n] for n in names])
+    if "split" in regimes and method.name == "full":  # it trains every weight
         for n in names:
             add_row(**split_finetuned(n, base, base_cfg, sft[n], runs, cfg, dev))
-
-    from aisyn.fl.launch import simulate
 
     settings = federated_settings(
         preset, len(names), device, tensorboard=tensorboard, **(federated or {})
     )
+    privacy = "".join(
+        [", SecAgg+" * settings.secure_aggregation]
+        + [f", DP {settings.dp} s={settings.dp_noise_multiplier:g}"]
+        * (settings.dp != "off")
+    )
+    fed = None
+    if "federated" in regimes:
+        fed = _federated(inputs, runs, settings, privacy, echo, add_row, plots)
+    if "splitfed" in regimes:
+        add_row(**splitfed_row(inputs, runs, settings, dev))
+        plots["splitfed"] = runs / "splitfed" / "loss.png"
+
+    report = {
+        "domains": names,
+        "preset": preset.to_dict(),
+        "regimes": regimes,
+        "base": {"path": str(base), "build_s_this_run": base_build_s, **base_summary},
+        "rows": rows,
+        "targets": check_targets(rows, names),
+        "elapsed_s": time.perf_counter() - t_start,
+    }
+    if fed is not None:
+        report["federated"] = {
+            k: fed[k]
+            for k in (
+                "history",
+                "final_global_valid_loss",
+                "payload_bytes_per_client",
+                "wall_s",
+                "privacy",
+            )
+        }
+    write_report(out, report, plots)
+    return report
+
+
+def _federated(inputs: Inputs, runs: Path, settings, privacy, echo, add_row, plots):
+    """The federated regime: its global model's row and each client's."""
+    from aisyn.fl.launch import simulate
+
+    names, base, sft, dev = inputs.names, inputs.base, inputs.sft, inputs.device
     fed = simulate(
         base, {n: sft[n] for n in names}, runs / "federated", settings, echo=echo
     )
@@ -229,11 +291,6 @@ def run_compare(
     train_s = sum(h.get("client_train_s") or 0.0 for h in hist)
     overhead_s = fed["wall_s"] - train_s
     fed_model, _ = load_run_model(runs / "federated" / "server", dev)
-    privacy = "".join(
-        [", SecAgg+" * settings.secure_aggregation]
-        + [f", DP {settings.dp} s={settings.dp_noise_multiplier:g}"]
-        * (settings.dp != "off")
-    )
     add_row(
         f"AIsyn federated ({settings.strategy}, {settings.method}{privacy})",
         fed_model,
@@ -244,6 +301,8 @@ def run_compare(
         train_s=train_s,
         overhead_s=overhead_s,
         final_loss=hist[-1].get("train_loss") if hist else None,
+        # the global model to each client and its update back, every round
+        bytes_on_wire=2 * fed["payload_bytes_per_client"] * len(names) * len(hist),
         run=fed["run"],
     )
     plots["federated global"] = runs / "federated" / "server" / "loss.png"
@@ -264,27 +323,44 @@ def run_compare(
             run=str(client_run),
         )
         plots[f"client {n}"] = client_run / "loss.png"
+    return fed
 
-    report = {
-        "domains": names,
-        "preset": preset.to_dict(),
-        "base": {"path": str(base), "build_s_this_run": base_build_s, **base_summary},
-        "federated": {
-            k: fed[k]
-            for k in (
-                "history",
-                "final_global_valid_loss",
-                "payload_bytes_per_client",
-                "wall_s",
-                "privacy",
-            )
-        },
-        "rows": rows,
-        "targets": check_targets(rows, names),
-        "elapsed_s": time.perf_counter() - t_start,
-    }
-    write_report(out, report, plots)
-    return report
+
+def splitfed_row(inputs: Inputs, runs: Path, settings: FLSettings, dev) -> dict:
+    """SplitFed (``aisyn.splitfed``): one party per domain, the same rounds,
+    local steps and strategy as the federated regime, one shared backbone at
+    an in-process compute party. Returns ``add_row``'s arguments, the model
+    being the global segments and the backbone merged."""
+    from aisyn.splitfed.run import run_splitfed
+
+    settings = replace(
+        settings, secure_aggregation=False, max_message_mb=0.0, tensorboard=False
+    )
+    names = inputs.names
+    sf = run_splitfed(
+        inputs.base, {n: inputs.sft[n] for n in names}, runs / "splitfed", settings
+    )
+    model, _ = load_run_model(sf["merged"], dev)
+    dp = f", DP {settings.dp}" * (settings.dp != "off")
+    history = sf["history"]
+    cut = json.loads((runs / "splitfed" / "config.json").read_text())["split"]["cut"]
+    return dict(
+        regime=f"AIsyn splitfed ({settings.strategy}, {settings.method}{dp})",
+        model=model,
+        fmt="prompt",
+        epochs_or_rounds=f"{settings.rounds} rounds",
+        steps=sf["backbone_steps"],
+        wall_s=sf["elapsed_s"],
+        train_s=sf["train_s"],
+        overhead_s=sf["elapsed_s"] - sf["train_s"],
+        final_loss=history[-1]["train_loss"] if history else None,
+        bytes_on_wire=sf["link_bytes"] + sf["segment_bytes"],
+        note=f"cut {cut}, one backbone at B, segments averaged every "
+        f"{settings.local_steps} steps (in-process links); "
+        f"{sf['link_bytes'] / 1e6:.1f} MB cut tensors + "
+        f"{sf['segment_bytes'] / 1e6:.1f} MB segments",
+        run=sf["run"],
+    )
 
 
 def split_cut(cfg: ModelConfig) -> str:

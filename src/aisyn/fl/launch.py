@@ -44,14 +44,15 @@ class FederatedRunError(RunFailedError):
     """The federated run ended without a result (see the logs it names)."""
 
 
-def check_client(name: str, data: Path, base: Path) -> None:
-    """Fail early, with the client's name, on missing or mismatched data."""
+def check_client(name: str, data: Path, base: Path, role: str = "client") -> None:
+    """Fail early, with the client's name, on missing or mismatched data
+    (``role``: what the message calls it)."""
     info = describe_base(base)
     try:
         sft = SFTData.open(data, "train")
         check_data_matches(info, [sft])
     except ValueError as e:
-        raise ValueError(f"client {name}: {e}") from None
+        raise ValueError(f"{role} {name}: {e}") from None
 
 
 def check_chunking(base: Path, settings: FLSettings) -> int:

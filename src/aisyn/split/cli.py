@@ -391,6 +391,7 @@ def cmd_serve(args) -> None:
         accept_unbound=args.accept_unbound_runs,
     )
     party.ranks = ranks
+    party.batch_tenants = args.batch_tenants
     if ranks is not None and ranks.rank != 0:
         serve_ranks(party)
         return
@@ -795,6 +796,14 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
             None,
             "TOML file of the data owners served (docs/split.md#tenants): each "
             "its own certificate and/or token, folder under --out and quotas",
+        ),
+        (
+            "--batch-tenants",
+            "store_true",
+            None,
+            "LoRA sessions over the shared --init-from base run the micro-batches "
+            "that wait at once through it together, each row with its own "
+            "adapters (one forward and backward for all)",
         ),
         (
             "--metrics-listen",

@@ -12,6 +12,7 @@ leaves B's saved state untouched.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import shutil
 import threading
@@ -47,6 +48,7 @@ from aisyn.split.pipeline import (
     announce_session,
 )
 from aisyn.split.rounds import Rounds
+from aisyn.split.tenant_batch import AdapterBatcher
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import resolve_device
@@ -123,6 +125,10 @@ class ComputeParty:
         #: B's tensors of the base, shared by the LoRA sessions (frozen_base)
         self._frozen: dict[str, torch.Tensor] | None = None
         self._frozen_lock = threading.Lock()
+        #: whether LoRA sessions over that base run their micro-batches
+        #: through it together (``split.tenant_batch``; a centre's option)
+        self.batch_tenants = False
+        self._batchers: dict[tuple, AdapterBatcher] = {}
         #: the torchrun job this party's blocks are spread over (None: this
         #: process holds them all); see ``split.pipeline``
         self.ranks: Ranks | None = None
@@ -310,6 +316,38 @@ class ComputeParty:
                 )
             return self._frozen
 
+    def batcher_for(self, session: Session, state: PartyState) -> AdapterBatcher | None:
+        """The batched path for ``session``'s training micro-batches: one per
+        set of adapted layers and checkpointing (None: it runs its own, as
+        any session does unless ``batch_tenants``, LoRA over the shared base,
+        and a one-process party)."""
+        if not (self.batch_tenants and state.shares_base and self.ranks is None):
+            return None
+        method = state.method
+        targets = sorted(
+            {
+                n.rsplit(".lora_", 1)[0]
+                for n in lora_parameter_names(
+                    build_model(state.cfg, device="meta"),
+                    method,
+                    within=self.partition.module_paths(COMPUTE_PARTY),
+                )
+            }
+        )
+        ac = bool(session.train.activation_checkpointing)
+        key = (tuple(targets), ac, json.dumps(state.cfg.to_dict(), sort_keys=True))
+        with self._frozen_lock:
+            if key not in self._batchers:
+                self._batchers[key] = AdapterBatcher(
+                    state.cfg,
+                    self.partition,
+                    self._frozen,
+                    self.device,
+                    activation_checkpointing=ac,
+                    targets=targets,
+                )
+            return self._batchers[key]
+
     def lora_a_names(self, method: Method) -> list[str]:
         """The ``A`` matrices of LoRA ``method`` on this party's blocks."""
         names = lora_parameter_names(
@@ -342,6 +380,36 @@ class ComputeParty:
             "init_from": str(self.base.checkpoint) if self.base else None,
         }
 
+    def save_checkpoint(self, session: Session, state: PartyState, step: int) -> Path:
+        """Checkpoint ``state`` as step ``step`` of ``session``'s run (this
+        process holding all of B's blocks); returns the folder. A run's first
+        save makes its folder; if that save fails, no folder is left to pass
+        for a run (nor for one bound to its data party). Raises OSError or
+        CheckpointError."""
+        run = self.run_dir(session.run_id, session.tenant)
+        assert run is not None  # the caller checks that this party has a root
+        new_folder = not run.path.exists()
+        try:
+            if not (run.path / "config.json").is_file():
+                run.create(self.run_config(session), resume=False)
+            return ckpt.save(
+                run.checkpoints,
+                step,
+                state.tensors(),
+                {
+                    "party": COMPUTE_PARTY,
+                    "run_id": session.run_id,
+                    "model": state.cfg.to_dict(),
+                    "partition": self.partition.to_dict(),
+                    "train": proto.compute_party_train(session.train),
+                },
+                keep=self.keep,
+            )
+        except (OSError, ckpt.CheckpointError):
+            if new_folder:
+                shutil.rmtree(run.path, ignore_errors=True)
+            raise
+
     # --- one session -------------------------------------------------------------
 
     def serve_session(
@@ -354,10 +422,21 @@ class ComputeParty:
         """Run rounds until A closes the link (or it fails: raises LinkError).
         ``first_round_timeout_s`` bounds the wait for the first round (None:
         the link's own receive timeout, as for every later one)."""
-        method, lora_seeds = session.lora or (None, None)
         ranks = self.ranks
         if ranks is not None and ranks.rank == 0:
-            announce_session(ranks, session)
+            announce_session(ranks, session)  # the other ranks build theirs too
+        state = self.session_state(session)
+        rounds = Rounds
+        if ranks is not None:
+            rounds = ShardedRounds if ranks.sharded else PipelinedRounds
+        rounds(self, state, link, session, first_round_timeout_s).run()
+
+    def session_state(self, session: Session) -> PartyState:
+        """B's weights and optimizer for ``session``, in place: from its run's
+        checkpoint, the base or the seeded init (this rank's share of them in
+        a torchrun party)."""
+        method, lora_seeds = session.lora or (None, None)
+        ranks = self.ranks
         partition, seeds = self.partition, session.seeds
         if ranks is not None:
             partition = ranks.share(self.partition)
@@ -398,10 +477,7 @@ class ComputeParty:
             log.info("loaded %s", folder)
         elif self.base is not None and session.purpose == "train":
             log.info("initialised from %s", self.base.checkpoint)
-        rounds = Rounds
-        if ranks is not None:
-            rounds = ShardedRounds if ranks.sharded else PipelinedRounds
-        rounds(self, state, link, session, first_round_timeout_s).run()
+        return state
 
     def save_share(self, rounds: Rounds, r: int, c: proto.Control) -> None:
         """A SAVE round on every rank of a pipelined party: each saves its

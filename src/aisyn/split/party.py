@@ -202,18 +202,20 @@ class PartyState:
         """A checkpoint's files. A LoRA party saves its adapters alone: its
         base never changes, and it starts from the base again to resume."""
         names = {p: n for n, p in self.named}
-        weights = (
-            {n: p.detach().contiguous() for n, p in self.named}
-            if self.lora
-            else own_state_dict(self.model, self.partition, self.party)
-        )
         return {
-            ckpt.MODEL_FILE: weights,
+            ckpt.MODEL_FILE: self.weights(),
             ckpt.OPTIM_FILE: {
                 **ckpt.optimizer_tensors(self.optimizer, names),
                 **ckpt.rng_tensors(),
             },
         }
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A checkpoint's model file: this party's weights (a LoRA party's
+        adapters alone)."""
+        if self.lora:
+            return {n: p.detach().contiguous() for n, p in self.named}
+        return own_state_dict(self.model, self.partition, self.party)
 
     def init_from(self, base: BaseModel) -> None:
         """Load this party's weights, and only those, from a base model."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import time
 from typing import TYPE_CHECKING
 
@@ -19,7 +18,7 @@ import torch
 
 from aisyn.link.base import Link
 from aisyn.model.causal_lm import masks_from_documents
-from aisyn.model.segments import COMPUTE_PARTY, StageCache
+from aisyn.model.segments import StageCache
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
 from aisyn.split.party import PartyState, SkippedStep
@@ -54,6 +53,14 @@ class Rounds:
         self.hidden = state.cfg.hidden_size
         #: the KV cache of B's blocks for the sequence being generated
         self.gen_cache: StageCache | None = None
+        #: other tenants' micro-batches go through the base with this
+        #: session's (``split.tenant_batch``), or None: on its own
+        self.batcher = None
+        if session.purpose == "train":
+            self.batcher = party.batcher_for(session, state)
+        if self.batcher is not None:
+            self.adapter_layers = self.batcher.session_layers(state.model)
+            self.adapter_params = [p for _, p in state.named]
 
     #: whether this process logs the session's events (rank 0 of several)
     speaks = True
@@ -196,25 +203,39 @@ class Rounds:
                     report(getattr(e, "quota", "steps_per_hour"))
                 raise
         self.state.train(True)
-        inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        inflight: dict[int, tuple] = {}
         shape = (c.micro_size, c.seq_len, self.hidden)
         for kind, i in schedule.make(c.micro_batches, c.window).b:
             if kind == "F":
                 x, mask = self._recv_act(r, i, c)
                 self.state.checked(x, f"the activations (micro-batch {i})")
                 x.requires_grad_()
-                with self._turn(), self.state.autocast():  # as aisyn train
-                    y = self.middle(x, mask)
+                slot = None
+                if self.batcher is not None and mask is None:
+                    slot = self.batcher.forward(
+                        x,
+                        self.adapter_layers,
+                        self.adapter_params,
+                        self._turn,
+                        self.state.autocast,
+                    )
+                    y = slot.y
+                else:
+                    with self._turn(), self.state.autocast():  # as aisyn train
+                        y = self.middle(x, mask)
                 self.link.send("out", y, step=r, micro=i, codec=self.session.codec)
-                inflight[i] = (x, y)
+                inflight[i] = (x, y, slot)
             else:
                 g = self.link.recv(
                     "gout", step=r, micro=i, shape=shape, dtype=torch.float32
                 )
                 self.state.checked(g, f"the gradient of the output (micro-batch {i})")
-                x, y = inflight.pop(i)
-                with self._turn():
-                    torch.autograd.backward(y, g.to(self.state.device))
+                x, y, slot = inflight.pop(i)
+                if slot is not None:
+                    slot.backward(g.to(self.state.device), self._turn)
+                else:
+                    with self._turn():
+                        torch.autograd.backward(y, g.to(self.state.device))
                 self.link.send(
                     "gact", x.grad, step=r, micro=i, codec=self.session.codec
                 )
@@ -298,35 +319,15 @@ class Rounds:
 
     def _save(self, r: int, c: proto.Control) -> None:
         self._at_next_step(c, "SAVE")
-        run = self.party.run_dir(self.session.run_id, self.session.tenant)
-        if run is None:
+        if self.party.run_dir(self.session.run_id, self.session.tenant) is None:
             log.warning("asked to checkpoint step %d but serving without --out", c.step)
             self.link.send_scalar("saved", -1.0, step=r)
             return
         t0 = time.perf_counter()
-        # A run's first save makes its folder; if that save fails, no folder
-        # is left to pass for a run (nor for one bound to this data party).
-        new_folder = not run.path.exists()
         try:
-            if not (run.path / "config.json").is_file():
-                run.create(self.party.run_config(self.session), resume=False)
-            folder = ckpt.save(
-                run.checkpoints,
-                c.step,
-                self.state.tensors(),
-                {
-                    "party": COMPUTE_PARTY,
-                    "run_id": self.session.run_id,
-                    "model": self.state.cfg.to_dict(),
-                    "partition": self.party.partition.to_dict(),
-                    "train": proto.compute_party_train(self.session.train),
-                },
-                keep=self.party.keep,
-            )
+            folder = self.party.save_checkpoint(self.session, self.state, c.step)
         except (OSError, ckpt.CheckpointError) as e:
             log.error("checkpoint of step %d failed: %s", c.step, e)
-            if new_folder:
-                shutil.rmtree(run.path, ignore_errors=True)
             self.link.send_scalar("saved", -1.0, step=r)
             return
         log.info("saved %s (%.2f s)", folder, time.perf_counter() - t0)

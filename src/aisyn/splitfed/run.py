@@ -1,0 +1,508 @@
+"""SplitFed for a consortium: N data parties, one shared backbone at the
+compute party, the parties' own segments averaged by a Flower strategy.
+
+Each party keeps its embedding, front, back and head (``splitfed.member``)
+and its data; the compute party keeps one backbone that every party's steps
+train (``split.consortium``: SFLV2, the parties' steps taken one after
+another). Every ``local_steps`` steps the parties' segments are averaged by
+the strategy the federated regime uses (``fl.strategy.make_strategy``:
+FedAvg, FedProx, FedAdam, FedAvgM, the robust aggregations and client DP,
+each update guarded), run by Flower's own round loop (``Strategy.start``) over
+a grid whose nodes are the parties in this process.
+
+Here every party and the compute party run in one process, joined by
+in-memory links: the comparison's regime (``aisyn experiment compare``), with
+exactly what would cross a network counted. Secure aggregation does not apply
+in one process (the process that averages sees every update anyway) and is
+refused, as is chunking.
+
+Run folder::
+
+    OUT/config.json, metrics.jsonl    the consortium: one line per round
+    OUT/loss.png, result.json
+    OUT/global/                       the averaged segments (a split data
+                                      party's folder, one checkpoint a round)
+    OUT/compute/<consortium id>/      the shared backbone (B's run folder)
+    OUT/merged/                       both as one plain model (split merge)
+    OUT/parties/<name>/               each party's own run: its local steps,
+                                      metrics and last segments
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+
+from aisyn.fl.launch import check_client
+from aisyn.fl.records import payload_bytes, record_to_tensors, tensors_to_record
+from aisyn.fl.settings import FLSettings
+from aisyn.fl.strategy import guard_of, make_strategy
+from aisyn.fl.task import plot_global, round_config
+from aisyn.link.memory import memory_pair
+from aisyn.model.segments import DATA_PARTY, parse_partition
+from aisyn.split import protocol as proto
+from aisyn.split.compute_party import ComputeParty
+from aisyn.split.consortium import SharedBackbone
+from aisyn.split.cut_dp import CutDefence
+from aisyn.split.merge import merge
+from aisyn.split.party import PartyState, compute_lora_hello, open_base, place_weights
+from aisyn.split.session import SplitOptions, failure_reason
+from aisyn.split.transport import link_options
+from aisyn.splitfed.member import Member, ProximalSession
+from aisyn.train import checkpoint as ckpt
+from aisyn.train.config import TrainConfig
+from aisyn.train.device import resolve_device
+from aisyn.train.models import BaseModel, describe_base
+from aisyn.train.objective import SFTObjective
+from aisyn.train.run import TOKENIZER, RunDir, write_json_atomic
+
+log = logging.getLogger("aisyn.splitfed")
+
+RESULT_FILE = "result.json"
+#: a party's name: its folder under OUT/parties/
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+
+
+def default_cut(num_blocks: int) -> str:
+    """One block on each party's side at each end where the model has the
+    blocks for it (as the comparison's split fine-tuning)."""
+    return "u:1,1" if num_blocks >= 3 else "u:1,0"
+
+
+def check_settings(settings: FLSettings, members: Mapping[str, Path]) -> None:
+    """Refuse, in one line each, what SplitFed in one process cannot do."""
+    if len(members) < 1:
+        raise ValueError("splitfed needs at least one data party")
+    for name in members:
+        if not _NAME.fullmatch(name):
+            raise ValueError(
+                f"party name {name!r}: letters, digits and _ . + - only, "
+                "starting with a letter or digit (it names the party's folder)"
+            )
+    if settings.secure_aggregation:
+        raise ValueError(
+            "splitfed: secure aggregation does not apply where every party runs "
+            "in one process (that process sees each update anyway); run without it"
+        )
+    if settings.max_message_mb:
+        raise ValueError("splitfed: --max-message-mb (chunked updates) does not apply")
+    if settings.schedule != "continue":
+        raise ValueError(
+            "splitfed: schedule must be 'continue' (the shared backbone's "
+            "schedule runs on over every round)"
+        )
+    if settings.min_clients != len(members):
+        raise ValueError(
+            f"splitfed: min-clients is {settings.min_clients} but {len(members)} "
+            "parties are given"
+        )
+
+
+@contextlib.contextmanager
+def flower_task(run_id: int) -> Iterator[None]:
+    """Flower stamps each message with the identity of the task that runs
+    it, which its runtime sets; in this process this driver is that runtime
+    (the server's node, 0). Put back as it was afterwards."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 0, 1
+    try:
+        yield
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+class MembersGrid:
+    """Flower's grid (the two calls ``Strategy.start`` makes of it) over the
+    consortium's parties in this process: a message to a node is that
+    party's round, run in node order -- B takes the parties' steps one after
+    another, so the run is the same every time."""
+
+    def __init__(self, members: Mapping[int, Member]) -> None:
+        self.members = dict(members)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.members)
+
+    def send_and_receive(self, messages, *, timeout: float | None = None):
+        del timeout  # in-process: a party that fails raises
+        out = []
+        for msg in sorted(messages, key=lambda m: m.metadata.dst_node_id):
+            member = self.members[msg.metadata.dst_node_id]
+            arrays = msg.content.array_records["arrays"]
+            config = msg.content.config_records["config"]
+            member.load_global(_global_of(member, arrays))
+            if msg.metadata.message_type == MessageType.TRAIN:
+                metrics = member.train_round(
+                    int(config["server-round"]), _proximal_mu(config)
+                )
+                content = RecordDict(
+                    {
+                        "arrays": tensors_to_record(member.segments()),
+                        "metrics": MetricRecord(metrics),
+                    }
+                )
+            else:
+                loss = member.valid_loss()
+                content = RecordDict(
+                    {
+                        "metrics": MetricRecord(
+                            {"num-examples": member.examples, "valid-loss": loss}
+                        )
+                    }
+                )
+            out.append(Message(content, reply_to=msg))
+        return out
+
+
+def _proximal_mu(config) -> float:
+    """FedProx's mu, for FedProx only (every round's config carries the
+    setting, as it does to a federated client)."""
+    if config.get("strategy") != "fedprox":
+        return 0.0
+    return float(config["proximal-mu"])
+
+
+def _global_of(member: Member, arrays: ArrayRecord) -> dict:
+    try:
+        return record_to_tensors(arrays, member.spec)
+    except ValueError as e:
+        raise ValueError(f"party {member.name}: bad global segments: {e}") from None
+
+
+def run_splitfed(
+    base: str | Path,
+    parties: Mapping[str, str | Path],
+    out: str | Path,
+    settings: FLSettings,
+    *,
+    cut: str | None = None,
+    window: int = 0,
+    codec: str = "none",
+    log_every: int = 10,
+) -> dict:
+    """Train the consortium of ``parties`` (name -> SFT folder) from ``base``
+    for ``settings.rounds`` rounds of ``settings.local_steps`` steps per party;
+    returns the summary also written to ``OUT/result.json``.
+
+    Every party and the backbone use ``settings.method`` (full or LoRA). The
+    shared backbone takes ``rounds x local_steps x parties`` steps, each party
+    ``rounds x local_steps``: the budget of the federated regime's clients.
+    ``log_every``: each party's metrics record every that many steps (and
+    the first and last of each round).
+    """
+    t_start = time.perf_counter()
+    members_data = {n: Path(d) for n, d in parties.items()}
+    check_settings(settings, members_data)
+    out = Path(out)
+    if (out / "config.json").exists():
+        raise FileExistsError(f"{out}: already holds a run; choose another --out")
+    info = describe_base(base)
+    for name, data in members_data.items():
+        check_client(name, data, info.path, role="party")
+    mcfg = info.model
+    cut = cut or default_cut(mcfg.num_blocks)
+    partition = parse_partition(cut, mcfg)
+    if not partition.is_u_shape:
+        raise ValueError(f"--cut {cut}: SplitFed needs a U-shape cut (u:FRONT,BACK)")
+    method = settings.method_spec()
+    a_cfg = settings.train  # its steps: rounds x local steps (FLSettings)
+    b_cfg = replace(a_cfg, steps=a_cfg.steps * len(members_data))
+    device = resolve_device(a_cfg.device)
+    a_base = open_base(info.checkpoint, mcfg, partition, DATA_PARTY)
+    consortium = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(4)
+    party = ComputeParty(
+        mcfg, partition, out / "compute", device=a_cfg.device, init_from=info.checkpoint
+    )
+
+    def hello(run_id: str, cfg) -> str:
+        return proto.encode_json(
+            proto.hello(
+                purpose="train",
+                run_id=run_id,
+                model=mcfg.to_dict(),
+                partition=partition.to_dict(),
+                train=cfg,
+                lora=compute_lora_hello(mcfg, partition, method, cfg.seed),
+                codec=codec,
+                init=a_base.fingerprint,
+            )
+        )
+
+    _, b_session = party.negotiate(hello(consortium, b_cfg), "consortium")
+    opts = SplitOptions(cut=cut, mode="local", window=window, codec=codec)
+    config = {
+        "kind": "splitfed",
+        "run_id": consortium,
+        "model": mcfg.to_dict(),
+        "partition": partition.to_dict(),
+        "parties": {n: str(d.resolve()) for n, d in members_data.items()},
+        "splitfed": settings.to_dict(),
+        "split": opts.record(),
+        "base": info.to_dict(),
+        "tokenizer": info.tokenizer,
+        "seq_len": mcfg.seq_len,
+    }
+    root = RunDir(out)
+    root.start(config, resume=False, tokenizer=info.path / TOKENIZER)
+    backbone = SharedBackbone(party, b_session)
+    global_run = RunDir(out / "global")
+    global_run.start(
+        _data_party_config(
+            consortium, config, a_cfg, opts, list(members_data.values()), a_base
+        ),
+        resume=False,
+        tokenizer=info.path / TOKENIZER,
+    )
+    shared = Shared(
+        out, config, consortium, party, backbone, hello, a_cfg, opts, device,
+        a_base, settings, log_every,
+    )  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        members = {
+            node: stack.enter_context(_member(shared, name, node, data))
+            for node, (name, data) in enumerate(members_data.items(), start=1)
+        }
+        summary = _federate(
+            root, global_run, members, backbone, settings, info, t_start
+        )
+    merged = out / "merged"
+    merge(global_run.path, out / "compute", merged)
+    summary["merged"] = str(merged)
+    summary["elapsed_s"] = time.perf_counter() - t_start
+    write_json_atomic(root.path / RESULT_FILE, summary)
+    root.close()
+    return summary
+
+
+def _data_party_config(
+    run_id: str, config: dict, cfg, opts: SplitOptions, data: list[Path], base
+) -> dict:
+    """The global segments' folder as a split data party's (what ``aisyn
+    split merge`` and ``aisyn split eval`` read), for the consortium's run."""
+    method = FLSettings.from_dict(config["splitfed"]).method_spec().to_dict()
+    return {
+        "kind": "split",
+        "party": DATA_PARTY,
+        "run_id": run_id,
+        "model": config["model"],
+        "partition": config["partition"],
+        "train": cfg.to_dict(),
+        "split": opts.record(),
+        "objective": SFTObjective.name,
+        "data": [str(d.resolve()) for d in data],
+        "tokenizer": config["tokenizer"],
+        "seq_len": config["seq_len"],
+        "init_from": str(base.checkpoint),
+        "method": method,
+        "compute_method": method,
+        "cut_defence": CutDefence().to_dict(),
+        "world_size": 1,
+        "splitfed": {"consortium": run_id, "averaged": True},
+    }
+
+
+@dataclass
+class Shared:
+    """What every party of the consortium is set up from."""
+
+    out: Path
+    config: dict
+    consortium: str
+    party: ComputeParty
+    backbone: SharedBackbone
+    hello: Callable[[str, TrainConfig], str]
+    cfg: TrainConfig
+    opts: SplitOptions
+    device: torch.device
+    base: BaseModel
+    settings: FLSettings
+    log_every: int
+
+
+@contextlib.contextmanager
+def _member(c: Shared, name: str, node: int, data: Path) -> Iterator[Member]:
+    """Party ``name``'s data party, its session with the shared backbone
+    (B's rounds on a thread of their own) open for the whole run."""
+    run_id = f"{c.consortium}-p{node}"
+    run = RunDir(c.out / "parties" / name)
+    run.start(
+        {
+            **_data_party_config(run_id, c.config, c.cfg, c.opts, [data], c.base),
+            "kind": "splitfed-party",
+            "splitfed": {"consortium": c.consortium, "party": name},
+        },
+        resume=False,
+        tokenizer=Path(c.config["base"]["path"]) / TOKENIZER,
+    )
+    party, cfg, codec = c.party, c.cfg, c.opts.codec
+    state = PartyState(
+        party.cfg,
+        party.partition,
+        DATA_PARTY,
+        cfg,
+        c.device,
+        method=c.settings.method_spec(),
+    )
+    place_weights(state, c.base, None, fresh_train=True)
+    objective = SFTObjective([data], cfg)
+    objective.start(c.device)
+    # in one process: no receive waits out a timeout (a party that fails
+    # closes its end, and B's thread ends with it)
+    link_a, link_b = memory_pair(codec, options=link_options(codec, None))
+    _, session = party.negotiate(c.hello(run_id, cfg), link_b.peer.identity)
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            c.backbone.serve(link_b, session)
+        except BaseException as e:  # reported to the party through the link
+            errors.append(e)
+            log.debug("party %s: the backbone's rounds failed", name, exc_info=True)
+            link_b.abort(failure_reason(e))
+        finally:
+            link_b.close()
+
+    thread = threading.Thread(target=serve, name=f"backbone-{name}", daemon=True)
+    thread.start()
+    try:
+        yield Member(
+            name,
+            node,
+            data,
+            run,
+            state,
+            ProximalSession(state, link_a, eod_id=None, window=c.opts.window),
+            objective,
+            c.base,
+            c.settings.local_steps,
+            c.settings.eval_items,
+            c.log_every,
+        )
+    except Exception as e:
+        link_a.close()
+        thread.join(30)
+        if errors and e is not errors[0]:
+            raise errors[0] from e  # B's reason says more than a closed link
+        raise
+    finally:
+        link_a.close()
+        thread.join(30)
+        run.plot(f"party {name}")
+        run.close()
+
+
+def _federate(
+    root: RunDir,
+    global_run: RunDir,
+    members: dict[int, Member],
+    backbone: SharedBackbone,
+    settings: FLSettings,
+    info,
+    t_start: float,
+) -> dict:
+    """Flower's round loop over the parties; a checkpoint of the global
+    segments and of the backbone after every round."""
+    strategy = make_strategy(settings)
+    guard = guard_of(strategy)
+    first = members[min(members)]
+    history: list[dict] = []
+
+    def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if server_round == 0:
+            return None
+        step = backbone.step
+        backbone.save()
+        tensors = record_to_tensors(arrays, first.spec)
+        weights = {**first.state.weights(), **tensors}
+        ckpt.save(
+            global_run.checkpoints,
+            step,
+            {
+                ckpt.MODEL_FILE: weights,
+                ckpt.OPTIM_FILE: ckpt.rng_tensors(),  # no one optimizer's
+            },
+            {
+                "party": DATA_PARTY,
+                "run_id": global_run.read_config()["run_id"],
+                "step": step,
+                "round": server_round,
+                "model": first.state.cfg.to_dict(),
+                "partition": first.state.partition.to_dict(),
+                "train": first.state.train_cfg.to_dict(),
+            },
+            keep=2,
+        )
+        entry = dict(guard.round_log.get(server_round, {"round": server_round}))
+        t_sent = entry.pop("t_sent", None)
+        entry["round_s"] = time.perf_counter() - t_sent if t_sent else None
+        rounds = [m.rounds[-1] for m in members.values() if m.rounds]
+        entry.update(
+            step=step,
+            skipped_backbone_steps=backbone.skipped,
+            link_bytes=sum(
+                r["link_bytes_sent"] + r["link_bytes_received"] for r in rounds
+            ),
+            train_loss=sum(r["round_loss"] for r in rounds) / max(len(rounds), 1),
+            elapsed_s=time.perf_counter() - t_start,
+        )
+        history.append(entry)
+        root.log_metrics(entry)
+        plot_global(history, None, root.path / "loss.png")
+        return None
+
+    initial = tensors_to_record(first.segments())
+    with flower_task(run_id=1):
+        result = strategy.start(
+            grid=MembersGrid(members),  # type: ignore[arg-type]
+            initial_arrays=initial,
+            num_rounds=settings.rounds,
+            timeout=settings.round_timeout,
+            train_config=round_config(settings, info),
+            evaluate_config=round_config(settings, info),
+            evaluate_fn=after_round,
+        )
+    final_eval = getattr(result, "evaluate_metrics_clientapp", {}) or {}
+    last = final_eval.get(settings.rounds)
+    final = float(last["valid-loss"]) if last else None
+    if final is not None:
+        root.log_metrics({"round": settings.rounds, "final_global_valid_loss": final})
+        plot_global(history, final, root.path / "loss.png")
+    link_bytes = sum(
+        m.link.bytes_sent + m.link.bytes_received for m in members.values()
+    )
+    segment_bytes = payload_bytes(initial)
+    return {
+        "status": "completed",
+        "rounds": settings.rounds,
+        "local_steps": settings.local_steps,
+        "parties": {m.name: str(m.run.path) for m in members.values()},
+        "settings": settings.to_dict(),
+        "history": history,
+        "final_global_valid_loss": final,
+        "backbone_steps": backbone.step,
+        "skipped_backbone_steps": backbone.skipped,
+        "train_s": sum(r["train_s"] for m in members.values() for r in m.rounds),
+        # cut activations and gradients, every party with the compute party
+        "link_bytes": link_bytes,
+        # the segments each way, every party, every round (Flower's payload)
+        "segment_bytes_per_party_round": segment_bytes,
+        "segment_bytes": 2 * segment_bytes * len(members) * settings.rounds,
+        "trainable_parameters_per_party": sum(
+            p.numel() for p in first.trainable.values()
+        ),
+        "backbone": str(backbone.party.run_dir(backbone.session.run_id).path),
+        "global": str(global_run.path),
+        "run": str(root.path),
+    }
