@@ -146,7 +146,11 @@ def cmd_train(args) -> None:
     """Train PanGu-α on prepared data; writes config.json, metrics.jsonl, loss.png
     and checkpoints to --out."""
 
-    from aisyn.train.flags import print_summary, train_config_from_args
+    from aisyn.train.flags import (
+        print_summary,
+        sync_from_args,
+        train_config_from_args,
+    )
     from aisyn.train.pretrain import train
 
     if args.resume:
@@ -160,6 +164,8 @@ def cmd_train(args) -> None:
         init_from=args.init_from,
         progress=not args.quiet,
         tensorboard=args.tensorboard,
+        sync=sync_from_args(args),
+        sync_timeout_s=args.sync_timeout if args.sync == "diloco" else None,
     )
     print_summary(
         summary, f"({summary['tokens']} tokens, {summary['elapsed_s']:.1f} s)"
@@ -260,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from aisyn.privacy import cli as privacy_cli
     from aisyn.split import cli as split_cli
-    from aisyn.train.flags import add_train_args
+    from aisyn.train.flags import SYNC_FLAGS, add_train_args
     from aisyn.validate import positive_int
 
     p = Parser(
@@ -348,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         QUIET,
     )
     add_train_args(tr)
+    add_flags(tr.add_argument_group("across centres"), *SYNC_FLAGS)
     add_config_flag(tr, "train")
 
     ev = add_command(sub, "eval", cmd_eval, "test loss, perplexity and cloze accuracy")

@@ -625,3 +625,42 @@ def test_a_tenant_is_refused_a_round_past_its_memory_quota_over_the_network(
         ):
             train(split_config, news_data, tmp_path / "a", alice, steps=2)
         centre.drained()
+
+
+@pytest.mark.parametrize(
+    "page",
+    [b"<html><body>a login page</body></html>\n", b"hello world\n", b"\x00\xff\xfe"],
+    ids=["html", "text", "binary"],
+)
+def test_status_of_something_that_is_not_a_metrics_endpoint(page, capsys):
+    """``aisyn split status`` pointed at another web server (or a closed port)
+    says so in one line."""
+    import http.server
+
+    from aisyn.cli import main
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        assert main(["split", "status", "--metrics", address, "--timeout", "5"]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("aisyn: error: http://") and "not a metrics page" in line
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    # nothing listens there any more
+    assert main(["split", "status", "--metrics", address, "--timeout", "5"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "cannot read" in line

@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from aisyn.errors import RunFailedError
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -63,6 +65,11 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank() -> int:
+    """This process's rank of torchrun's (0 when not run under torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def setup(
     device: torch.device, timeout: timedelta | None = None
 ) -> tuple[DistContext, torch.device]:
@@ -81,7 +88,21 @@ def setup(
         # torch's own default when none is given (passing None explicitly
         # was seen to leave a gloo thread running at exit: SIGABRT)
         extra = {} if timeout is None else {"timeout": timeout}
-        dist.init_process_group(backend, **extra)
+        try:
+            dist.init_process_group(backend, **extra)
+        except (RuntimeError, dist.DistError) as e:
+            where = (
+                f"{os.environ.get('MASTER_ADDR', '?')}:"
+                f"{os.environ.get('MASTER_PORT', '?')}"
+            )
+            waited = "" if timeout is None else f" within {timeout.total_seconds():g} s"
+            first = (
+                str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            )
+            raise RunFailedError(
+                f"rank {rank} of {world}: the other ranks did not join at {where}"
+                f"{waited} ({first})"
+            ) from None
     return DistContext(rank, world, local), device
 
 

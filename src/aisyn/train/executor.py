@@ -57,7 +57,9 @@ class LocalExecutor(Executor):
     backward and the update, it adds its own gradient and returns what the
     record shows of it (FedProx's proximal term); ``resumable``: checkpoints
     hold the optimizer and RNG too (a federated client's hold the weights);
-    ``optimizer``: another than the one AdamW recipe (``train.optim``).
+    ``optimizer``: another than the one AdamW recipe (``train.optim``);
+    ``extra_files``: more files for each checkpoint (name -> tensors), from
+    whatever wraps this executor (DiLoCo's outer optimizer).
     """
 
     def __init__(
@@ -74,8 +76,10 @@ class LocalExecutor(Executor):
         checkpoint_fields: dict | None = None,
         hint: str = " (lower --lr?)",
         optimizer: torch.optim.Optimizer | None = None,
+        extra_files: Callable[[], dict] | None = None,
     ) -> None:
         self.model = model
+        self.extra_files = extra_files
         self.trainable = list(trainable)
         self.params = [p for _, p in self.trainable]
         self.cfg = cfg
@@ -143,6 +147,8 @@ class LocalExecutor(Executor):
                 files[ADAPTERS_FILE] = {
                     n: p.detach().contiguous() for n, p in self.trainable
                 }
+        if self.extra_files is not None:
+            files.update(self.extra_files())
         save_model(
             run,
             self.model,

@@ -102,3 +102,68 @@ def print_summary(summary: dict, details: str) -> None:
         + details
     )
     print(f"run folder: {summary['run']}  loss plot: {summary['plot']}")
+
+
+#: the cross-centre synchronisation flags of ``aisyn train`` (``train.diloco``)
+SYNC_FLAGS = (
+    Row(
+        "--sync",
+        ["ddp", "diloco"],
+        "ddp",
+        "under torchrun: ddp (every step's gradients all-reduced) or diloco "
+        "(each rank a centre training alone, the centres meeting every "
+        "--inner-steps steps: for a wide-area link)",
+    ),
+    Row(
+        "--inner-steps",
+        validate.positive_int,
+        100,
+        "diloco: each centre's own steps between outer steps (H)",
+    ),
+    Row(
+        "--outer-lr",
+        validate.positive_float,
+        0.7,
+        "diloco: the outer SGD's learning rate",
+    ),
+    Row(
+        "--outer-momentum",
+        validate.nonneg_float,
+        0.9,
+        "diloco: the outer SGD's Nesterov momentum (0: none)",
+    ),
+    Row(
+        "--delta-precision",
+        ["fp32", "bf16", "fp16", "int8"],
+        "fp32",
+        "diloco: what the centres' deltas cross as (int8: a scale per 4096 values)",
+    ),
+    Row(
+        "--centre-data",
+        ["split", "own"],
+        "split",
+        "diloco: split: every centre reads its share of every batch of the "
+        "same --data (as DDP's ranks); own: centre i reads the i-th --data alone",
+    ),
+    Row(
+        "--sync-timeout",
+        validate.positive_float,
+        1800.0,
+        "diloco: seconds a centre waits for the others at an outer step",
+    ),
+)
+
+
+def sync_from_args(args: argparse.Namespace):
+    """The ``DiLoCoConfig`` of ``SYNC_FLAGS`` (None: DDP)."""
+    if args.sync != "diloco":
+        return None
+    from aisyn.train.diloco import DiLoCoConfig
+
+    return DiLoCoConfig(
+        inner_steps=args.inner_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        precision=args.delta_precision,
+        data=args.centre_data,
+    )

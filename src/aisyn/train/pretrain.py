@@ -2,19 +2,24 @@
 
 The language-model objective on the local executor, single-process or
 data-parallel under ``torchrun``; the plain baseline that split training
-must match to 1e-5.
+must match to 1e-5. With ``sync`` (``--sync diloco``) each torchrun rank is a
+centre that trains on its own, the centres meeting every H steps
+(``train.diloco``); centre 0 writes the run folder, centre k one of its own,
+``OUT/centres/<k>/`` (on its machine), and each resumes from its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 from aisyn.model.families import ModelConfig, build_model, hf_folder
 from aisyn.train import checkpoint as ckpt
-from aisyn.train import distributed
+from aisyn.train import diloco, distributed
 from aisyn.train.config import TrainConfig, per_rank_micro_batches
 from aisyn.train.device import autocast_on, resolve_device
+from aisyn.train.diloco import DiLoCoConfig
 from aisyn.train.engine import Engine, finished
 from aisyn.train.executor import LocalExecutor
 from aisyn.train.memory import check_fits, whole_model_bytes
@@ -34,76 +39,95 @@ def train(
     init_from: str | Path | None = None,
     progress: bool = True,
     tensorboard: bool = False,
+    sync: DiLoCoConfig | None = None,
+    sync_timeout_s: float | None = None,
 ) -> dict:
     """Train from scratch (or ``init_from`` a checkpoint) and write a run folder.
 
     Returns a summary: final loss, steps, tokens, elapsed seconds, run path.
+    ``sync``: DiLoCo across torchrun's ranks, one centre each
+    (``sync_timeout_s``: how long a centre waits for the others).
     """
-    cfg = per_rank_micro_batches(cfg, distributed.world_size())
+    world = distributed.world_size()
+    centre = distributed.rank() if sync is not None else None
+    if sync is None:
+        cfg = per_rank_micro_batches(cfg, world)
+    else:
+        cfg, data_dirs = diloco.centre_settings(cfg, sync, world, centre, data_dirs)
     objective = LMObjective(data_dirs, cfg)
     mcfg = model_config_for(model_config, objective.tokenizer, objective.seq_len)
     if init_from is None and isinstance(model_config, str | Path):
         if hf_folder(model_config) is not None:
             init_from = model_config  # a pretrained folder brings its weights
-    run = RunDir(out)
+    run = RunDir(out if not centre else diloco.centre_folder(out, centre))
     last = ckpt.latest(run.checkpoints) if resume else None
-    ctx, device = distributed.setup(resolve_device(cfg.device))
-    check_fits(
-        whole_model_bytes(
-            mcfg,
-            cfg.micro,
-            objective.seq_len,
-            autocast=autocast_on(device, cfg.autocast),
-            activation_checkpointing=cfg.activation_checkpointing,
-        ),
-        device,
-        f"training with micro-batches of {cfg.micro}",
-    )
-    config = run_config(
-        "train",
-        mcfg,
-        train=cfg,
-        data=data_dirs,
-        tokenizer=objective.tokenizer,
-        seq_len=objective.seq_len,
-        init_from=str(init_from) if init_from else None,
-    )
-    # Checked before the folder is rewritten or the model built: a resume
-    # with nothing left to do neither trains nor touches the run.
-    if last is not None:
-        run.check_same_model(config)
-        if (done := finished(run, last, cfg.steps)) is not None:
-            distributed.teardown(ctx)
-            return done
-    if ctx.is_main:
-        run.start(config, resume=resume, tokenizer=objective.tokenizer_file)
-    ctx.barrier()
-
-    model = build_model(mcfg, seed=cfg.seed).to(device)
-    if init_from:
-        load_model_checkpoint(model, init_from)
-    executor = LocalExecutor(
-        model,
-        list(model.named_parameters()),
-        cfg,
-        ctx=ctx,
-        checkpoint_fields={"model": mcfg.to_dict(), "train": cfg.to_dict()},
-    )
-    objective.start(device)
-    regime = Regime(objective, executor, cfg, run)
-    engine = Engine.for_config(
-        run,
-        cfg,
-        desc=objective.desc,
-        progress=progress,
-        main=ctx.is_main,
-        tensorboard=tensorboard,
-    )
-    start_step = engine.restore(regime, last, resume=resume)
-    model.train()
+    timeout = None if sync_timeout_s is None else timedelta(seconds=sync_timeout_s)
+    ctx, device = distributed.setup(resolve_device(cfg.device), timeout)
     try:
+        if sync is not None:
+            last = diloco.agreed_checkpoint(run, last, ctx)
+        check_fits(
+            whole_model_bytes(
+                mcfg,
+                cfg.micro,
+                objective.seq_len,
+                autocast=autocast_on(device, cfg.autocast),
+                activation_checkpointing=cfg.activation_checkpointing,
+            ),
+            device,
+            f"training with micro-batches of {cfg.micro}",
+        )
+        config = run_config(
+            "train",
+            mcfg,
+            train=cfg,
+            data=data_dirs,
+            tokenizer=objective.tokenizer,
+            seq_len=objective.seq_len,
+            init_from=str(init_from) if init_from else None,
+        )
+        if sync is not None:
+            config.update(sync=sync.to_dict(), centre=centre, centres=world)
+        # Checked before the folder is rewritten or the model built: a resume
+        # with nothing left to do neither trains nor touches the run.
+        if last is not None:
+            run.check_same_model(config)
+            if (done := finished(run, last, cfg.steps)) is not None:
+                return done
+        # every centre keeps a folder of its own; of DDP's ranks, rank 0 alone
+        main = ctx.is_main or sync is not None
+        if main:
+            run.start(config, resume=resume, tokenizer=objective.tokenizer_file)
+        ctx.barrier()
+
+        model = build_model(mcfg, seed=cfg.seed).to(device)
+        if init_from:
+            load_model_checkpoint(model, init_from)
+        executor = LocalExecutor(
+            model,
+            list(model.named_parameters()),
+            cfg,
+            # a centre trains alone between outer steps: no DDP
+            ctx=ctx if sync is None else distributed.DistContext(),
+            checkpoint_fields={"model": mcfg.to_dict(), "train": cfg.to_dict()},
+        )
+        if sync is not None:
+            executor = diloco.centre_executor(executor, sync, ctx, config)
+        objective.start(device)
+        regime = Regime(objective, executor, cfg, run)
+        engine = Engine.for_config(
+            run,
+            cfg,
+            desc=objective.desc,
+            progress=progress,
+            main=main,
+            tensorboard=tensorboard,
+        )
+        start_step = engine.restore(regime, last, resume=resume)
+        model.train()
         summary = engine.run(regime, range(start_step, cfg.steps))
+        del summary["records"]
+        return summary
     finally:
+        # Also on an error: a process group left up aborts the process at exit.
         distributed.teardown(ctx)
-    del summary["records"]
-    return summary

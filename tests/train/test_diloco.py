@@ -1,0 +1,330 @@
+"""DiLoCo across centres (``aisyn train --sync diloco``): the outer step is
+the one its definition gives, every centre holds the same global model, the
+deltas cross as the precision asks, and bad starts are refused."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aisyn.net import free_port
+from aisyn.train import checkpoint as ckpt
+from aisyn.train.config import TrainConfig
+from aisyn.train.diloco import (
+    INT8_BLOCK,
+    DiLoCoConfig,
+    OuterStepError,
+    OuterSync,
+    decode,
+    encode,
+    payload_bytes,
+)
+from aisyn.train.distributed import DistContext
+from aisyn.train.pretrain import train
+from aisyn.train.run import read_metrics
+
+CFG = dict(batch_size=4, lr=3e-3, warmup_steps=1, log_every=1, seed=3)
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+
+def final_model(run: Path) -> dict[str, torch.Tensor]:
+    return ckpt.read_tensors(ckpt.latest(run / "checkpoints") / ckpt.MODEL_FILE)
+
+
+@pytest.fixture(scope="module")
+def reviews_data(tmp_path_factory, tokenizer):
+    """A second domain's token shards (the same tokenizer as news_data)."""
+    from aisyn.data.corpora import load_corpus
+    from aisyn.data.shards import prepare
+
+    out = tmp_path_factory.mktemp("data") / "reviews"
+    prepare(load_corpus("reviews"), tokenizer, 32, out, max_documents=1500)
+    return out
+
+
+def centre(rank: int, world: int, port: int, *args, log: Path) -> subprocess.Popen:
+    """One centre: ``aisyn train`` as rank ``rank`` of ``world`` (what
+    torchrun would set, without torchrun, so each centre can be given its
+    own flags -- or killed)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "aisyn.cli", "train", "--quiet", *args],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def run_centres(flags: list[list[str]], tmp_path: Path, timeout: float = 120):
+    """Every centre to its end; (return codes, logs)."""
+    port = free_port()
+    logs = [tmp_path / f"centre{i}.log" for i in range(len(flags))]
+    procs = [centre(i, len(flags), port, *f, log=logs[i]) for i, f in enumerate(flags)]
+    try:
+        rcs = [p.wait(timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return rcs, [log.read_text() for log in logs]
+
+
+def flags(model_file, data, out, *more) -> list[str]:
+    return [
+        "--model", str(model_file), "--out", str(out), "--batch-size", "4",
+        "--lr", "3e-3", "--warmup", "1", "--log-every", "1", "--seed", "3",
+        "--sync", "diloco", "--sync-timeout", "60",
+        *[a for d in data for a in ("--data", str(d))], *more,
+    ]  # fmt: skip
+
+
+# --- the delta on the wire -----------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "int8"])
+def test_deltas_cross_in_the_precision_asked(precision):
+    g = torch.Generator().manual_seed(0)
+    n = 3 * INT8_BLOCK + 17  # a part-block at the end
+    delta = torch.randn(n, generator=g) * torch.logspace(-4, 0, n)
+    payload = encode(delta, precision)
+    back = decode(payload, precision, n)
+    assert back.shape == delta.shape and back.dtype == torch.float32
+    size = payload_bytes(payload)
+    if precision == "fp32":
+        assert torch.equal(back, delta) and size == 4 * n
+    elif precision in ("bf16", "fp16"):
+        assert size == 2 * n
+        tol = 2**-8 if precision == "bf16" else 2**-11
+        assert ((back - delta).abs() <= tol * delta.abs() + 1e-7).all()
+    else:
+        blocks = math.ceil(n / INT8_BLOCK)
+        assert size == blocks * INT8_BLOCK + 4 * blocks  # codes + a scale each
+        padded = torch.nn.functional.pad(delta, (0, blocks * INT8_BLOCK - n))
+        absmax = padded.view(blocks, -1).abs().amax(dim=1)
+        bound = (absmax / 254).repeat_interleave(INT8_BLOCK)[:n] * 1.0001
+        assert ((back - delta).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_a_non_finite_delta_is_seen_whatever_the_precision(precision):
+    delta = torch.zeros(INT8_BLOCK * 2)
+    delta[5] = math.nan
+    assert not torch.isfinite(
+        decode(encode(delta, precision), precision, delta.numel())
+    ).all()
+
+
+def test_non_finite_outer_steps_are_skipped_then_stop_the_run():
+    p = torch.nn.Parameter(torch.ones(10))
+    sync = OuterSync([p], DiLoCoConfig(inner_steps=1, max_skipped=2), DistContext())
+    with torch.no_grad():
+        p.add_(0.5)
+    record = sync.step()
+    assert "outer_skipped" not in record and not torch.equal(p, torch.ones(10))
+    good = p.detach().clone()
+    with torch.no_grad():
+        p[3] = math.inf
+    assert sync.step()["outer_skipped"]
+    assert torch.equal(p.detach(), good)  # back to the last global model
+    with torch.no_grad():
+        p[3] = math.nan
+    with pytest.raises(OuterStepError, match="2 outer steps in a row"):
+        sync.step()
+
+
+def test_the_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
+    start = torch.linspace(-1, 1, 8)
+    p = torch.nn.Parameter(start.clone())
+    sync = OuterSync([p], DiLoCoConfig(), DistContext())
+    expected, buf = start.clone(), torch.zeros(8)
+    for k in range(3):
+        with torch.no_grad():
+            p.sub_(0.1 * (k + 1))  # the inner steps' move
+        d = expected - p.detach()
+        buf = 0.9 * buf + d
+        expected = expected - 0.7 * (d + 0.9 * buf)
+        sync.step()
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=1e-7)
+
+
+# --- whole runs ---------------------------------------------------------------------
+
+
+def test_one_centre_with_a_plain_outer_step_is_plain_training(
+    tmp_path, news_data, tiny_config
+):
+    """Outer lr 1 without momentum puts the centre's own model back: one
+    centre is then plain training, step for step."""
+    cfg = TrainConfig(steps=8, **CFG)
+    train(tiny_config, [news_data], tmp_path / "plain", cfg, progress=False)
+    sync = DiLoCoConfig(inner_steps=4, outer_lr=1.0, outer_momentum=0.0)
+    train(tiny_config, [news_data], tmp_path / "d", cfg, progress=False, sync=sync)
+    assert losses(tmp_path / "d") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+    records = read_metrics(tmp_path / "d" / "metrics.jsonl")
+    assert [r["outer_step"] for r in records if "outer_step" in r] == [1, 2]
+
+
+def test_two_centres_take_the_outer_step_of_their_own_runs(
+    tmp_path, news_data, reviews_data, model_file
+):
+    """Centre i trains on the i-th domain alone for H steps; the global model
+    is then G - lr (d + m d) with d the mean of G - L_i (Nesterov, first
+    step): computed here from two plain one-process runs, one per domain."""
+    rcs, logs = run_centres(
+        [
+            flags(model_file, [news_data, reviews_data], tmp_path / "d", *more)
+            for more in (
+                ["--steps", "6", "--inner-steps", "6", "--centre-data", "own"],
+            )
+            * 2
+        ],
+        tmp_path,
+    )
+    assert rcs == [0, 0], logs
+    plain = []
+    for i, data in enumerate((news_data, reviews_data)):
+        cfg = TrainConfig(steps=6, **{**CFG, "batch_size": 2})
+        train(str(model_file), [data], tmp_path / f"p{i}", cfg, progress=False)
+        plain.append(final_model(tmp_path / f"p{i}"))
+    from aisyn.model.families import build_model, config_from_dict
+
+    cfg_json = json.loads(Path(model_file).read_text())
+    start = build_model(config_from_dict(cfg_json), seed=3).state_dict()
+    glob = final_model(tmp_path / "d")
+    other = final_model(tmp_path / "d" / "centres" / "1")
+    assert glob.keys() == other.keys()
+    for name, g in glob.items():
+        assert torch.equal(g, other[name])  # every centre holds the same model
+        d = sum(start[name] - p[name] for p in plain) / 2
+        # (the plain runs here use this process's threads, the centres one
+        # each: float rounding, through Adam's steps, of a few 1e-6)
+        torch.testing.assert_close(
+            g, start[name] - 0.7 * (d + 0.9 * d), rtol=1e-4, atol=1e-5
+        )
+
+
+def test_centres_with_different_settings_are_refused(tmp_path, news_data, model_file):
+    rcs, logs = run_centres(
+        [
+            flags(
+                model_file,
+                [news_data],
+                tmp_path / "d",
+                "--steps",
+                "4",
+                "--inner-steps",
+                h,
+            )
+            for h in ("2", "4")
+        ],
+        tmp_path,
+    )
+    assert rcs == [2, 2]
+    for i, log in enumerate(logs):
+        [line] = [ln for ln in log.splitlines() if ln.startswith("aisyn: error:")]
+        assert f"centre {1 - i}'s sync differ" in line
+
+
+def test_a_centre_that_never_joins_times_out_naming_the_address(
+    tmp_path, news_data, model_file
+):
+    port = free_port()
+    log = tmp_path / "c0.log"
+    t0 = time.monotonic()
+    proc = centre(
+        0, 2, port,
+        *flags(model_file, [news_data], tmp_path / "d", "--steps", "4",
+               "--inner-steps", "2", "--sync-timeout", "3"),
+        log=log,
+    )  # fmt: skip
+    try:
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc != 0 and time.monotonic() - t0 < 60
+    [line] = [
+        ln for ln in log.read_text().splitlines() if ln.startswith("aisyn: error:")
+    ]
+    assert f"127.0.0.1:{port}" in line and "did not join" in line
+
+
+def test_a_centre_killed_mid_phase_stops_the_other_and_both_resume_exactly(
+    tmp_path, news_data, model_file
+):
+    args = [
+        "--steps",
+        "240",
+        "--inner-steps",
+        "8",
+        "--ckpt-every",
+        "40",
+        "--sync-timeout",
+        "8",
+    ]
+    rcs, logs = run_centres(
+        [flags(model_file, [news_data], tmp_path / "whole", *args)] * 2, tmp_path
+    )
+    assert rcs == [0, 0], logs
+    out = tmp_path / "run"
+    port = free_port()
+    procs = [
+        centre(
+            i,
+            2,
+            port,
+            *flags(model_file, [news_data], out, *args),
+            log=tmp_path / f"k{i}.log",
+        )
+        for i in range(2)
+    ]
+    try:
+        own = out / "centres" / "1" / "checkpoints"
+        deadline = time.monotonic() + 120
+        while 40 not in ckpt.complete_steps(own):
+            assert time.monotonic() < deadline and procs[1].poll() is None
+            time.sleep(0.01)
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        rc0 = procs[0].wait(60)
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    assert rc0 != 0 and waited < 40
+    [line] = [
+        ln for ln in (tmp_path / "k0.log").read_text().splitlines()
+        if ln.startswith("aisyn: error:")
+    ]  # fmt: skip
+    assert "outer step" in line and "--resume" in line
+    rcs, logs = run_centres(
+        [flags(model_file, [news_data], out, *args, "--resume")] * 2, tmp_path
+    )
+    assert rcs == [0, 0], logs
+    assert losses(out)[-1] == pytest.approx(losses(tmp_path / "whole")[-1], rel=1e-6)
+    for name, t in final_model(out).items():
+        assert torch.equal(t, final_model(tmp_path / "whole")[name])
