@@ -228,6 +228,9 @@ def run_tenants(
     finally:
         centre.stop()
     if errors:
+        # the compute party's log goes with the bench's temporary folder
+        tail = (root / "serve.log").read_text(errors="replace").splitlines()[-40:]
+        print("\n".join(tail), file=sys.stderr)
         raise SystemExit(f"a tenant failed: {errors[0]!r}")
     per = []
     for run in runs:

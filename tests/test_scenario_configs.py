@@ -1,4 +1,4 @@
-"""The ready configurations of scenarios 1, 2 and 5 (``--config scenarioN`` on
+"""The ready configurations of scenarios 1-5 (``--config scenarioN`` on
 ``aisyn train``, ``split train`` and ``split serve``): each table loads into
 its command's flags, flags given still win, bad values fail as the flag would."""
 
@@ -16,7 +16,7 @@ COMMANDS = {
     "split-train": ["split", "train", "--data", "D", "--out", "O"],
     "split-serve": ["split", "serve", "--listen", "0.0.0.0:50051", "--model", "tiny"],
 }
-SCENARIOS = ["scenario1", "scenario2", "scenario5"]
+SCENARIOS = ["scenario1", "scenario2", "scenario3", "scenario4", "scenario5"]
 
 
 def _table(name: str) -> dict:

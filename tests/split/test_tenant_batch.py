@@ -187,3 +187,56 @@ def party_session(ac: bool):
     from aisyn.split.compute_party import Session
 
     return Session("train", "r1", replace(ft_cfg(), activation_checkpointing=ac), 0)
+
+
+def test_many_sessions_racing_for_two_turns_each_get_their_own_results(
+    ft_config, ft_base
+):
+    """Sessions that keep sending micro-batches while two turns run at once
+    (the fair share's slots): whichever turn takes a micro-batch, each
+    session gets back exactly its own rows, many times over."""
+    from aisyn.split.fair_share import FairShare
+
+    party, states = sessions(ft_config, ft_base)
+    batcher = party.batcher_for(party_session(False), states[0])
+    fair = FairShare(slots=2)
+    rounds = 6
+    g = torch.Generator().manual_seed(3)
+    work = {
+        (i, k): (
+            torch.randn(1, 16, ft_config.hidden_size, generator=g),
+            torch.randn(1, 16, ft_config.hidden_size, generator=g),
+        )
+        for i in range(3)
+        for k in range(rounds)
+    }
+    expected = {key: solo(states[key[0]], x, gr)[:2] for key, (x, gr) in work.items()}
+    got, errors = {}, []
+
+    def run(i: int) -> None:
+        s = states[i]
+        try:
+            for k in range(rounds):
+                x, gr = work[i, k]
+                x = x.clone().requires_grad_()
+                turn = lambda: fair.turn(f"t{i}", 1.0)  # noqa: E731
+                slot = batcher.forward(
+                    x, batcher.session_layers(s.model), [p for _, p in s.named],
+                    turn, s.autocast,
+                )  # fmt: skip
+                y = slot.y.detach().clone()
+                slot.backward(gr, turn)
+                got[i, k] = (y, x.grad)
+                s.zero_grad()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(got) == len(work)
+    for key, (y, gx) in got.items():
+        torch.testing.assert_close(y, expected[key][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gx, expected[key][1], rtol=1e-5, atol=1e-6)

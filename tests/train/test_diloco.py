@@ -54,6 +54,36 @@ def reviews_data(tmp_path_factory, tokenizer):
     return out
 
 
+@pytest.fixture(scope="module")
+def ft_parts(tmp_path_factory, tokenizer, news_corpus, tiny_config):
+    """A base (a 2-step run on 64-token news shards) and cloze items for it."""
+    from dataclasses import replace
+
+    from aisyn.data.corpora import load_corpus
+    from aisyn.data.sft import prepare_sft
+    from aisyn.data.shards import prepare
+
+    root = tmp_path_factory.mktemp("ft")
+    shards = root / "shards"
+    prepare(news_corpus, tokenizer, 64, shards, max_documents=300)
+    base = root / "base"
+    train(
+        replace(tiny_config, seq_len=64),
+        [shards],
+        base,
+        TrainConfig(steps=2, **CFG),
+        progress=False,
+    )
+    docs = [d.text.replace("\n", " ") for d in load_corpus("news").documents[:400]]
+    corpus = root / "news.txt"
+    corpus.write_text(
+        "".join(d[: 10 + (i * 13) % 50] + "\n" for i, d in enumerate(docs)),
+        encoding="utf-8",
+    )
+    prepare_sft(load_corpus(corpus), tokenizer, 64, root / "sft", per_document=2)
+    return base, root / "sft"
+
+
 def centre(rank: int, world: int, port: int, *args, log: Path) -> subprocess.Popen:
     """One centre: ``aisyn train`` as rank ``rank`` of ``world`` (what
     torchrun would set, without torchrun, so each centre can be given its
@@ -328,3 +358,58 @@ def test_a_centre_killed_mid_phase_stops_the_other_and_both_resume_exactly(
     assert losses(out)[-1] == pytest.approx(losses(tmp_path / "whole")[-1], rel=1e-6)
     for name, t in final_model(out).items():
         assert torch.equal(t, final_model(tmp_path / "whole")[name])
+
+
+def test_fine_tuning_lora_across_two_centres(tmp_path, ft_parts, model_file):
+    """``aisyn finetune --sync diloco``: the outer step covers what the method
+    trains (LoRA's adapters); every centre ends with the same model, and one
+    centre with a plain outer step is plain fine-tuning."""
+    base, sft = ft_parts
+    common = [
+        "--base", str(base), "--data", str(sft), "--method", "lora",
+        "--steps", "4", "--batch-size", "4", "--lr", "3e-3", "--warmup", "1",
+        "--log-every", "1", "--seed", "3", "--sync", "diloco",
+        "--inner-steps", "2", "--sync-timeout", "60", "--quiet",
+    ]  # fmt: skip
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank),
+            "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "aisyn.cli",
+                    "finetune",
+                    "--out",
+                    str(tmp_path / "ft"),
+                    *common,
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+        )
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    a = final_model(tmp_path / "ft")
+    b = final_model(tmp_path / "ft" / "centres" / "1")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    records = read_metrics(tmp_path / "ft" / "metrics.jsonl")
+    assert [r["outer_step"] for r in records if "outer_step" in r] == [1, 2]
+    adapters = ckpt.read_tensors(
+        ckpt.latest(tmp_path / "ft" / "checkpoints") / "outer.safetensors"
+    )
+    n_adapters = sum(
+        t.numel()
+        for t in ckpt.read_tensors(
+            ckpt.latest(tmp_path / "ft" / "checkpoints") / "adapters.safetensors"
+        ).values()
+    )
+    assert adapters["outer.momentum"].numel() == n_adapters  # adapters only

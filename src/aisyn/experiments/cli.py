@@ -99,7 +99,11 @@ def cmd_finetune(args) -> None:
     format."""
 
     from aisyn.train.finetune import finetune
-    from aisyn.train.flags import print_summary, train_config_from_args
+    from aisyn.train.flags import (
+        print_summary,
+        sync_from_args,
+        train_config_from_args,
+    )
 
     summary = finetune(
         args.base,
@@ -110,6 +114,8 @@ def cmd_finetune(args) -> None:
         resume=args.resume,
         progress=not args.quiet,
         tensorboard=args.tensorboard,
+        sync=sync_from_args(args),
+        sync_timeout_s=args.sync_timeout if args.sync == "diloco" else None,
     )
     print_summary(
         summary,
@@ -127,7 +133,7 @@ def register(sub) -> None:
         add_flags,
         add_group,
     )
-    from aisyn.train.flags import LORA_FLAGS, add_train_args
+    from aisyn.train.flags import LORA_FLAGS, SYNC_FLAGS, add_train_args
     from aisyn.train.lora import Method
 
     esub = add_group(
@@ -218,3 +224,4 @@ def register(sub) -> None:
         QUIET,
     )
     add_train_args(f, steps=200)
+    add_flags(f.add_argument_group("across centres"), *SYNC_FLAGS)

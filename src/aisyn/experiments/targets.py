@@ -57,6 +57,8 @@ def check_targets(rows: list[dict], names: Sequence[str]) -> dict:
             "pass": abs(fed[f"loss_{n}"] - fusion[f"loss_{n}"]) <= 0.02,
         }
         others = [m for m in names if m != n and f"{m} ft" in by]
+        if not others:  # no standalone model to beat (--regimes without it)
+            continue
         out["d_fed_beats_other_standalone"][n] = {
             "federated": fa["accuracy"],
             **{

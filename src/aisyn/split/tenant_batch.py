@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from aisyn.model.causal_lm import Layout
 from aisyn.model.families import ModelConfig
 from aisyn.model.segments import (
     COMPUTE_PARTY,
@@ -44,10 +45,11 @@ from aisyn.model.segments import (
     segments_of,
 )
 from aisyn.train.lora import ADAPTER_NAME
-from aisyn.train.recompute import checkpoint_blocks
 
 #: how long a session's backward waits for the rest of its batch's gradients
 STRAGGLER_S = 0.5
+#: how long a session waits for the batched forward another turn is running
+FORWARD_WAIT_S = 600.0
 
 
 @dataclass(eq=False)
@@ -57,6 +59,9 @@ class Request:
     x: torch.Tensor  # its received activations, a leaf requiring grad
     layers: dict[str, nn.Module]  # its LoRA layers, by the carrier's path
     params: list[torch.Tensor]  # its adapters' parameters
+    #: set (under the batcher's lock) once a turn has taken it into a batch
+    claimed: bool = False
+    #: set once that batch's forward has run (``slot`` then holds its rows)
     taken: threading.Event = field(default_factory=threading.Event)
     slot: Slot | None = None
 
@@ -73,6 +78,8 @@ class Batch:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: member -> its output gradient (None: not yet; "solo": gone alone)
     grads: dict[int, torch.Tensor | str] = field(default_factory=dict)
+    #: the batch's backward pass has begun (its members are those in it then)
+    started: bool = False
     ran: threading.Event = field(default_factory=threading.Event)
 
 
@@ -89,6 +96,27 @@ class Slot:
         """Send ``g`` back through this session's rows (``turn``: a turn at
         B's compute, taken only by the pass that computes)."""
         self.batcher.backward(self, g, turn)
+
+
+def _checkpoint_each_call(model: nn.Module, layout: Layout) -> None:
+    """Activation checkpointing of the carrier's blocks, as each call's own
+    (``torch.utils.checkpoint``, non-reentrant): two turns run batches
+    through the one carrier at once, and torch's composable ``checkpoint``
+    (``train.recompute``, what the sessions' own models use) keeps its state
+    on the module, which two concurrent forwards trip over."""
+    from torch.utils.checkpoint import checkpoint
+
+    for i in range(layout.num_layers):
+        try:
+            block = model.get_submodule(layout.block_path(i))
+        except AttributeError:
+            continue  # another party's block
+        forward = block.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = checkpointed
 
 
 class AdapterBatcher:
@@ -111,7 +139,7 @@ class AdapterBatcher:
             cfg, partition, COMPUTE_PARTY, device=device, frozen=frozen
         )
         if activation_checkpointing:
-            checkpoint_blocks(model, cfg.layout)
+            _checkpoint_each_call(model, cfg.layout)
         (self.middle,) = segments_of(model, partition, COMPUTE_PARTY)
         self.middle.train(True)
         self.targets = list(targets)
@@ -170,14 +198,15 @@ class AdapterBatcher:
         req = Request(x, layers, params)
         with self._lock:
             self._pending.append(req)
-        while not req.taken.is_set():
-            with turn():
-                with self._lock:
-                    if req.taken.is_set():
-                        break  # another session's turn ran it
-                    group = self._take(req)
+        with turn():
+            with self._lock:
+                # None: another session's turn took it (it runs, or has run)
+                group = None if req.claimed else self._take(req)
+            if group is not None:
                 self._run(group, autocast)
-        if req.slot is None:
+        # (outside the turn: another is running it; a forward is compute alone,
+        # no network wait, so the bound is only against a bug)
+        if not req.taken.wait(FORWARD_WAIT_S) or req.slot is None:
             raise RuntimeError(
                 "the batched forward this micro-batch was in failed (see the log)"
             )
@@ -196,6 +225,7 @@ class AdapterBatcher:
             rows += other.x.shape[0]
         for r in group:
             self._pending.remove(r)
+            r.claimed = True
         return group
 
     def _run(self, group: list[Request], autocast) -> None:
@@ -226,31 +256,35 @@ class AdapterBatcher:
         batch = slot.batch
         with batch.lock:
             batch.grads[slot.index] = g
-            run = len(batch.grads) == len(batch.layout) and not batch.ran.is_set()
-        if run:
+            lead = _ready(batch)
+        if lead:  # the last one in runs the batch's pass
             self._backward_batch(batch, turn)
             return
         if batch.ran.wait(self.straggler_s):
             return
         with batch.lock:
-            if batch.ran.is_set():
-                return
-            batch.grads[slot.index] = "solo"  # the batch's pass leaves it out
-            run = len(batch.grads) == len(batch.layout)
+            solo = not batch.started  # else the pass runs, with these rows
+            if solo:
+                batch.grads[slot.index] = "solo"  # the batch's pass leaves it out
+                lead = _ready(batch)
+        if not solo:
+            batch.ran.wait(FORWARD_WAIT_S)
+            return
         with turn(), self._running(batch):
             # this session's rows alone; the graph stays for the others
             torch.autograd.backward(
                 slot.y, g, retain_graph=True, inputs=batch.leaves[slot.index]
             )
-        if run:  # the last one in: the others' pass is its to run
+        if lead:
             self._backward_batch(batch, turn)
 
     def _backward_batch(self, batch: Batch, turn: Callable) -> None:
         with batch.lock:
-            if batch.ran.is_set():
-                return
             grads = [batch.grads.get(i) for i in range(len(batch.layout))]
         live = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+        # A member gone alone may still be going back through the graph; with
+        # none, this pass is the graph's last and frees it as it goes.
+        keep = len(live) < len(grads)
         try:
             if live:
                 assert batch.y is not None
@@ -258,7 +292,16 @@ class AdapterBatcher:
                 leaves = [t for i in live for t in batch.leaves[i]]
                 with turn(), self._running(batch):
                     torch.autograd.backward(
-                        ys, [grads[i] for i in live], retain_graph=True, inputs=leaves
+                        ys, [grads[i] for i in live], retain_graph=keep, inputs=leaves
                     )
         finally:
             batch.ran.set()
+
+
+def _ready(batch: Batch) -> bool:
+    """Whether every member's gradient is in (or it went alone) and no pass
+    has started: then the caller runs it (under ``batch.lock``)."""
+    if batch.started or len(batch.grads) < len(batch.layout):
+        return False
+    batch.started = True
+    return True

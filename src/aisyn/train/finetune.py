@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from aisyn.train import checkpoint as ckpt
+from aisyn.train import diloco, distributed
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import autocast_on, resolve_device
+from aisyn.train.diloco import DiLoCoConfig
 from aisyn.train.engine import Engine, finished
 from aisyn.train.executor import LocalExecutor
 from aisyn.train.lora import Method, apply_method
@@ -43,9 +46,25 @@ def finetune(
     resume: bool = False,
     progress: bool = True,
     tensorboard: bool = False,
+    sync: DiLoCoConfig | None = None,
+    sync_timeout_s: float | None = None,
 ) -> dict:
-    """Fine-tune ``base`` on the pooled SFT folders; returns a summary dict."""
+    """Fine-tune ``base`` on the pooled SFT folders; returns a summary dict.
+
+    ``sync``: DiLoCo across torchrun's ranks, one centre each, as ``aisyn
+    train --sync diloco`` (``train.diloco``; the outer step covers what the
+    method trains: every weight, or LoRA's adapters).
+    """
     method = method or Method()
+    centre = 0
+    if sync is None and distributed.world_size() > 1:
+        raise ValueError(
+            "aisyn finetune under torchrun trains one centre per rank: give "
+            "--sync diloco (it has no data-parallel mode)"
+        )
+    if sync is not None:
+        world, centre = distributed.world_size(), distributed.rank()
+        cfg, data_dirs = diloco.centre_settings(cfg, sync, world, centre, data_dirs)
     device = resolve_device(cfg.device)
     info = describe_base(base)
     objective = SFTObjective(data_dirs, cfg)
@@ -63,7 +82,7 @@ def finetune(
         device,
         f"fine-tuning with micro-batches of {cfg.micro}",
     )
-    run = RunDir(out)
+    run = RunDir(diloco.centre_folder(out, centre))
     config = run_config(
         "finetune",
         info.model,
@@ -74,32 +93,44 @@ def finetune(
         seq_len=objective.seq_len,
         base=info.to_dict(),
     )
-    last = ckpt.latest(run.checkpoints) if resume else None
-    if last is not None:
-        run.check_same_model(config)
-        check_same_start(run, config)
-        if (done := finished(run, last, cfg.steps)) is not None:
-            summary = run.path / SUMMARY
-            return read_json(summary) if summary.is_file() else done
-    run.start(config, resume=resume, tokenizer=info.path / TOKENIZER)
-    torch.manual_seed(cfg.seed)
-    model, _ = load_base(info, device)
-    trainable = apply_method(model, method, seed=cfg.seed)
-    executor = LocalExecutor(
-        model,
-        trainable,
-        cfg,
-        method=method,
-        checkpoint_fields={"method": method.to_dict()},
-        hint=" (lower the learning rate?)",
-    )
-    objective.start(device)
-    regime = Regime(objective, executor, cfg, run)
-    engine = Engine.for_config(
-        run, cfg, desc=objective.desc, progress=progress, tensorboard=tensorboard
-    )
-    start_step = engine.restore(regime, last, resume=resume)
-    result = engine.run(regime, range(start_step, cfg.steps))
+    ctx = distributed.DistContext()
+    if sync is not None:
+        config.update(sync=sync.to_dict(), centre=centre, centres=world)
+        timeout = None if sync_timeout_s is None else timedelta(seconds=sync_timeout_s)
+        ctx, device = distributed.setup(device, timeout)
+    try:
+        last = ckpt.latest(run.checkpoints) if resume else None
+        if sync is not None:
+            last = diloco.agreed_checkpoint(run, last, ctx)
+        if last is not None:
+            run.check_same_model(config)
+            check_same_start(run, config)
+            if (done := finished(run, last, cfg.steps)) is not None:
+                summary = run.path / SUMMARY
+                return read_json(summary) if summary.is_file() else done
+        run.start(config, resume=resume, tokenizer=info.path / TOKENIZER)
+        torch.manual_seed(cfg.seed)
+        model, _ = load_base(info, device)
+        trainable = apply_method(model, method, seed=cfg.seed)
+        executor = LocalExecutor(
+            model,
+            trainable,
+            cfg,
+            method=method,
+            checkpoint_fields={"method": method.to_dict()},
+            hint=" (lower the learning rate?)",
+        )
+        if sync is not None:
+            executor = diloco.centre_executor(executor, sync, ctx, config)
+        objective.start(device)
+        regime = Regime(objective, executor, cfg, run)
+        engine = Engine.for_config(
+            run, cfg, desc=objective.desc, progress=progress, tensorboard=tensorboard
+        )
+        start_step = engine.restore(regime, last, resume=resume)
+        result = engine.run(regime, range(start_step, cfg.steps))
+    finally:
+        distributed.teardown(ctx)
     summary = {
         "run": str(run.path),
         "steps": cfg.steps,
