@@ -232,7 +232,8 @@ def plot(curves: dict, path: Path, steps: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # font lookups
+    for name in ("matplotlib", "matplotlib.font_manager"):  # font lookups
+        logging.getLogger(name).setLevel(logging.WARNING)
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))

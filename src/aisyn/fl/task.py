@@ -542,17 +542,14 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         plot_global(history, None, run.path / "loss.png")
         return None
 
-    result = strategy.start(
-        grid=guard.chunked or secure or grid,  # type: ignore[arg-type]
-        initial_arrays=tensors_to_record(initial),
-        num_rounds=settings.rounds,
-        timeout=settings.round_timeout,
-        train_config=round_config(settings, info),
-        evaluate_config=round_config(settings, info),
-        evaluate_fn=after_round,
+    last = start_rounds(
+        strategy,
+        guard.chunked or secure or grid,
+        tensors_to_record(initial),
+        settings,
+        info,
+        after_round,
     )
-    final_eval = getattr(result, "evaluate_metrics_clientapp", {}) or {}
-    last = final_eval.get(settings.rounds)
     summary = {
         "status": "completed",
         "rounds": settings.rounds,
@@ -587,6 +584,25 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         ),
     )
     return summary
+
+
+def start_rounds(
+    strategy, grid, initial: ArrayRecord, settings: FLSettings, info, after_round
+):
+    """Flower's round loop of ``strategy`` over ``grid`` from ``initial``
+    (``after_round``: its ``evaluate_fn``); returns the clients' evaluation
+    of the last round's global model (a MetricRecord, or None)."""
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=settings.rounds,
+        timeout=settings.round_timeout,
+        train_config=round_config(settings, info),
+        evaluate_config=round_config(settings, info),
+        evaluate_fn=after_round,
+    )
+    final_eval = getattr(result, "evaluate_metrics_clientapp", {}) or {}
+    return final_eval.get(settings.rounds)
 
 
 def privacy_summary(settings: FLSettings) -> dict:

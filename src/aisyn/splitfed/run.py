@@ -47,7 +47,7 @@ from aisyn.fl.launch import check_client
 from aisyn.fl.records import payload_bytes, record_to_tensors, tensors_to_record
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import guard_of, make_strategy
-from aisyn.fl.task import plot_global, round_config
+from aisyn.fl.task import plot_global, start_rounds
 from aisyn.link.memory import memory_pair
 from aisyn.model.segments import DATA_PARTY, parse_partition
 from aisyn.split import protocol as proto
@@ -464,17 +464,9 @@ def _federate(
 
     initial = tensors_to_record(first.segments())
     with flower_task(run_id=1):
-        result = strategy.start(
-            grid=MembersGrid(members),  # type: ignore[arg-type]
-            initial_arrays=initial,
-            num_rounds=settings.rounds,
-            timeout=settings.round_timeout,
-            train_config=round_config(settings, info),
-            evaluate_config=round_config(settings, info),
-            evaluate_fn=after_round,
+        last = start_rounds(
+            strategy, MembersGrid(members), initial, settings, info, after_round
         )
-    final_eval = getattr(result, "evaluate_metrics_clientapp", {}) or {}
-    last = final_eval.get(settings.rounds)
     final = float(last["valid-loss"]) if last else None
     if final is not None:
         root.log_metrics({"round": settings.rounds, "final_global_valid_loss": final})
