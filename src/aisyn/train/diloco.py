@@ -372,6 +372,9 @@ def check_same_run(mine: dict[str, int], centres: DistContext, group=None) -> No
         if int(theirs[i]) != int(t[i]) and rank != centres.rank
     ]
     if diffs:
+        # Every centre found it and stops here: leave together, so that none
+        # tears its process group down under another still using it.
+        dist.barrier(group=group)
         raise ValueError(
             f"centre {centres.rank}: {', '.join(diffs)} differ from this centre's; "
             "every centre must run the same model, seed, steps and --sync settings"
