@@ -413,3 +413,53 @@ def test_fine_tuning_lora_across_two_centres(tmp_path, ft_parts, model_file):
         ).values()
     )
     assert adapters["outer.momentum"].numel() == n_adapters  # adapters only
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"inner_steps": 0}, "--inner-steps must be"),
+        ({"inner_steps": 2.5}, "--inner-steps must be an integer"),
+        ({"outer_lr": math.nan}, "--outer-lr"),
+        ({"outer_lr": 0.0}, "--outer-lr"),
+        ({"outer_momentum": 1.0}, "--outer-momentum"),
+        ({"outer_momentum": -0.1}, "--outer-momentum"),
+        ({"precision": "int4"}, "--delta-precision 'int4'"),
+        ({"data": "mine"}, "--centre-data 'mine'"),
+    ],
+)
+def test_bad_sync_settings_are_refused_in_one_line(kw, message):
+    with pytest.raises(ValueError, match=message):
+        DiLoCoConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "sync", "data", "message"),
+    [
+        (dict(steps=10), dict(inner_steps=4), ["d"], "--steps 10 is not a multiple"),
+        (dict(steps=8, ckpt_every=6), dict(inner_steps=4), ["d"], "--ckpt-every 6"),
+        (
+            dict(steps=8),
+            dict(inner_steps=4, data="own"),
+            ["d"],
+            "one --data folder per",
+        ),
+    ],
+)
+def test_runs_the_outer_steps_cannot_fit_are_refused(cfg, sync, data, message):
+    from aisyn.train.diloco import centre_settings
+
+    with pytest.raises(ValueError, match=message):
+        centre_settings(
+            TrainConfig(**cfg, batch_size=4), DiLoCoConfig(**sync), 2, 0, data
+        )
+
+
+def test_the_cli_refuses_bad_sync_flags_in_one_line(capsys, tmp_path):
+    from aisyn.cli import main
+
+    args = ["train", "--data", "D", "--out", str(tmp_path / "o"), "--sync",
+            "diloco", "--outer-momentum", "1.5", "--steps", "10"]  # fmt: skip
+    rc = main(args)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "--outer-momentum" in line
