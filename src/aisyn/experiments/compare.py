@@ -38,7 +38,7 @@ from aisyn.experiments.report import REPORT_JSON, write_report
 from aisyn.experiments.targets import check_targets
 from aisyn.fl.settings import FLSettings
 from aisyn.model.causal_lm import CausalLM
-from aisyn.model.families import ModelConfig, config_from_dict
+from aisyn.model.families import config_from_dict
 from aisyn.testbed.inputs import cached_base, cached_sft, cached_shards
 from aisyn.testbed.presets import Preset
 from aisyn.train.config import TrainConfig
@@ -363,12 +363,6 @@ def splitfed_row(inputs: Inputs, runs: Path, settings: FLSettings, dev) -> dict:
     )
 
 
-def split_cut(cfg: ModelConfig) -> str:
-    """A U-shape cut with one block on A at each end when the model has the
-    blocks for it (B keeps the rest)."""
-    return "u:1,1" if cfg.num_blocks >= 3 else "u:1,0"
-
-
 def split_finetuned(
     name: str,
     base: Path,
@@ -385,10 +379,11 @@ def split_finetuned(
     from aisyn.split.merge import merge
     from aisyn.split.session import COMPUTE_DIR, SplitOptions
     from aisyn.split.train import split_train
+    from aisyn.splitfed.run import default_cut
 
     mcfg = config_from_dict(base_cfg["model"])
     run = runs / f"{name}_split"
-    cut = split_cut(mcfg)
+    cut = default_cut(mcfg.num_blocks)
     summary = split_train(
         mcfg,
         [data],

@@ -244,8 +244,9 @@ class AdapterBatcher:
                 r.slot = None
                 r.taken.set()
             raise
-        self.batches += 1
-        self.batched_rows += len(group)
+        with self._lock:  # (two turns may finish batches at once)
+            self.batches += 1
+            self.batched_rows += len(group)
         for i, (r, (a, b, _)) in enumerate(zip(group, layout, strict=True)):
             r.slot = Slot(self, batch, i, batch.y[a:b])
             r.taken.set()

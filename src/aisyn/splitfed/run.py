@@ -75,7 +75,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
 def default_cut(num_blocks: int) -> str:
     """One block on each party's side at each end where the model has the
-    blocks for it (as the comparison's split fine-tuning)."""
+    blocks for it (the comparison's split and SplitFed regimes both)."""
     return "u:1,1" if num_blocks >= 3 else "u:1,0"
 
 
