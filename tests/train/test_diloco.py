@@ -199,6 +199,79 @@ def test_the_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
         torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=1e-7)
 
 
+#: one rank of a job of centres (``python -c``): a parameter that centre c
+#: moves by its own amount, one outer step, the result saved
+_SHARED_EXCHANGE = """
+import sys, torch, torch.distributed as dist
+from safetensors.torch import save_file
+from aisyn.train.diloco import DiLoCoConfig, OuterSync, topology
+from aisyn.train.distributed import DistContext
+per, precision, n, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+where = topology(DistContext(rank, dist.get_world_size()), per)
+p = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+sync = OuterSync([p], DiLoCoConfig(precision=precision), where.across, where.inner)
+move = torch.Generator().manual_seed(1 + where.centre)
+with torch.no_grad():
+    p.sub_(0.01 * torch.randn(n, generator=move))
+sync.step()
+save_file({"p": p.detach(), "sent": torch.tensor([sync.bytes_sent])}, f"{out}/{rank}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_centres_of_two_ranks_each_exchange_a_share_of_the_delta(tmp_path, precision):
+    """Two centres of two ranks: rank i of a centre averages the i-th share
+    across the centres alone, the centre gathers the shares, and every rank
+    of both centres ends with the one global model the outer step defines;
+    the centre sends one delta's bytes (its two shares), no more."""
+    n = 3 * INT8_BLOCK + 5
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": "4"}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _SHARED_EXCHANGE,
+                "2",
+                precision,
+                str(n),
+                str(tmp_path),
+            ],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r % 2)},
+        )  # fmt: skip
+        for r in range(4)
+    ]
+    try:
+        assert [p.wait(120) for p in procs] == [0] * 4
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    from safetensors.torch import load_file
+
+    got = [load_file(tmp_path / str(r)) for r in range(4)]
+    for g in got[1:]:
+        assert torch.equal(g["p"], got[0]["p"])  # the same model on every rank
+    start = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    deltas = []
+    for c in range(2):
+        moved = start - 0.01 * torch.randn(
+            n, generator=torch.Generator().manual_seed(1 + c)
+        )
+        deltas.append(decode(encode(start - moved, precision), precision, n))
+    d = (deltas[0] + deltas[1]) / 2
+    torch.testing.assert_close(got[0]["p"], start - 0.7 * (d + 0.9 * d))
+    share = 2 * INT8_BLOCK  # 4 blocks over 2 ranks
+    each = share * 4 if precision == "fp32" else share + 4 * 2
+    assert int(got[0]["sent"]) == 2 * each  # ring of 2: each share once
+
+
 # --- whole runs ---------------------------------------------------------------------
 
 
@@ -255,6 +328,34 @@ def test_two_centres_take_the_outer_step_of_their_own_runs(
         )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["split", "own"])
+def test_centres_of_two_ranks_train_as_centres_of_one(
+    tmp_path, news_data, reviews_data, model_file, data
+):
+    """``--ranks-per-centre 2``: DDP inside each of two centres computes what
+    one rank per centre does on the same rows, so the run's losses and model
+    are those of two one-rank centres (float rounding aside)."""
+    folders = [news_data, reviews_data] if data == "own" else [news_data]
+    more = ["--steps", "4", "--inner-steps", "2", "--centre-data", data]
+    runs = {}
+    for per in (1, 2):
+        out = tmp_path / f"r{per}"
+        args = flags(model_file, folders, out, *more, "--ranks-per-centre", str(per))
+        rcs, logs = run_centres([args] * (2 * per), tmp_path, timeout=240)
+        assert rcs == [0] * (2 * per), logs
+        runs[per] = out
+    assert losses(runs[2]) == pytest.approx(losses(runs[1]), rel=1e-5)
+    for centre in ("", "centres/1"):
+        a, b = final_model(runs[2] / centre), final_model(runs[1] / centre)
+        for name, t in a.items():  # (rounding through Adam's steps, as above)
+            torch.testing.assert_close(t, b[name], rtol=1e-4, atol=1e-5)
+    # one folder per centre, written by the centre's first rank
+    assert sorted(p.name for p in (runs[2] / "centres").iterdir()) == ["1"]
+    config = json.loads((runs[2] / "centres" / "1" / "config.json").read_text())
+    assert config["centre"] == 1 and config["centres"] == 2
+
+
 def test_centres_with_different_settings_are_refused(tmp_path, news_data, model_file):
     rcs, logs = run_centres(
         [
@@ -301,66 +402,78 @@ def test_a_centre_that_never_joins_times_out_naming_the_address(
     assert f"127.0.0.1:{port}" in line and "did not join" in line
 
 
+@pytest.mark.parametrize(
+    "per", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-rank", "2-rank"]
+)
 def test_a_centre_killed_mid_phase_stops_the_other_and_both_resume_exactly(
-    tmp_path, news_data, model_file
+    tmp_path, news_data, model_file, per
 ):
+    """A rank of centre 1 killed with -9 between outer steps: every other
+    rank stops with one line (centre 1's own other rank at its next DDP
+    step, centre 0 at the outer step), and a resume of all of them reaches
+    the uninterrupted run's model bit for bit."""
     args = [
-        "--steps",
-        "240",
-        "--inner-steps",
-        "8",
-        "--ckpt-every",
-        "40",
-        "--sync-timeout",
-        "8",
-    ]
+        "--steps", "240", "--inner-steps", "8", "--ckpt-every", "40",
+        "--sync-timeout", "8", "--ranks-per-centre", str(per),
+    ]  # fmt: skip
+    world = 2 * per
     rcs, logs = run_centres(
-        [flags(model_file, [news_data], tmp_path / "whole", *args)] * 2, tmp_path
+        [flags(model_file, [news_data], tmp_path / "whole", *args)] * world,
+        tmp_path,
+        timeout=240,
     )
-    assert rcs == [0, 0], logs
+    assert rcs == [0] * world, logs
     out = tmp_path / "run"
     port = free_port()
     procs = [
         centre(
             i,
-            2,
+            world,
             port,
             *flags(model_file, [news_data], out, *args),
             log=tmp_path / f"k{i}.log",
         )
-        for i in range(2)
+        for i in range(world)
     ]
     try:
         own = out / "centres" / "1" / "checkpoints"
         deadline = time.monotonic() + 120
         while 40 not in ckpt.complete_steps(own):
-            assert time.monotonic() < deadline and procs[1].poll() is None
+            assert time.monotonic() < deadline and procs[-1].poll() is None
             time.sleep(0.01)
-        procs[1].send_signal(signal.SIGKILL)
+        procs[-1].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
-        rc0 = procs[0].wait(60)
+        rcs = [p.wait(60) for p in procs[:-1]]
         waited = time.monotonic() - t0
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
-    assert rc0 != 0 and waited < 40
-    [line] = [
-        ln for ln in (tmp_path / "k0.log").read_text().splitlines()
-        if ln.startswith("aisyn: error:")
-    ]  # fmt: skip
-    assert "outer step" in line and "--resume" in line
+    assert all(rc != 0 for rc in rcs) and waited < 40
+    for i in range(world - 1):
+        [line] = [
+            ln for ln in (tmp_path / f"k{i}.log").read_text().splitlines()
+            if ln.startswith("aisyn: error:")
+        ]  # fmt: skip
+        assert "failed" in line and "--resume" in line
+        if i < per:
+            assert "outer step" in line  # centre 0: at the exchange
     rcs, logs = run_centres(
-        [flags(model_file, [news_data], out, *args, "--resume")] * 2, tmp_path
+        [flags(model_file, [news_data], out, *args, "--resume")] * world,
+        tmp_path,
+        timeout=240,
     )
-    assert rcs == [0, 0], logs
+    assert rcs == [0] * world, logs
     assert losses(out)[-1] == pytest.approx(losses(tmp_path / "whole")[-1], rel=1e-6)
     for name, t in final_model(out).items():
         assert torch.equal(t, final_model(tmp_path / "whole")[name])
 
 
-def test_fine_tuning_lora_across_two_centres(tmp_path, ft_parts, model_file):
+@pytest.mark.parametrize(
+    "per", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-rank", "2-rank"]
+)
+def test_fine_tuning_lora_across_two_centres(tmp_path, ft_parts, model_file, per):
     """``aisyn finetune --sync diloco``: the outer step covers what the method
     trains (LoRA's adapters); every centre ends with the same model, and one
     centre with a plain outer step is plain fine-tuning."""
@@ -370,14 +483,15 @@ def test_fine_tuning_lora_across_two_centres(tmp_path, ft_parts, model_file):
         "--steps", "4", "--batch-size", "4", "--lr", "3e-3", "--warmup", "1",
         "--log-every", "1", "--seed", "3", "--sync", "diloco",
         "--inner-steps", "2", "--sync-timeout", "60", "--quiet",
+        "--ranks-per-centre", str(per),
     ]  # fmt: skip
     port = free_port()
     procs = []
-    for rank in range(2):
+    for rank in range(2 * per):
         env = {
             **os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank),
-            "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(2 * per), "LOCAL_RANK": str(rank % per),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         }  # fmt: skip
         procs.append(
             subprocess.Popen(
@@ -396,8 +510,14 @@ def test_fine_tuning_lora_across_two_centres(tmp_path, ft_parts, model_file):
                 text=True,
             )  # fmt: skip
         )
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert [p.returncode for p in procs] == [0] * (2 * per), outs
     a = final_model(tmp_path / "ft")
     b = final_model(tmp_path / "ft" / "centres" / "1")
     assert all(torch.equal(a[n], b[n]) for n in a)
@@ -426,6 +546,7 @@ def test_fine_tuning_lora_across_two_centres(tmp_path, ft_parts, model_file):
         ({"outer_momentum": -0.1}, "--outer-momentum"),
         ({"precision": "int4"}, "--delta-precision 'int4'"),
         ({"data": "mine"}, "--centre-data 'mine'"),
+        ({"ranks_per_centre": 0}, "--ranks-per-centre must be"),
     ],
 )
 def test_bad_sync_settings_are_refused_in_one_line(kw, message):
@@ -443,6 +564,12 @@ def test_bad_sync_settings_are_refused_in_one_line(kw, message):
             dict(inner_steps=4, data="own"),
             ["d"],
             "one --data folder per",
+        ),
+        (
+            dict(steps=8),
+            dict(inner_steps=4, ranks_per_centre=3),
+            ["d"],
+            "--ranks-per-centre 3 does not divide the 2 ranks",
         ),
     ],
 )

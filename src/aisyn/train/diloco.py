@@ -71,17 +71,21 @@ class DiLoCoConfig:
     precision: str = "fp32"
     data: str = "split"
     max_skipped: int = 3
+    #: torchrun's ranks per centre: DDP inside a centre, the outer step
+    #: across centres (each of a centre's ranks exchanging its own share)
+    ranks_per_centre: int = 1
 
     def __post_init__(self) -> None:
         checks = {
             "inner_steps": dict(low=1),
+            "ranks_per_centre": dict(low=1),
             "outer_lr": dict(low=0, low_open=True),
             "outer_momentum": dict(low=0, high=1, high_open=True),
             "max_skipped": dict(low=1),
         }
         for name, bounds in checks.items():
             value = getattr(self, name)
-            integer = name in ("inner_steps", "max_skipped")
+            integer = name in ("inner_steps", "max_skipped", "ranks_per_centre")
             if integer and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"--{_flag(name)} must be an integer, got {value!r}")
             if problem := number_problem(value, **bounds):
@@ -145,25 +149,100 @@ def ring_bytes_sent(nbytes: int, centres: int, op: str) -> int:
     return (centres - 1) * nbytes
 
 
+# --- centres of ranks ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a rank stands in a job of centres of ``inner.world`` ranks each
+    (the ranks of a centre contiguous, as torchrun numbers a node's).
+
+    ``job``: the whole job; ``inner``: this centre's ranks, DDP's group;
+    ``across``: the rank with this one's place in every centre, the group its
+    share of the outer exchange crosses the wide-area link in.
+    """
+
+    job: DistContext
+    inner: DistContext
+    across: DistContext
+
+    @property
+    def centre(self) -> int:
+        return self.across.rank
+
+    @property
+    def centres(self) -> int:
+        return self.across.world
+
+    def name(self, rank: int) -> str:
+        """How a message names job rank ``rank``: its centre (and its rank)."""
+        per = self.inner.world
+        return f"centre {rank // per}" + (f" (rank {rank})" if per > 1 else "")
+
+
+def centre_of(rank: int, world: int, ranks_per_centre: int) -> tuple[int, int]:
+    """(centre, number of centres) of job rank ``rank`` of ``world``;
+    ValueError if the centres cannot all have ``ranks_per_centre`` ranks."""
+    if world % ranks_per_centre:
+        raise ValueError(
+            f"--ranks-per-centre {ranks_per_centre} does not divide the {world} "
+            "ranks torchrun started: every centre needs as many ranks"
+        )
+    return rank // ranks_per_centre, world // ranks_per_centre
+
+
+def topology(job: DistContext, ranks_per_centre: int) -> Topology:
+    """The centres' process groups (every rank of the job calls this, in the
+    same order: torch's subgroups need it)."""
+    per = ranks_per_centre
+    centre, count = centre_of(job.rank, job.world, per)
+    if per == 1:  # a centre of one rank: the job's group is the centres'
+        return Topology(job, DistContext(), DistContext(job.rank, job.world))
+    inner, _ = dist.new_subgroups_by_enumeration(
+        [list(range(c * per, (c + 1) * per)) for c in range(count)]
+    )
+    across, _ = dist.new_subgroups_by_enumeration(
+        [[c * per + i for c in range(count)] for i in range(per)]
+    )
+    place = job.rank % per
+    return Topology(
+        job,
+        DistContext(place, per, job.local_rank, inner),
+        DistContext(centre, count, job.local_rank, across),
+    )
+
+
 # --- the outer step -----------------------------------------------------------------
 
 
 class OuterSync:
     """The global model, its outer optimizer and the exchange of deltas for
-    one centre's ``params`` (every centre holds the same, in the same order)."""
+    one centre's ``params`` (every centre holds the same, in the same order).
+
+    ``centres``: this rank among the centres (its group: the ranks the
+    exchange crosses between); ``inner``: its place in a centre of several
+    ranks, which all hold the same model (DDP). Rank i of a centre then
+    exchanges the i-th share of the flat delta alone, and the centre's ranks
+    gather the averaged shares over their own fast network: the wide-area
+    bytes are one delta per centre, over as many connections as it has ranks.
+    """
 
     def __init__(
         self,
         params: list[nn.Parameter],
         cfg: DiLoCoConfig,
         centres: DistContext,
-        group: dist.ProcessGroup | None = None,
+        inner: DistContext | None = None,
     ) -> None:
         self.params = params
         self.cfg = cfg
         self.centres = centres
-        self.group = group
+        self.inner = inner or DistContext()
         self.numel = sum(p.numel() for p in params)
+        # a share per rank of the centre, whole int8 blocks each
+        blocks = math.ceil(self.numel / INT8_BLOCK)
+        per = self.inner.world
+        self.share = self.numel if per == 1 else math.ceil(blocks / per) * INT8_BLOCK
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).float() for p in params])
         # The global model as the outer optimizer sees it: one flat tensor,
@@ -194,27 +273,43 @@ class OuterSync:
             offset += n
 
     def _average(self, delta: torch.Tensor) -> torch.Tensor:
-        """The mean of every centre's ``delta``, the same on each."""
-        n = self.centres.world
+        """The mean of every centre's ``delta``, the same on every rank."""
+        per = self.inner.world
+        if per == 1:
+            return self._average_share(delta)
+        padded = torch.nn.functional.pad(delta, (0, self.share * per - self.numel))
+        mine = self._average_share(padded.view(per, -1)[self.inner.rank])
+        parts = [torch.empty_like(mine) for _ in range(per)]
+        dist.all_gather(parts, mine, group=self.inner.group)
+        return torch.cat(parts)[: self.numel]
+
+    def _average_share(self, delta: torch.Tensor) -> torch.Tensor:
+        """The mean over the centres of this rank's share ``delta`` (all of it
+        for a centre of one rank); counts the bytes the centre sends for it."""
+        n, group = self.centres.world, self.centres.group
         precision = self.cfg.precision
+        ranks = self.inner.world  # each sends a share of the same size
         if precision == "fp32":
             total = delta.clone()
             if n > 1:
-                dist.all_reduce(total, group=self.group)
-            self.bytes_sent += ring_bytes_sent(delta.numel() * 4, n, "all_reduce")
+                dist.all_reduce(total, group=group)
+            sent = ring_bytes_sent(delta.numel() * 4, n, "all_reduce")
+            self.bytes_sent += ranks * sent
             return total / n
         payload = encode(delta, precision)
-        self.bytes_sent += ring_bytes_sent(payload_bytes(payload), n, "all_gather")
+        sent = ring_bytes_sent(payload_bytes(payload), n, "all_gather")
+        self.bytes_sent += ranks * sent
         if n == 1:
-            return decode(payload, precision, self.numel)
+            return decode(payload, precision, delta.numel())
         gathered = []
         for t in payload:
             parts = [torch.empty_like(t) for _ in range(n)]
-            dist.all_gather(parts, t, group=self.group)
+            dist.all_gather(parts, t, group=group)
             gathered.append(parts)
         total = torch.zeros_like(delta)
         for rank in range(n):  # in rank order: the same sum on every centre
-            total += decode([parts[rank] for parts in gathered], precision, self.numel)
+            payload = [parts[rank] for parts in gathered]
+            total += decode(payload, precision, delta.numel())
         return total / n
 
     @torch.no_grad()
@@ -278,39 +373,49 @@ class DiLoCoExecutor(Executor):
     """A centre's local executor, with an outer step every ``inner_steps``."""
 
     def __init__(
-        self, inner, sync: OuterSync, cfg: DiLoCoConfig, centres: DistContext
+        self, inner, sync: OuterSync, cfg: DiLoCoConfig, where: Topology
     ) -> None:
-        """``inner``: a ``train.executor.LocalExecutor`` (its checkpoints
-        carry the outer optimizer's state too)."""
+        """``inner``: a ``train.executor.LocalExecutor`` (DDP over
+        ``where.inner`` for a centre of several ranks; its checkpoints carry
+        the outer optimizer's state too)."""
         self.inner = inner
         self.sync = sync
         self.cfg = cfg
-        self.centres = centres
+        self.where = where
         inner.extra_files = lambda: {OUTER_FILE: sync.state_tensors()}
 
     def step(self, step: int, batch: StepBatch) -> dict:
-        record = self.inner.step(step, batch)
+        try:
+            record = self.inner.step(step, batch)
+        except RuntimeError as e:
+            if not _collective_failed(e):
+                raise
+            # DDP inside the centre: one of its ranks gone
+            raise self._failed(e, f"step {step + 1}", "a rank of this centre") from None
         if (step + 1) % self.cfg.inner_steps == 0:
             try:
                 record.update(self.sync.step())
             except RuntimeError as e:  # gloo / NCCL: a centre gone, a timeout
                 if isinstance(e, OuterStepError):
                     raise
-                first = (
-                    str(e).strip().splitlines()[0]
-                    if str(e).strip()
-                    else type(e).__name__
-                )
-                raise RunFailedError(
-                    f"centre {self.centres.rank}: outer step {self.sync.steps + 1} "
-                    f"(after step {step + 1}) failed: {first}; another centre "
-                    "stopped or the link broke. The last checkpoint of every "
-                    "centre is an outer step's: run again with --resume"
-                ) from None
+                what = f"outer step {self.sync.steps + 1} (after step {step + 1})"
+                raise self._failed(e, what, "another centre") from None
         return record
 
+    def _failed(self, e: BaseException, what: str, who: str) -> RunFailedError:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return RunFailedError(
+            f"{self.where.name(self.where.job.rank)}: {what} failed: {first}; "
+            f"{who} stopped or the link broke. The last checkpoint of every "
+            "centre is an outer step's: run again with --resume"
+        )
+
     def shard(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.centres.shard(batch) if self.cfg.data == "split" else batch
+        """``split``: this rank's rows of every global batch, as DDP's ranks
+        take them; ``own``: its share of its centre's batch."""
+        if self.cfg.data == "split":
+            return self.where.job.shard(batch)
+        return self.where.inner.shard(batch)
 
     def eval_model(self) -> nn.Module:
         return self.inner.eval_model()
@@ -343,6 +448,14 @@ class DiLoCoExecutor(Executor):
         }
 
 
+def _collective_failed(e: RuntimeError) -> bool:
+    """Whether ``e`` is a collective's failure (DDP's reducer raises gloo's
+    and NCCL's as plain RuntimeErrors), not a fault of the step itself."""
+    return isinstance(e, dist.DistError) or any(
+        word in str(e) for word in ("gloo", "NCCL", "Connection closed", "timed out")
+    )
+
+
 # --- agreeing to the same run -------------------------------------------------------
 
 
@@ -356,28 +469,30 @@ def fingerprints(**groups) -> dict[str, int]:
     return out
 
 
-def check_same_run(mine: dict[str, int], centres: DistContext, group=None) -> None:
-    """Refuse to start unless every centre has the same settings of each
-    group, naming the groups and centres that differ."""
-    if centres.world <= 1:
+def check_same_run(mine: dict[str, int], where: Topology) -> None:
+    """Refuse to start unless every rank of every centre has the same
+    settings of each group, naming the groups and centres that differ."""
+    job = where.job
+    if job.world <= 1:
         return
     names = sorted(mine)
     t = torch.tensor([mine[n] for n in names], dtype=torch.int64)
-    parts = [torch.empty_like(t) for _ in range(centres.world)]
-    dist.all_gather(parts, t, group=group)
+    parts = [torch.empty_like(t) for _ in range(job.world)]
+    dist.all_gather(parts, t)
     diffs = [
-        f"centre {rank}'s {name}"
+        f"{where.name(rank)}'s {name}"
         for rank, theirs in enumerate(parts)
         for i, name in enumerate(names)
-        if int(theirs[i]) != int(t[i]) and rank != centres.rank
+        if int(theirs[i]) != int(t[i]) and rank != job.rank
     ]
     if diffs:
-        # Every centre found it and stops here: leave together, so that none
+        # Every rank found it and stops here: leave together, so that none
         # tears its process group down under another still using it.
-        dist.barrier(group=group)
+        dist.barrier()
         raise ValueError(
-            f"centre {centres.rank}: {', '.join(diffs)} differ from this centre's; "
-            "every centre must run the same model, seed, steps and --sync settings"
+            f"{where.name(job.rank)}: {', '.join(diffs)} differ from this "
+            "one's; every centre must run the same model, seed, steps and "
+            "--sync settings"
         )
 
 
@@ -388,12 +503,13 @@ def centre_settings(
     cfg: TrainConfig,
     sync: DiLoCoConfig,
     world: int,
-    centre: int,
+    rank: int,
     data_dirs: list,
 ) -> tuple[TrainConfig, list]:
-    """A centre's training settings and data: its share of every global
-    batch (``split``: rows of the same data, as DDP's ranks; ``own``: as many
-    rows of its own folder), checked to fit the outer steps."""
+    """Job rank ``rank``'s training settings and data: its share of every
+    global batch (``split``: rows of the same data, as DDP's ranks; ``own``:
+    its centre reads its own folder, as many rows as a centre's share), checked
+    to fit the outer steps."""
     h = sync.inner_steps
     if cfg.steps % h:
         raise ValueError(
@@ -405,15 +521,16 @@ def centre_settings(
             f"--ckpt-every {cfg.ckpt_every} is not a multiple of --inner-steps "
             f"{h}: a checkpoint is taken after an outer step, where the centres agree"
         )
+    centre, centres = centre_of(rank, world, sync.ranks_per_centre)
     per = per_rank_micro_batches(cfg, world)
     if sync.data == "split":
         return per, list(data_dirs)
-    if len(data_dirs) != world:
+    if len(data_dirs) != centres:
         raise ValueError(
-            f"--centre-data own: give one --data folder per centre ({world} "
+            f"--centre-data own: give one --data folder per centre ({centres} "
             f"centres, {len(data_dirs)} folders); centre i reads the i-th"
         )
-    return replace(per, batch_size=cfg.batch_size // world), [data_dirs[centre]]
+    return replace(per, batch_size=cfg.batch_size // centres), [data_dirs[centre]]
 
 
 def centre_folder(out: str | Path, centre: int) -> Path:
@@ -421,26 +538,28 @@ def centre_folder(out: str | Path, centre: int) -> Path:
     return Path(out) if centre == 0 else Path(out) / "centres" / str(centre)
 
 
-def agreed_checkpoint(
-    run: RunDir, last: Path | None, centres: DistContext
-) -> Path | None:
+def agreed_checkpoint(run: RunDir, last: Path | None, where: Topology) -> Path | None:
     """The newest checkpoint every centre has (each keeps its last few): the
     one they all resume from. None for a fresh run; ValueError if they have
-    none in common."""
-    if centres.world <= 1:
+    none in common. (A centre's ranks read its one folder: shared storage
+    inside a centre, as DDP's ranks need.)"""
+    job = where.job
+    if job.world <= 1:
         return last
     steps = ckpt.complete_steps(run.checkpoints) if last is not None else []
     t = torch.full((8,), -1, dtype=torch.int64)
     t[: min(8, len(steps))] = torch.tensor(steps[-8:], dtype=torch.int64)
-    parts = [torch.empty_like(t) for _ in range(centres.world)]
+    parts = [torch.empty_like(t) for _ in range(job.world)]
     dist.all_gather(parts, t)
     have = [{int(x) for x in p if int(x) >= 0} for p in parts]
     if not any(have):
         return None
     common = set.intersection(*have)
     if not common:
+        per = where.inner.world  # a centre's ranks read the same folder
         shown = ", ".join(
-            f"centre {i}: {sorted(h) or 'none'}" for i, h in enumerate(have)
+            f"centre {c}: {sorted(have[c * per]) or 'none'}"
+            for c in range(where.centres)
         )
         raise ValueError(
             f"the centres have no checkpoint step in common ({shown}); "
@@ -450,10 +569,10 @@ def agreed_checkpoint(
 
 
 def centre_executor(
-    executor, sync: DiLoCoConfig, centres: DistContext, config: dict
+    executor, sync: DiLoCoConfig, where: Topology, config: dict
 ) -> DiLoCoExecutor:
     """``executor`` (a centre's local one) with DiLoCo's outer steps, once
-    every centre is found to run the same training."""
+    every rank of every centre is found to run the same training."""
     train = {k: v for k, v in config["train"].items() if k != "device"}
     check_same_run(
         fingerprints(
@@ -462,7 +581,8 @@ def centre_executor(
             sync=sync.to_dict(),
             tokenizer=(config.get("tokenizer") or {}).get("sha256"),
         ),
-        centres,
+        where,
     )
     params = [p for _, p in executor.trainable]
-    return DiLoCoExecutor(executor, OuterSync(params, sync, centres), sync, centres)
+    outer = OuterSync(params, sync, where.across, where.inner)
+    return DiLoCoExecutor(executor, outer, sync, where)

@@ -11,7 +11,7 @@ plots and checkpoints. Without ``WORLD_SIZE`` > 1 nothing here does anything.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -22,9 +22,13 @@ from aisyn.errors import RunFailedError
 
 @dataclass(frozen=True)
 class DistContext:
+    """This rank's place among ``world`` ranks: of torchrun's job, or of
+    ``group``, a subgroup of it (a DiLoCo centre's ranks; None: the job's)."""
+
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -46,12 +50,12 @@ class DistContext:
         if not self.enabled:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return float(t.item()) / self.world
 
     def barrier(self) -> None:
         if self.enabled:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
 
 def under_torchrun() -> bool:

@@ -96,7 +96,9 @@ class LocalExecutor(Executor):
             checkpoint_blocks(model, model.config.layout)
         # DDP wraps after the optimizer and checkpoints are set up on plain names.
         loss = MicroBatchLoss(model)
-        self.loss: nn.Module = DDP(loss) if self.ctx.enabled else loss
+        self.loss: nn.Module = (
+            DDP(loss, process_group=self.ctx.group) if self.ctx.enabled else loss
+        )
 
     def step(self, step: int, batch: StepBatch) -> dict:
         lr = self.lr_at(step)

@@ -51,9 +51,10 @@ def finetune(
 ) -> dict:
     """Fine-tune ``base`` on the pooled SFT folders; returns a summary dict.
 
-    ``sync``: DiLoCo across torchrun's ranks, one centre each, as ``aisyn
-    train --sync diloco`` (``train.diloco``; the outer step covers what the
-    method trains: every weight, or LoRA's adapters).
+    ``sync``: DiLoCo across torchrun's ranks, a centre each (or of
+    ``ranks_per_centre``, DDP inside it), as ``aisyn train --sync diloco``
+    (``train.diloco``; the outer step covers what the method trains: every
+    weight, or LoRA's adapters).
     """
     method = method or Method()
     centre = 0
@@ -63,8 +64,9 @@ def finetune(
             "--sync diloco (it has no data-parallel mode)"
         )
     if sync is not None:
-        world, centre = distributed.world_size(), distributed.rank()
-        cfg, data_dirs = diloco.centre_settings(cfg, sync, world, centre, data_dirs)
+        world, rank = distributed.world_size(), distributed.rank()
+        cfg, data_dirs = diloco.centre_settings(cfg, sync, world, rank, data_dirs)
+        centre, centres = diloco.centre_of(rank, world, sync.ranks_per_centre)
     device = resolve_device(cfg.device)
     info = describe_base(base)
     objective = SFTObjective(data_dirs, cfg)
@@ -93,22 +95,27 @@ def finetune(
         seq_len=objective.seq_len,
         base=info.to_dict(),
     )
-    ctx = distributed.DistContext()
+    ctx = ranks = distributed.DistContext()
     if sync is not None:
-        config.update(sync=sync.to_dict(), centre=centre, centres=world)
+        config.update(sync=sync.to_dict(), centre=centre, centres=centres)
         timeout = None if sync_timeout_s is None else timedelta(seconds=sync_timeout_s)
         ctx, device = distributed.setup(device, timeout)
     try:
         last = ckpt.latest(run.checkpoints) if resume else None
         if sync is not None:
-            last = diloco.agreed_checkpoint(run, last, ctx)
+            # a centre of several ranks runs DDP inside it
+            where = diloco.topology(ctx, sync.ranks_per_centre)
+            ranks = where.inner
+            last = diloco.agreed_checkpoint(run, last, where)
         if last is not None:
             run.check_same_model(config)
             check_same_start(run, config)
             if (done := finished(run, last, cfg.steps)) is not None:
                 summary = run.path / SUMMARY
                 return read_json(summary) if summary.is_file() else done
-        run.start(config, resume=resume, tokenizer=info.path / TOKENIZER)
+        if ranks.is_main:  # a centre's rank 0 alone writes its folder
+            run.start(config, resume=resume, tokenizer=info.path / TOKENIZER)
+        ranks.barrier()
         torch.manual_seed(cfg.seed)
         model, _ = load_base(info, device)
         trainable = apply_method(model, method, seed=cfg.seed)
@@ -117,15 +124,21 @@ def finetune(
             trainable,
             cfg,
             method=method,
+            ctx=ranks,
             checkpoint_fields={"method": method.to_dict()},
             hint=" (lower the learning rate?)",
         )
         if sync is not None:
-            executor = diloco.centre_executor(executor, sync, ctx, config)
+            executor = diloco.centre_executor(executor, sync, where, config)
         objective.start(device)
         regime = Regime(objective, executor, cfg, run)
         engine = Engine.for_config(
-            run, cfg, desc=objective.desc, progress=progress, tensorboard=tensorboard
+            run,
+            cfg,
+            desc=objective.desc,
+            progress=progress,
+            main=ranks.is_main,
+            tensorboard=tensorboard,
         )
         start_step = engine.restore(regime, last, resume=resume)
         result = engine.run(regime, range(start_step, cfg.steps))
@@ -140,7 +153,8 @@ def finetune(
         "trainable_parameters": sum(p.numel() for _, p in trainable),
         "plot": result["plot"],
     }
-    (run.path / SUMMARY).write_text(json.dumps(summary, indent=2))
+    if ranks.is_main:
+        (run.path / SUMMARY).write_text(json.dumps(summary, indent=2))
     return summary
 
 

@@ -115,6 +115,13 @@ SYNC_FLAGS = (
         "--inner-steps steps: for a wide-area link)",
     ),
     Row(
+        "--ranks-per-centre",
+        validate.positive_int,
+        1,
+        "diloco: torchrun's ranks per centre (a node's, say), contiguous: DDP "
+        "inside a centre, the outer step across centres",
+    ),
+    Row(
         "--inner-steps",
         validate.positive_int,
         100,
@@ -166,4 +173,5 @@ def sync_from_args(args: argparse.Namespace):
         outer_momentum=args.outer_momentum,
         precision=args.delta_precision,
         data=args.centre_data,
+        ranks_per_centre=args.ranks_per_centre,
     )

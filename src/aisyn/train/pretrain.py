@@ -3,9 +3,10 @@
 The language-model objective on the local executor, single-process or
 data-parallel under ``torchrun``; the plain baseline that split training
 must match to 1e-5. With ``sync`` (``--sync diloco``) each torchrun rank is a
-centre that trains on its own, the centres meeting every H steps
-(``train.diloco``); centre 0 writes the run folder, centre k one of its own,
-``OUT/centres/<k>/`` (on its machine), and each resumes from its own.
+centre that trains on its own (or each ``--ranks-per-centre`` ranks, DDP
+among them), the centres meeting every H steps (``train.diloco``); centre 0
+writes the run folder, centre k one of its own, ``OUT/centres/<k>/`` (on its
+machine), and each resumes from its own.
 """
 
 from __future__ import annotations
@@ -45,15 +46,17 @@ def train(
     """Train from scratch (or ``init_from`` a checkpoint) and write a run folder.
 
     Returns a summary: final loss, steps, tokens, elapsed seconds, run path.
-    ``sync``: DiLoCo across torchrun's ranks, one centre each
+    ``sync``: DiLoCo across torchrun's ranks, a centre each, or centres of
+    ``sync.ranks_per_centre`` ranks running DDP inside
     (``sync_timeout_s``: how long a centre waits for the others).
     """
-    world = distributed.world_size()
-    centre = distributed.rank() if sync is not None else None
+    world, rank = distributed.world_size(), distributed.rank()
+    centre = None
     if sync is None:
         cfg = per_rank_micro_batches(cfg, world)
     else:
-        cfg, data_dirs = diloco.centre_settings(cfg, sync, world, centre, data_dirs)
+        cfg, data_dirs = diloco.centre_settings(cfg, sync, world, rank, data_dirs)
+        centre, centres = diloco.centre_of(rank, world, sync.ranks_per_centre)
     objective = LMObjective(data_dirs, cfg)
     mcfg = model_config_for(model_config, objective.tokenizer, objective.seq_len)
     if init_from is None and isinstance(model_config, str | Path):
@@ -64,8 +67,12 @@ def train(
     timeout = None if sync_timeout_s is None else timedelta(seconds=sync_timeout_s)
     ctx, device = distributed.setup(resolve_device(cfg.device), timeout)
     try:
+        # DDP's ranks: the job's; a DiLoCo centre's: its own (one, or several)
+        ranks = ctx
         if sync is not None:
-            last = diloco.agreed_checkpoint(run, last, ctx)
+            where = diloco.topology(ctx, sync.ranks_per_centre)
+            ranks = where.inner
+            last = diloco.agreed_checkpoint(run, last, where)
         check_fits(
             whole_model_bytes(
                 mcfg,
@@ -87,7 +94,7 @@ def train(
             init_from=str(init_from) if init_from else None,
         )
         if sync is not None:
-            config.update(sync=sync.to_dict(), centre=centre, centres=world)
+            config.update(sync=sync.to_dict(), centre=centre, centres=centres)
         # Checked before the folder is rewritten or the model built: a resume
         # with nothing left to do neither trains nor touches the run.
         if last is not None:
@@ -95,7 +102,7 @@ def train(
             if (done := finished(run, last, cfg.steps)) is not None:
                 return done
         # every centre keeps a folder of its own; of DDP's ranks, rank 0 alone
-        main = ctx.is_main or sync is not None
+        main = ranks.is_main
         if main:
             run.start(config, resume=resume, tokenizer=objective.tokenizer_file)
         ctx.barrier()
@@ -107,12 +114,12 @@ def train(
             model,
             list(model.named_parameters()),
             cfg,
-            # a centre trains alone between outer steps: no DDP
-            ctx=ctx if sync is None else distributed.DistContext(),
+            # a centre trains alone between outer steps: DDP inside it only
+            ctx=ranks,
             checkpoint_fields={"model": mcfg.to_dict(), "train": cfg.to_dict()},
         )
         if sync is not None:
-            executor = diloco.centre_executor(executor, sync, ctx, config)
+            executor = diloco.centre_executor(executor, sync, where, config)
         objective.start(device)
         regime = Regime(objective, executor, cfg, run)
         engine = Engine.for_config(
