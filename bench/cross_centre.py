@@ -17,7 +17,10 @@ the centres' deltas. Reported per run:
   the bandwidth plus one latency per hop (2 (N-1) hops of RTT/2 for an
   all-reduce, N-1 for an all-gather); DDP is given full overlap of its
   all-reduce with the backward pass (2/3 of a step), DiLoCo none (it
-  blocks at each outer step). Utilisation = compute / wall.
+  blocks at each outer step), Streaming DiLoCo (``--fragments F
+  --overlap-steps T``) T steps of compute for each fragment's exchange,
+  except the run's last one, which flushes the other fragments blocking.
+  Utilisation = compute / wall.
 
     python bench/cross_centre.py --quick
 
@@ -117,9 +120,12 @@ def modelled(run: dict, compute_s: float, steps: int, n: int, bw: float) -> floa
         per_step = compute_s / 3 + max(2 * compute_s / 3, comm)
         return steps * per_step
     op = "all_reduce" if run["precision"] == "fp32" else "all_gather"
-    syncs = steps // run["h"]
-    comm = syncs * ring_latency(n, op) + run["bytes"] / bw
-    return steps * compute_s + comm
+    fragments, overlap = run.get("fragments", 1), run.get("overlap", 0)
+    exchanges = steps // run["h"] * fragments
+    flush = fragments - 1  # the last step's, of the fragments synced earlier
+    each = ring_latency(n, op) + run["bytes"] / (exchanges + flush) / bw
+    hidden = overlap * compute_s
+    return steps * compute_s + exchanges * max(0.0, each - hidden) + flush * each
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,12 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     plans = [
-        # (centres, data, label, runs)
-        (2, "shared", [news], [("ddp", None, None)] + [
-            ("diloco", h, "fp32") for h in (10, 50, 100)
-        ] + [("diloco", 100, "int8")]),
-        (2, "non-IID", [news, reviews], [("ddp", None, None), ("diloco", 100, "fp32")]),
-        (4, "shared", [news], [("ddp", None, None), ("diloco", 100, "fp32")]),
+        # (centres, data, label, runs: (sync, H, precision, fragments, overlap))
+        (2, "shared", [news], [("ddp", None, None, 1, 0)] + [
+            ("diloco", h, "fp32", 1, 0) for h in (10, 50, 100)
+        ] + [("diloco", 100, "int8", 1, 0), ("diloco", 100, "fp32", 4, 5)]),
+        (2, "non-IID", [news, reviews],
+         [("ddp", None, None, 1, 0), ("diloco", 100, "fp32", 1, 0)]),
+        (4, "shared", [news],
+         [("ddp", None, None, 1, 0), ("diloco", 100, "fp32", 1, 0)]),
     ]  # fmt: skip
     results = []
     curves = {}
@@ -162,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         for n, label, data, runs in plans:
             ddp_loss = None
-            for sync, h, precision in runs:
+            for sync, h, precision, fragments, overlap in runs:
                 name = f"{n}c-{label}-{sync}" + (f"-h{h}-{precision}" if h else "")
+                if fragments > 1:
+                    name += f"-f{fragments}-o{overlap}"
                 out = Path(tmp) / name
                 common = ["--steps", str(steps), "--batch-size", str(batch),
                           "--lr", "3e-3", "--warmup", "20", "--log-every", "10",
@@ -171,12 +181,15 @@ def main(argv: list[str] | None = None) -> int:
                 if sync == "diloco":
                     common += ["--sync", "diloco", "--inner-steps", str(h),
                                "--delta-precision", precision, "--centre-data",
-                               "own" if label == "non-IID" else "split"]  # fmt: skip
+                               "own" if label == "non-IID" else "split",
+                               "--fragments", str(fragments),
+                               "--overlap-steps", str(overlap)]  # fmt: skip
                 wall = torchrun(n, out, model, data, common)
                 loss = valid_loss(out, data)
                 recs = read_metrics(out / "metrics.jsonl")
                 r = {"centres": n, "data": label, "sync": sync, "h": h,
-                     "precision": precision, "valid_loss": loss,
+                     "precision": precision, "fragments": fragments,
+                     "overlap": overlap, "valid_loss": loss,
                      "box_wall_s": wall}  # fmt: skip
                 if sync == "ddp":
                     r["bytes_per_step"] = ring_bytes_sent(4 * params, n, "all_reduce")
@@ -196,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                     n,
                 )
                 tag = "DDP" if sync == "ddp" else f"diloco H={h} {precision}"
+                if fragments > 1:
+                    tag += f" streaming {fragments} fragments, {overlap} overlapped"
                 print(
                     f"{n} centres, {label} data, {tag}: valid loss {loss:.4f}, "
                     f"{r['bytes'] / 1e6:.1f} MB sent per centre, utilisation "
@@ -211,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
                 if (x["centres"], x["data"]) != (n, label) or x["sync"] == "ddp":
                     continue
                 extra = "" if x["precision"] == "fp32" else f" {x['precision']}"
+                if x["fragments"] > 1:
+                    extra += (
+                        f" streaming {x['fragments']} fragments, "
+                        f"{x['overlap']} steps overlapped"
+                    )
                 print(
                     f"diloco H={x['h']}{extra}: loss "
                     f"{100 * (x['valid_loss'] / ddp_loss - 1):.1f} % above DDP, "

@@ -22,10 +22,13 @@ from aisyn.train.config import TrainConfig
 from aisyn.train.diloco import (
     INT8_BLOCK,
     DiLoCoConfig,
+    DiLoCoExecutor,
     OuterStepError,
     OuterSync,
+    Topology,
     decode,
     encode,
+    fragments_of,
     payload_bytes,
 )
 from aisyn.train.distributed import DistContext
@@ -270,6 +273,111 @@ def test_centres_of_two_ranks_each_exchange_a_share_of_the_delta(tmp_path, preci
     share = 2 * INT8_BLOCK  # 4 blocks over 2 ranks
     each = share * 4 if precision == "fp32" else share + 4 * 2
     assert int(got[0]["sent"]) == 2 * each  # ring of 2: each share once
+
+
+# --- streaming by fragments -------------------------------------------------------
+
+
+def test_fragments_are_runs_of_whole_tensors_of_about_equal_size():
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 10, 10, 10, 40, 1)]
+    parts = fragments_of(params, 3)
+    assert [p for part in parts for p in part] == params  # all, in order
+    assert [sum(p.numel() for p in part) for part in parts] == [30, 10, 41]
+    assert [len(part) for part in fragments_of(params, 6)] == [1] * 6
+    with pytest.raises(ValueError, match="--fragments 7: this run trains 6"):
+        fragments_of(params, 7)
+
+
+class _Counting:
+    """An inner executor whose every step adds 1 to each parameter."""
+
+    def __init__(self, params, steps):
+        self.params, self.cfg, self.extra_files = params, TrainConfig(steps=steps), None
+
+    def step(self, step, batch):
+        with torch.no_grad():
+            for p in self.params:
+                p.add_(1.0)
+        return {"loss": 0.0}
+
+
+def test_fragments_take_their_outer_steps_in_turn_overlapped_and_merged():
+    """H 8 in 4 fragments, each exchange started a step early: fragment f's
+    delta is taken after step 2f+1 and applied after step 2f+2, merged half
+    and half with the centre's model of then; the run's last step puts the
+    whole global model in place (the earlier fragments once more)."""
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(4)]
+    cfg = DiLoCoConfig(
+        inner_steps=8, fragments=4, overlap_steps=1, outer_lr=1.0, outer_momentum=0.0
+    )
+    one = DistContext()
+    syncs = [OuterSync([p], cfg, one) for p in params]
+    ex = DiLoCoExecutor(_Counting(params, 8), syncs, cfg, Topology(one, one, one))
+    outer = {}
+    for step in range(8):
+        record = ex.step(step, None)
+        if "outer_step" in record:
+            outer[step + 1] = record.get("fragment")
+        if step + 1 == 2:
+            # lr 1: the global model becomes the model the delta was taken
+            # from (1); the centre's is 2 by now: half of each
+            assert params[0].item() == 1.5 and syncs[0].global_flat.item() == 1.0
+    assert outer == {2: 0, 4: 1, 6: 2, 8: 3}
+    # 0.5 ahead of the steps for fragments 0-2 (merged), then the last step's
+    # exchange puts every fragment's global model in place: 7.5, and 7 for
+    # fragment 3, whose delta was taken after step 7
+    assert [p.item() for p in params] == [7.5, 7.5, 7.5, 7.0]
+    assert all(torch.equal(s.global_flat.detach(), s.local_flat()) for s in syncs)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"inner_steps": 10, "fragments": 3}, "does not split into --fragments 3"),
+        ({"inner_steps": 8, "fragments": 4, "overlap_steps": 2}, "below --inner-steps"),
+        ({"mixing": 1.0}, "--overlap-mixing"),
+        ({"overlap_steps": -1}, "--overlap-steps"),
+    ],
+)
+def test_bad_streaming_settings_are_refused_in_one_line(kw, message):
+    with pytest.raises(ValueError, match=message):
+        DiLoCoConfig(**kw)
+
+
+def test_streaming_centres_end_on_one_model_and_resume_exactly(
+    tmp_path, news_data, model_file
+):
+    """Two centres, the model in 2 fragments, exchanges overlapping a step:
+    both end with the same model, and a resume from the middle checkpoint
+    (where fragment 0's global model is not the centre's: it is saved too)
+    reaches the same model bit for bit."""
+    args = ["--steps", "8", "--inner-steps", "4", "--ckpt-every", "4", "--fragments",
+            "2", "--overlap-steps", "1"]  # fmt: skip
+    out = tmp_path / "s"
+    rcs, logs = run_centres([flags(model_file, [news_data], out, *args)] * 2, tmp_path)
+    assert rcs == [0, 0], logs
+    whole = final_model(out)
+    other = final_model(out / "centres" / "1")
+    assert all(torch.equal(whole[n], other[n]) for n in whole)
+    records = read_metrics(out / "metrics.jsonl")
+    assert [(r["step"], r["fragment"]) for r in records if "outer_step" in r] == [
+        (2, 0), (4, 1), (6, 0), (8, 1),
+    ]  # fmt: skip
+    middle = ckpt.read_tensors(
+        ckpt.step_folder(out / "checkpoints", 4) / "outer.safetensors"
+    )
+    assert "outer.0.global" in middle and "outer.1.momentum" in middle
+    for folder in (out, out / "centres" / "1"):  # as if killed after step 4
+        import shutil
+
+        shutil.rmtree(ckpt.step_folder(folder / "checkpoints", 8))
+        (folder / "checkpoints" / "latest").write_text("step_00000004")
+    rcs, logs = run_centres(
+        [flags(model_file, [news_data], out, *args, "--resume")] * 2, tmp_path
+    )
+    assert rcs == [0, 0], logs
+    again = final_model(out)
+    assert all(torch.equal(again[n], whole[n]) for n in whole)
 
 
 # --- whole runs ---------------------------------------------------------------------

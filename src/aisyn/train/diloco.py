@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -74,18 +75,29 @@ class DiLoCoConfig:
     #: torchrun's ranks per centre: DDP inside a centre, the outer step
     #: across centres (each of a centre's ranks exchanging its own share)
     ranks_per_centre: int = 1
+    #: Streaming DiLoCo: the model in ``fragments`` of about equal size, each
+    #: exchanged every H steps, H / fragments steps after the one before it
+    fragments: int = 1
+    #: inner steps an exchange overlaps (< H / fragments): started that many
+    #: steps before the fragment's outer step, it crosses while the centre
+    #: trains on; the fragment is then ``mixing`` x local + the rest global
+    overlap_steps: int = 0
+    mixing: float = 0.5
 
     def __post_init__(self) -> None:
         checks = {
             "inner_steps": dict(low=1),
             "ranks_per_centre": dict(low=1),
+            "fragments": dict(low=1),
+            "overlap_steps": dict(low=0),
+            "mixing": dict(low=0, high=1, high_open=True),
             "outer_lr": dict(low=0, low_open=True),
             "outer_momentum": dict(low=0, high=1, high_open=True),
             "max_skipped": dict(low=1),
         }
         for name, bounds in checks.items():
             value = getattr(self, name)
-            integer = name in ("inner_steps", "max_skipped", "ranks_per_centre")
+            integer = name not in ("outer_lr", "outer_momentum", "mixing")
             if integer and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"--{_flag(name)} must be an integer, got {value!r}")
             if problem := number_problem(value, **bounds):
@@ -96,13 +108,43 @@ class DiLoCoConfig:
             )
         if self.data not in DATA_MODES:
             raise ValueError(f"--centre-data {self.data!r}: one of {DATA_MODES}")
+        if self.inner_steps % self.fragments:
+            raise ValueError(
+                f"--inner-steps {self.inner_steps} does not split into --fragments "
+                f"{self.fragments}: a fragment's exchange every H / fragments steps"
+            )
+        if self.overlap_steps >= self.inner_steps // self.fragments:
+            raise ValueError(
+                f"--overlap-steps {self.overlap_steps} must be below --inner-steps / "
+                f"--fragments ({self.inner_steps // self.fragments}): an exchange "
+                "ends before the next fragment's begins"
+            )
+
+    @property
+    def slot(self) -> int:
+        """Steps between one fragment's outer step and the next one's."""
+        return self.inner_steps // self.fragments
+
+    def due(self, done: int, fragment: int, lead: int = 0) -> bool:
+        """Whether, after ``done`` steps, ``fragment``'s outer step is due
+        (``lead`` steps early: its exchange starts). The last fragment's is
+        due after every H steps, where the checkpoints are: nothing is under
+        way there."""
+        h = self.inner_steps
+        return done % h == ((fragment + 1) * self.slot - lead) % h
+
+    @property
+    def merge(self) -> float:
+        """The local share of a fragment after an overlapped exchange."""
+        return self.mixing if self.overlap_steps else 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def _flag(name: str) -> str:
-    return {"precision": "delta-precision"}.get(name, name.replace("_", "-"))
+    special = {"precision": "delta-precision", "mixing": "overlap-mixing"}
+    return special.get(name, name.replace("_", "-"))
 
 
 # --- the delta on the wire ---------------------------------------------------------
@@ -215,6 +257,15 @@ def topology(job: DistContext, ranks_per_centre: int) -> Topology:
 # --- the outer step -----------------------------------------------------------------
 
 
+@dataclass
+class Exchange:
+    """An outer exchange under way: its collectives (``work.wait()``), and
+    what gives the centres' mean delta once they are done."""
+
+    works: list
+    mean: Callable[[], torch.Tensor]
+
+
 class OuterSync:
     """The global model, its outer optimizer and the exchange of deltas for
     one centre's ``params`` (every centre holds the same, in the same order).
@@ -263,65 +314,87 @@ class OuterSync:
             return torch.cat([p.detach().reshape(-1).float() for p in self.params])
 
     @torch.no_grad()
-    def _put_global(self) -> None:
+    def put_global(self, mixing: float = 0.0) -> None:
         """Every local parameter := the global model (what each centre goes
-        on from)."""
+        on from), or ``mixing`` of the local one plus the rest of the global
+        (Streaming DiLoCo's merge, after inner steps taken while the exchange
+        was under way)."""
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.copy_(self.global_flat[offset : offset + n].view_as(p))
+            g = self.global_flat[offset : offset + n].view_as(p)
+            if mixing:
+                p.mul_(mixing).add_(g.to(p.dtype), alpha=1 - mixing)
+            else:
+                p.copy_(g)
             offset += n
 
-    def _average(self, delta: torch.Tensor) -> torch.Tensor:
-        """The mean of every centre's ``delta``, the same on every rank."""
+    def start(self) -> Exchange:
+        """Start the exchange of this centre's delta (``global - local`` now);
+        the collectives run while the centre goes on training."""
+        delta = self.global_flat.detach() - self.local_flat()
         per = self.inner.world
         if per == 1:
-            return self._average_share(delta)
+            return self._start_share(delta)
         padded = torch.nn.functional.pad(delta, (0, self.share * per - self.numel))
-        mine = self._average_share(padded.view(per, -1)[self.inner.rank])
-        parts = [torch.empty_like(mine) for _ in range(per)]
-        dist.all_gather(parts, mine, group=self.inner.group)
-        return torch.cat(parts)[: self.numel]
+        share = self._start_share(padded.view(per, -1)[self.inner.rank])
 
-    def _average_share(self, delta: torch.Tensor) -> torch.Tensor:
-        """The mean over the centres of this rank's share ``delta`` (all of it
-        for a centre of one rank); counts the bytes the centre sends for it."""
+        def mean() -> torch.Tensor:
+            mine = share.mean()
+            parts = [torch.empty_like(mine) for _ in range(per)]
+            dist.all_gather(parts, mine, group=self.inner.group)
+            return torch.cat(parts)[: self.numel]
+
+        return Exchange(share.works, mean)
+
+    def _start_share(self, delta: torch.Tensor) -> Exchange:
+        """Start averaging this rank's share ``delta`` over the centres (all
+        of it for a centre of one rank); counts the bytes the centre sends."""
         n, group = self.centres.world, self.centres.group
         precision = self.cfg.precision
         ranks = self.inner.world  # each sends a share of the same size
         if precision == "fp32":
             total = delta.clone()
-            if n > 1:
-                dist.all_reduce(total, group=group)
-            sent = ring_bytes_sent(delta.numel() * 4, n, "all_reduce")
-            self.bytes_sent += ranks * sent
-            return total / n
+            works = (
+                [dist.all_reduce(total, group=group, async_op=True)] if n > 1 else []
+            )
+            self.bytes_sent += ranks * ring_bytes_sent(
+                delta.numel() * 4, n, "all_reduce"
+            )
+            return Exchange(works, lambda: total / n)
         payload = encode(delta, precision)
         sent = ring_bytes_sent(payload_bytes(payload), n, "all_gather")
         self.bytes_sent += ranks * sent
         if n == 1:
-            return decode(payload, precision, delta.numel())
-        gathered = []
+            return Exchange([], lambda: decode(payload, precision, delta.numel()))
+        gathered, works = [], []
         for t in payload:
             parts = [torch.empty_like(t) for _ in range(n)]
-            dist.all_gather(parts, t, group=group)
+            works.append(dist.all_gather(parts, t, group=group, async_op=True))
             gathered.append(parts)
-        total = torch.zeros_like(delta)
-        for rank in range(n):  # in rank order: the same sum on every centre
-            payload = [parts[rank] for parts in gathered]
-            total += decode(payload, precision, delta.numel())
-        return total / n
+
+        def mean() -> torch.Tensor:
+            total = torch.zeros_like(delta)
+            for rank in range(n):  # in rank order: the same sum on every centre
+                theirs = [parts[rank] for parts in gathered]
+                total += decode(theirs, precision, delta.numel())
+            return total / n
+
+        return Exchange(works, mean)
 
     @torch.no_grad()
-    def step(self) -> dict:
-        """One outer step; returns its record fields."""
-        delta = self.global_flat.detach() - self.local_flat()
-        mean = self._average(delta)
+    def finish(self, exchange: Exchange, mixing: float = 0.0) -> dict:
+        """Wait for ``exchange``, step the global model with the centres'
+        mean delta and put it in place (``put_global(mixing)``); returns the
+        outer step's record fields."""
+        for work in exchange.works:
+            work.wait()
+        mean = exchange.mean()
         self.steps += 1
-        record = {"outer_step": self.steps, "outer_bytes_sent": self.bytes_sent}
+        record = {"outer_step": self.steps}
         if not bool(torch.isfinite(mean).all()):
             self.skipped_in_row += 1
-            self._put_global()  # the H steps are dropped, on every centre alike
+            self.put_global()  # the H steps are dropped, on every centre alike
             log.warning(
                 "outer step %d skipped: the averaged delta is not finite (%d in a row)",
                 self.steps,
@@ -338,31 +411,48 @@ class OuterSync:
         self.global_flat.grad = mean
         self.optimizer.step()
         self.global_flat.grad = None
-        self._put_global()
+        self.put_global(mixing)
         record["outer_delta_norm"] = float(mean.norm())
         return record
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The outer optimizer's momentum (the global model is the model's
-        own weights right after an outer step)."""
+    def step(self) -> dict:
+        """One whole outer step (start, then finish at once)."""
+        return {**self.finish(self.start()), "outer_bytes_sent": self.bytes_sent}
+
+    def state_tensors(self, prefix: str = "outer.") -> dict[str, torch.Tensor]:
+        """The outer optimizer's momentum and steps, and the global model
+        where it is not the model's own weights (a fragment synchronised
+        earlier, or merged with ``mixing``)."""
         buf = self.optimizer.state.get(self.global_flat, {}).get("momentum_buffer")
-        out = {"outer.steps": torch.tensor([self.steps], dtype=torch.int64)}
+        out = {f"{prefix}steps": torch.tensor([self.steps], dtype=torch.int64)}
         if buf is not None:
-            out["outer.momentum"] = buf.detach().cpu()
+            out[f"{prefix}momentum"] = buf.detach().cpu()
+        if not torch.equal(self.global_flat.detach(), self.local_flat()):
+            out[f"{prefix}global"] = self.global_flat.detach().cpu()
         return out
 
-    def load_state(self, tensors: dict[str, torch.Tensor], source: str) -> None:
-        self.global_flat.data.copy_(self.local_flat())
-        self.steps = int(tensors["outer.steps"][0])
-        buf = tensors.get("outer.momentum")
-        if buf is not None:
-            if buf.shape != self.global_flat.shape:
+    def load_state(
+        self, tensors: dict[str, torch.Tensor], source: str, prefix: str = "outer."
+    ) -> None:
+        if f"{prefix}steps" not in tensors:
+            raise ckpt.CheckpointError(
+                f"{source}: no {prefix}steps: written with other --fragments"
+            )
+        self.steps = int(tensors[f"{prefix}steps"][0])
+        n = self.global_flat.numel()
+        for what in ("momentum", "global"):
+            t = tensors.get(f"{prefix}{what}")
+            if t is not None and (t.dtype != torch.float32 or t.shape != (n,)):
                 raise ckpt.CheckpointError(
-                    f"{source}: outer momentum of {buf.numel()} values, the model "
-                    f"has {self.global_flat.numel()}"
+                    f"{source}: outer {what} of {t.numel()} {t.dtype} values, "
+                    f"the model's share has {n} float32 ones"
                 )
+        glob = tensors.get(f"{prefix}global")
+        self.global_flat.data.copy_(self.local_flat() if glob is None else glob)
+        buf = tensors.get(f"{prefix}momentum")
+        if buf is not None:
             self.optimizer.state[self.global_flat] = {
-                "momentum_buffer": buf.to(self.global_flat.device).float()
+                "momentum_buffer": buf.to(self.global_flat.device)
             }
 
 
@@ -370,19 +460,21 @@ class OuterSync:
 
 
 class DiLoCoExecutor(Executor):
-    """A centre's local executor, with an outer step every ``inner_steps``."""
+    """A centre's local executor, with an outer step every ``inner_steps``
+    (for each fragment of the model, at its own step)."""
 
     def __init__(
-        self, inner, sync: OuterSync, cfg: DiLoCoConfig, where: Topology
+        self, inner, syncs: list[OuterSync], cfg: DiLoCoConfig, where: Topology
     ) -> None:
         """``inner``: a ``train.executor.LocalExecutor`` (DDP over
         ``where.inner`` for a centre of several ranks; its checkpoints carry
-        the outer optimizer's state too)."""
+        the outer optimizer's state too); ``syncs``: one per fragment."""
         self.inner = inner
-        self.sync = sync
+        self.syncs = syncs
         self.cfg = cfg
         self.where = where
-        inner.extra_files = lambda: {OUTER_FILE: sync.state_tensors()}
+        self.under_way: dict[int, Exchange] = {}  # fragment -> its exchange
+        inner.extra_files = lambda: {OUTER_FILE: self._state_tensors()}
 
     def step(self, step: int, batch: StepBatch) -> dict:
         try:
@@ -392,15 +484,37 @@ class DiLoCoExecutor(Executor):
                 raise
             # DDP inside the centre: one of its ranks gone
             raise self._failed(e, f"step {step + 1}", "a rank of this centre") from None
-        if (step + 1) % self.cfg.inner_steps == 0:
-            try:
-                record.update(self.sync.step())
-            except RuntimeError as e:  # gloo / NCCL: a centre gone, a timeout
-                if isinstance(e, OuterStepError):
-                    raise
-                what = f"outer step {self.sync.steps + 1} (after step {step + 1})"
-                raise self._failed(e, what, "another centre") from None
+        done, f = step + 1, None
+        try:
+            for f, sync in enumerate(self.syncs):
+                if self.cfg.due(done, f, self.cfg.overlap_steps):
+                    self.under_way[f] = sync.start()
+            last = done == self.inner.cfg.steps
+            for f, sync in enumerate(self.syncs):
+                if self.cfg.due(done, f):
+                    # the run's last outer step puts the global model in place
+                    # whole, so every centre ends with the same one
+                    mixing = 0.0 if last else self.cfg.merge
+                    record.update(sync.finish(self.under_way.pop(f), mixing))
+                    if len(self.syncs) > 1:
+                        record["fragment"] = f
+                elif last:  # the fragments synchronised earlier: once more
+                    record.update(sync.step())
+        except RuntimeError as e:  # gloo / NCCL: a centre gone, a timeout
+            if isinstance(e, OuterStepError):
+                raise
+            n = self.syncs[f].steps + 1 if f is not None else 1
+            what = f"outer step {n} (after step {done})"
+            if len(self.syncs) > 1:
+                what = f"fragment {f}'s {what}"
+            raise self._failed(e, what, "another centre") from None
+        if "outer_step" in record:
+            record["outer_bytes_sent"] = self.bytes_sent
         return record
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(s.bytes_sent for s in self.syncs)
 
     def _failed(self, e: BaseException, what: str, who: str) -> RunFailedError:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -423,11 +537,21 @@ class DiLoCoExecutor(Executor):
     def log_suffix(self, record: dict) -> str:
         if "outer_step" not in record:
             return ""
+        which = f" of fragment {record['fragment']}" if "fragment" in record else ""
         sent = record["outer_bytes_sent"]
-        return f" (outer step {record['outer_step']}, {sent} B sent so far)"
+        return f" (outer step {record['outer_step']}{which}, {sent} B sent so far)"
+
+    def _prefix(self, fragment: int) -> str:
+        return "outer." if len(self.syncs) == 1 else f"outer.{fragment}."
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for f, sync in enumerate(self.syncs):
+            out.update(sync.state_tensors(self._prefix(f)))
+        return out
 
     def save(self, run: RunDir, step: int, state: dict, keep: int) -> None:
-        if step % self.cfg.inner_steps:
+        if step % self.cfg.inner_steps or self.under_way:
             raise AssertionError(f"step {step}: DiLoCo checkpoints after outer steps")
         self.inner.save(run, step, state, keep)
 
@@ -435,17 +559,44 @@ class DiLoCoExecutor(Executor):
         state = self.inner.load(folder)
         if folder is not None:
             source = str(folder / OUTER_FILE)
-            self.sync.load_state(ckpt.read_tensors(folder / OUTER_FILE), source)
+            tensors = ckpt.read_tensors(folder / OUTER_FILE)
+            for f, sync in enumerate(self.syncs):
+                sync.load_state(tensors, source, self._prefix(f))
         else:
-            self.sync.global_flat.data.copy_(self.sync.local_flat())
+            for sync in self.syncs:
+                sync.global_flat.data.copy_(sync.local_flat())
         return state
 
     def summary(self, steps_run: int) -> dict:
         return {
             **self.inner.summary(steps_run),
-            "outer_steps": self.sync.steps,
-            "outer_bytes_sent": self.sync.bytes_sent,
+            "outer_steps": self.syncs[-1].steps,
+            "outer_bytes_sent": self.bytes_sent,
         }
+
+
+def fragments_of(params: list[nn.Parameter], count: int) -> list[list[nn.Parameter]]:
+    """``params`` in ``count`` runs of about equal size, in order (a whole
+    tensor in each: the blocks of a transformer fall into runs of blocks)."""
+    if count > len(params):
+        raise ValueError(
+            f"--fragments {count}: this run trains {len(params)} tensors, "
+            "fewer than the fragments asked for"
+        )
+    total, n = sum(p.numel() for p in params), len(params)
+    out: list[list[nn.Parameter]] = []
+    seen = 0
+    for i, p in enumerate(params):
+        # the fragment its middle falls in, opening one at a time and leaving
+        # a tensor for each fragment still to open
+        wanted = int((seen + p.numel() / 2) * count / total)
+        last = len(out) - 1
+        at = min(max(wanted, last, count - (n - i)), last + 1, count - 1)
+        if at > last:
+            out.append([])
+        out[-1].append(p)
+        seen += p.numel()
+    return out
 
 
 def _collective_failed(e: RuntimeError) -> bool:
@@ -584,5 +735,8 @@ def centre_executor(
         where,
     )
     params = [p for _, p in executor.trainable]
-    outer = OuterSync(params, sync, where.across, where.inner)
-    return DiLoCoExecutor(executor, outer, sync, where)
+    syncs = [
+        OuterSync(part, sync, where.across, where.inner)
+        for part in fragments_of(params, sync.fragments)
+    ]
+    return DiLoCoExecutor(executor, syncs, sync, where)

@@ -153,6 +153,28 @@ SYNC_FLAGS = (
         "same --data (as DDP's ranks); own: centre i reads the i-th --data alone",
     ),
     Row(
+        "--fragments",
+        validate.positive_int,
+        1,
+        "diloco: Streaming DiLoCo: the model in this many fragments, each "
+        "exchanged every H steps, H/fragments steps apart (a fragment's bytes "
+        "at a time)",
+    ),
+    Row(
+        "--overlap-steps",
+        validate.nonneg_int,
+        0,
+        "diloco: inner steps a fragment's exchange overlaps (< H/fragments): it "
+        "crosses while the centre trains on",
+    ),
+    Row(
+        "--overlap-mixing",
+        validate.nonneg_float,
+        0.5,
+        "diloco, with --overlap-steps: the local model's share of a fragment "
+        "after its exchange (the rest: the new global model)",
+    ),
+    Row(
         "--sync-timeout",
         validate.positive_float,
         1800.0,
@@ -174,4 +196,7 @@ def sync_from_args(args: argparse.Namespace):
         precision=args.delta_precision,
         data=args.centre_data,
         ranks_per_centre=args.ranks_per_centre,
+        fragments=args.fragments,
+        overlap_steps=args.overlap_steps,
+        mixing=args.overlap_mixing,
     )
