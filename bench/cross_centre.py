@@ -151,14 +151,18 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     plans = [
-        # (centres, data, label, runs: (sync, H, precision, fragments, overlap))
-        (2, "shared", [news], [("ddp", None, None, 1, 0)] + [
-            ("diloco", h, "fp32", 1, 0) for h in (10, 50, 100)
-        ] + [("diloco", 100, "int8", 1, 0), ("diloco", 100, "fp32", 4, 5)]),
+        # (centres, data, label, runs: (sync, H, precision, fragments,
+        # overlap, outer lr and momentum: None for the defaults, 0.7 / 0.9))
+        (2, "shared", [news], [("ddp", None, None, 1, 0, None)] + [
+            ("diloco", h, "fp32", 1, 0, None) for h in (10, 50, 100)
+        ] + [("diloco", 100, "int8", 1, 0, None),
+             ("diloco", 100, "fp32", 4, 5, None),
+             ("diloco", 100, "fp32", 1, 0, (1.0, 0.0))]),
         (2, "non-IID", [news, reviews],
-         [("ddp", None, None, 1, 0), ("diloco", 100, "fp32", 1, 0)]),
+         [("ddp", None, None, 1, 0, None), ("diloco", 100, "fp32", 1, 0, None),
+          ("diloco", 100, "fp32", 1, 0, (1.0, 0.0))]),
         (4, "shared", [news],
-         [("ddp", None, None, 1, 0), ("diloco", 100, "fp32", 1, 0)]),
+         [("ddp", None, None, 1, 0, None), ("diloco", 100, "fp32", 1, 0, None)]),
     ]  # fmt: skip
     results = []
     curves = {}
@@ -170,10 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         for n, label, data, runs in plans:
             ddp_loss = None
-            for sync, h, precision, fragments, overlap in runs:
+            for sync, h, precision, fragments, overlap, outer in runs:
                 name = f"{n}c-{label}-{sync}" + (f"-h{h}-{precision}" if h else "")
                 if fragments > 1:
                     name += f"-f{fragments}-o{overlap}"
+                if outer:
+                    name += f"-lr{outer[0]:g}-m{outer[1]:g}"
                 out = Path(tmp) / name
                 common = ["--steps", str(steps), "--batch-size", str(batch),
                           "--lr", "3e-3", "--warmup", "20", "--log-every", "10",
@@ -184,12 +190,15 @@ def main(argv: list[str] | None = None) -> int:
                                "own" if label == "non-IID" else "split",
                                "--fragments", str(fragments),
                                "--overlap-steps", str(overlap)]  # fmt: skip
+                    if outer:
+                        common += ["--outer-lr", str(outer[0]),
+                                   "--outer-momentum", str(outer[1])]  # fmt: skip
                 wall = torchrun(n, out, model, data, common)
                 loss = valid_loss(out, data)
                 recs = read_metrics(out / "metrics.jsonl")
                 r = {"centres": n, "data": label, "sync": sync, "h": h,
                      "precision": precision, "fragments": fragments,
-                     "overlap": overlap, "valid_loss": loss,
+                     "overlap": overlap, "outer": outer, "valid_loss": loss,
                      "box_wall_s": wall}  # fmt: skip
                 if sync == "ddp":
                     r["bytes_per_step"] = ring_bytes_sent(4 * params, n, "all_reduce")
@@ -211,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                 tag = "DDP" if sync == "ddp" else f"diloco H={h} {precision}"
                 if fragments > 1:
                     tag += f" streaming {fragments} fragments, {overlap} overlapped"
+                if outer:
+                    tag += f" outer lr {outer[0]:g} momentum {outer[1]:g}"
                 print(
                     f"{n} centres, {label} data, {tag}: valid loss {loss:.4f}, "
                     f"{r['bytes'] / 1e6:.1f} MB sent per centre, utilisation "
@@ -231,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                         f" streaming {x['fragments']} fragments, "
                         f"{x['overlap']} steps overlapped"
                     )
+                if x["outer"]:
+                    extra += f" outer lr {x['outer'][0]:g} momentum {x['outer'][1]:g}"
                 print(
                     f"diloco H={x['h']}{extra}: loss "
                     f"{100 * (x['valid_loss'] / ddp_loss - 1):.1f} % above DDP, "

@@ -437,15 +437,23 @@ def test_two_centres_take_the_outer_step_of_their_own_runs(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data", ["split", "own"])
+@pytest.mark.parametrize(
+    ("data", "stream"),
+    [("split", []), ("own", []),
+     ("split", ["--fragments", "2", "--overlap-steps", "1"])],
+    ids=["split", "own", "streaming"],
+)  # fmt: skip
 def test_centres_of_two_ranks_train_as_centres_of_one(
-    tmp_path, news_data, reviews_data, model_file, data
+    tmp_path, news_data, reviews_data, model_file, data, stream
 ):
     """``--ranks-per-centre 2``: DDP inside each of two centres computes what
     one rank per centre does on the same rows, so the run's losses and model
-    are those of two one-rank centres (float rounding aside)."""
+    are those of two one-rank centres (float rounding aside), streaming
+    fragments too."""
     folders = [news_data, reviews_data] if data == "own" else [news_data]
-    more = ["--steps", "4", "--inner-steps", "2", "--centre-data", data]
+    steps = ["--steps", "8", "--inner-steps", "4"] if stream else ["--steps", "4",
+             "--inner-steps", "2"]  # fmt: skip
+    more = [*steps, "--centre-data", data, *stream]
     runs = {}
     for per in (1, 2):
         out = tmp_path / f"r{per}"
