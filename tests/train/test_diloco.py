@@ -336,12 +336,34 @@ def test_fragments_take_their_outer_steps_in_turn_overlapped_and_merged():
         ({"inner_steps": 10, "fragments": 3}, "does not split into --fragments 3"),
         ({"inner_steps": 8, "fragments": 4, "overlap_steps": 2}, "below --inner-steps"),
         ({"mixing": 1.0}, "--overlap-mixing"),
+        ({"mixing": math.nan}, "--overlap-mixing"),
+        ({"fragments": 0}, "--fragments must be"),
         ({"overlap_steps": -1}, "--overlap-steps"),
     ],
 )
 def test_bad_streaming_settings_are_refused_in_one_line(kw, message):
     with pytest.raises(ValueError, match=message):
         DiLoCoConfig(**kw)
+
+
+def test_a_resume_with_other_fragments_is_refused_in_one_line(
+    tmp_path, news_data, tiny_config
+):
+    cfg = TrainConfig(steps=4, ckpt_every=2, **CFG)
+    sync = DiLoCoConfig(inner_steps=2)
+    train(tiny_config, [news_data], tmp_path / "d", cfg, progress=False, sync=sync)
+    import shutil
+
+    shutil.rmtree(ckpt.step_folder(tmp_path / "d" / "checkpoints", 4))
+    (tmp_path / "d" / "checkpoints" / "latest").write_text("step_00000002")
+    before = (tmp_path / "d" / "config.json").read_bytes()
+    other = DiLoCoConfig(inner_steps=2, fragments=2)
+    with pytest.raises(
+        ValueError, match="started with --fragments 1; .* --fragments 1"
+    ):
+        train(tiny_config, [news_data], tmp_path / "d", cfg, progress=False,
+              sync=other, resume=True)  # fmt: skip
+    assert (tmp_path / "d" / "config.json").read_bytes() == before  # untouched
 
 
 def test_streaming_centres_end_on_one_model_and_resume_exactly(

@@ -719,6 +719,17 @@ def agreed_checkpoint(run: RunDir, last: Path | None, where: Topology) -> Path |
     return ckpt.step_folder(run.checkpoints, max(common))
 
 
+def check_same_fragments(run: RunDir, sync: DiLoCoConfig) -> None:
+    """Refuse, before the run folder is touched, to resume a run whose
+    checkpoints hold another number of fragments' outer state."""
+    was = (run.read_config().get("sync") or {}).get("fragments", 1)
+    if was != sync.fragments:
+        raise ValueError(
+            f"{run.path}: started with --fragments {was}; its checkpoints hold "
+            f"that many fragments' outer state: resume it with --fragments {was}"
+        )
+
+
 def centre_executor(
     executor, sync: DiLoCoConfig, where: Topology, config: dict
 ) -> DiLoCoExecutor:

@@ -109,6 +109,8 @@ def finetune(
             last = diloco.agreed_checkpoint(run, last, where)
         if last is not None:
             run.check_same_model(config)
+            if sync is not None:
+                diloco.check_same_fragments(run, sync)
             check_same_start(run, config)
             if (done := finished(run, last, cfg.steps)) is not None:
                 summary = run.path / SUMMARY
