@@ -207,46 +207,41 @@ def test_the_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
 _SHARED_EXCHANGE = """
 import sys, torch, torch.distributed as dist
 from safetensors.torch import save_file
-from aisyn.train.diloco import DiLoCoConfig, OuterSync, topology
+from aisyn.train.diloco import PRECISIONS, DiLoCoConfig, OuterSync, topology
 from aisyn.train.distributed import DistContext
-per, precision, n, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+per, n, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 where = topology(DistContext(rank, dist.get_world_size()), per)
-p = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(0)))
-sync = OuterSync([p], DiLoCoConfig(precision=precision), where.across, where.inner)
-move = torch.Generator().manual_seed(1 + where.centre)
-with torch.no_grad():
-    p.sub_(0.01 * torch.randn(n, generator=move))
-sync.step()
-save_file({"p": p.detach(), "sent": torch.tensor([sync.bytes_sent])}, f"{out}/{rank}")
+for precision in PRECISIONS:
+    p = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+    cfg = DiLoCoConfig(precision=precision)
+    sync = OuterSync([p], cfg, where.across, where.inner)
+    move = torch.Generator().manual_seed(1 + where.centre)
+    with torch.no_grad():
+        p.sub_(0.01 * torch.randn(n, generator=move))
+    sync.step()
+    sent = torch.tensor([sync.bytes_sent])
+    save_file({"p": p.detach(), "sent": sent}, f"{out}/{precision}-{rank}")
 dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_centres_of_two_ranks_each_exchange_a_share_of_the_delta(tmp_path, precision):
+def test_centres_of_two_ranks_each_exchange_a_share_of_the_delta(tmp_path):
     """Two centres of two ranks: rank i of a centre averages the i-th share
     across the centres alone, the centre gathers the shares, and every rank
     of both centres ends with the one global model the outer step defines;
-    the centre sends one delta's bytes (its two shares), no more."""
+    the centre sends one delta's bytes (its two shares), no more; in every
+    precision."""
     n = 3 * INT8_BLOCK + 5
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "WORLD_SIZE": "4"}  # fmt: skip
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _SHARED_EXCHANGE,
-                "2",
-                precision,
-                str(n),
-                str(tmp_path),
-            ],
+            [sys.executable, "-c", _SHARED_EXCHANGE, "2", str(n), str(tmp_path)],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r % 2)},
-        )  # fmt: skip
+        )
         for r in range(4)
     ]
     try:
@@ -258,21 +253,21 @@ def test_centres_of_two_ranks_each_exchange_a_share_of_the_delta(tmp_path, preci
                 p.wait(10)
     from safetensors.torch import load_file
 
-    got = [load_file(tmp_path / str(r)) for r in range(4)]
-    for g in got[1:]:
-        assert torch.equal(g["p"], got[0]["p"])  # the same model on every rank
     start = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    deltas = []
-    for c in range(2):
-        moved = start - 0.01 * torch.randn(
-            n, generator=torch.Generator().manual_seed(1 + c)
-        )
-        deltas.append(decode(encode(start - moved, precision), precision, n))
-    d = (deltas[0] + deltas[1]) / 2
-    torch.testing.assert_close(got[0]["p"], start - 0.7 * (d + 0.9 * d))
     share = 2 * INT8_BLOCK  # 4 blocks over 2 ranks
-    each = share * 4 if precision == "fp32" else share + 4 * 2
-    assert int(got[0]["sent"]) == 2 * each  # ring of 2: each share once
+    for precision in ("fp32", "bf16", "fp16", "int8"):
+        got = [load_file(tmp_path / f"{precision}-{r}") for r in range(4)]
+        for g in got[1:]:
+            assert torch.equal(g["p"], got[0]["p"])  # one model on every rank
+        deltas = []
+        for c in range(2):
+            move = torch.Generator().manual_seed(1 + c)
+            moved = start - 0.01 * torch.randn(n, generator=move)
+            deltas.append(decode(encode(start - moved, precision), precision, n))
+        d = (deltas[0] + deltas[1]) / 2
+        torch.testing.assert_close(got[0]["p"], start - 0.7 * (d + 0.9 * d))
+        each = {"fp32": 4 * share, "int8": share + 4 * 2}.get(precision, 2 * share)
+        assert int(got[0]["sent"]) == 2 * each  # ring of 2: each share once
 
 
 # --- streaming by fragments -------------------------------------------------------
