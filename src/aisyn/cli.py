@@ -461,10 +461,19 @@ def _out_of_memory(e: BaseException) -> bool:
     return oom is not None and isinstance(e, oom)
 
 
-if __name__ == "__main__":
+def console() -> None:
+    """The ``aisyn`` command (and ``python -m aisyn.cli``): :func:`main`, then
+    the exit."""
     code = main()
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank
+    # A rank of a multi-process job (torchrun's, or any launcher that sets
+    # WORLD_SIZE, as the tests do) ends without the interpreter's teardown,
+    # which its backend's threads were seen to abort (procs.exit_rank).
+    if "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("WORLD_SIZE", "1") != "1":
         from aisyn.procs import exit_rank
 
         exit_rank(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    console()

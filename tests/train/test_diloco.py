@@ -505,7 +505,7 @@ def test_centres_with_different_settings_are_refused(tmp_path, news_data, model_
         ],
         tmp_path,
     )
-    assert rcs == [2, 2]
+    assert rcs == [2, 2], logs
     for i, log in enumerate(logs):
         [line] = [ln for ln in log.splitlines() if ln.startswith("aisyn: error:")]
         assert f"centre {1 - i}'s sync differ" in line
