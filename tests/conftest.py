@@ -49,22 +49,32 @@ def tiny_config():
     )
 
 
+# A two-layer model, for `--model FILE`.
+TWO_LAYERS = {
+    "vocab_size": 8000,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 2,
+    "ffn_size": 64,
+    "seq_len": 32,
+}
+
+
 @pytest.fixture
 def model_file(tmp_path):
     """A two-layer model config as a JSON file, for `--model FILE`."""
     import json
 
     path = tmp_path / "m.json"
-    path.write_text(
-        json.dumps(
-            {
-                "vocab_size": 8000,
-                "hidden_size": 32,
-                "num_layers": 2,
-                "num_heads": 2,
-                "ffn_size": 64,
-                "seq_len": 32,
-            }
-        )
-    )
+    path.write_text(json.dumps(TWO_LAYERS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def module_model_file(tmp_path_factory):
+    """:func:`model_file` for a module's fixtures (runs several tests read)."""
+    import json
+
+    path = tmp_path_factory.mktemp("model") / "m.json"
+    path.write_text(json.dumps(TWO_LAYERS))
     return path

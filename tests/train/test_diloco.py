@@ -535,72 +535,140 @@ def test_a_centre_that_never_joins_times_out_naming_the_address(
     assert f"127.0.0.1:{port}" in line and "did not join" in line
 
 
-@pytest.mark.parametrize(
-    "per", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-rank", "2-rank"]
-)
-def test_a_centre_killed_mid_phase_stops_the_other_and_both_resume_exactly(
-    tmp_path, news_data, model_file, per
-):
-    """A rank of centre 1 killed with -9 between outer steps: every other
-    rank stops with one line (centre 1's own other rank at its next DDP
-    step, centre 0 at the outer step), and a resume of all of them reaches
-    the uninterrupted run's model bit for bit."""
-    args = [
+def kill_args(per: int) -> list[str]:
+    return [
         "--steps", "240", "--inner-steps", "8", "--ckpt-every", "40",
         "--sync-timeout", "8", "--ranks-per-centre", str(per),
     ]  # fmt: skip
-    world = 2 * per
+
+
+def uninterrupted(model_file, news_data, out: Path, per: int) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
     rcs, logs = run_centres(
-        [flags(model_file, [news_data], tmp_path / "whole", *args)] * world,
-        tmp_path,
+        [flags(model_file, [news_data], out, *kill_args(per))] * (2 * per),
+        out.parent,
         timeout=240,
     )
-    assert rcs == [0] * world, logs
-    out = tmp_path / "run"
+    assert rcs == [0] * (2 * per), logs
+    return out
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, module_model_file, news_data) -> Path:
+    """Two one-rank centres' run uninterrupted: what a killed and resumed
+    one must reach."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    return uninterrupted(module_model_file, news_data, out, 1)
+
+
+def started(model_file, news_data, out: Path, per: int, logs: Path):
     port = free_port()
-    procs = [
+    return [
         centre(
-            i,
-            world,
-            port,
-            *flags(model_file, [news_data], out, *args),
-            log=tmp_path / f"k{i}.log",
+            i, 2 * per, port, *flags(model_file, [news_data], out, *kill_args(per)),
+            log=logs / f"k{i}.log",
         )
-        for i in range(world)
-    ]
+        for i in range(2 * per)
+    ]  # fmt: skip
+
+
+def wait_for_checkpoint(out: Path, step: int, proc: subprocess.Popen) -> None:
+    own = out / "centres" / "1" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while step not in ckpt.complete_steps(own):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+
+
+def stopped_with_one_line(procs, logs: Path, per: int) -> None:
+    """Every rank but the killed last one ends, soon, with one line that
+    says --resume (centre 0's naming the outer step)."""
+    t0 = time.monotonic()
     try:
-        own = out / "centres" / "1" / "checkpoints"
-        deadline = time.monotonic() + 120
-        while 40 not in ckpt.complete_steps(own):
-            assert time.monotonic() < deadline and procs[-1].poll() is None
-            time.sleep(0.01)
-        procs[-1].send_signal(signal.SIGKILL)
-        t0 = time.monotonic()
         rcs = [p.wait(60) for p in procs[:-1]]
-        waited = time.monotonic() - t0
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
-    assert all(rc != 0 for rc in rcs) and waited < 40
-    for i in range(world - 1):
-        [line] = [
-            ln for ln in (tmp_path / f"k{i}.log").read_text().splitlines()
-            if ln.startswith("aisyn: error:")
-        ]  # fmt: skip
+    waited = time.monotonic() - t0
+    texts = [(logs / f"k{i}.log").read_text() for i in range(len(procs))]
+    assert all(rc != 0 for rc in rcs) and waited < 40, (rcs, waited, texts)
+    for i in range(len(procs) - 1):
+        [line] = [ln for ln in texts[i].splitlines() if ln.startswith("aisyn: error:")]
         assert "failed" in line and "--resume" in line
         if i < per:
             assert "outer step" in line  # centre 0: at the exchange
+
+
+def resumed_as_whole(model_file, news_data, out: Path, whole: Path, per: int):
     rcs, logs = run_centres(
-        [flags(model_file, [news_data], out, *args, "--resume")] * world,
-        tmp_path,
+        [flags(model_file, [news_data], out, *kill_args(per), "--resume")] * (2 * per),
+        out.parent,
         timeout=240,
     )
-    assert rcs == [0] * world, logs
-    assert losses(out)[-1] == pytest.approx(losses(tmp_path / "whole")[-1], rel=1e-6)
+    assert rcs == [0] * (2 * per), logs
+    assert losses(out)[-1] == pytest.approx(losses(whole)[-1], rel=1e-6)
     for name, t in final_model(out).items():
-        assert torch.equal(t, final_model(tmp_path / "whole")[name])
+        assert torch.equal(t, final_model(whole)[name])
+
+
+@pytest.mark.parametrize(
+    "per", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-rank", "2-rank"]
+)
+def test_a_centre_killed_mid_phase_stops_the_other_and_both_resume_exactly(
+    tmp_path, news_data, model_file, per, request
+):
+    """A rank of centre 1 killed with -9 between outer steps: every other
+    rank stops with one line (centre 1's own other rank at its next DDP
+    step, centre 0 at the outer step), and a resume of all of them reaches
+    the uninterrupted run's model bit for bit."""
+    if per == 1:
+        whole = request.getfixturevalue("whole_run")
+    else:
+        whole = uninterrupted(model_file, news_data, tmp_path / "w" / "run", per)
+    out = tmp_path / "run"
+    procs = started(model_file, news_data, out, per, tmp_path)
+    try:
+        wait_for_checkpoint(out, 40, procs[-1])
+        procs[-1].send_signal(signal.SIGKILL)
+    finally:
+        stopped_with_one_line(procs, tmp_path, per)
+    resumed_as_whole(model_file, news_data, out, whole, per)
+
+
+def test_a_centre_killed_during_the_exchange_stops_the_other_and_both_resume(
+    tmp_path, news_data, model_file, whole_run
+):
+    """Centre 1 held (SIGSTOP) until centre 0 waits for it in the outer
+    all-reduce, then killed with -9 there: centre 0 stops with one line
+    naming the outer step, and a resume reaches the uninterrupted model."""
+    out = tmp_path / "run"
+    procs = started(model_file, news_data, out, 1, tmp_path)
+    metrics = out / "metrics.jsonl"
+    try:
+        wait_for_checkpoint(out, 40, procs[-1])
+        procs[-1].send_signal(signal.SIGSTOP)
+        # centre 0 runs on to its next outer step and waits there: its
+        # metrics stop growing at the step before (an outer step's record
+        # is written once the exchange is done)
+        seen, since = -1, time.monotonic()
+        while time.monotonic() - since < 1.5:
+            assert procs[0].poll() is None
+            size = metrics.stat().st_size
+            if size != seen:
+                seen, since = size, time.monotonic()
+            time.sleep(0.05)
+        last = losses_steps(out)[-1]
+        assert last % 8 == 7 and last < 240, last  # held at an exchange
+        procs[-1].send_signal(signal.SIGKILL)
+    finally:
+        stopped_with_one_line(procs, tmp_path, 1)
+    resumed_as_whole(model_file, news_data, out, whole_run, 1)
+
+
+def losses_steps(run: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
 
 @pytest.mark.parametrize(
