@@ -166,6 +166,7 @@ def cmd_train(args) -> None:
         tensorboard=args.tensorboard,
         sync=sync_from_args(args),
         sync_timeout_s=args.sync_timeout if args.sync == "diloco" else None,
+        parallel=args.data_parallel,
     )
     print_summary(
         summary, f"({summary['tokens']} tokens, {summary['elapsed_s']:.1f} s)"
@@ -352,6 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
         ("--out", None, REQUIRED, "run folder"),
         init_from_flag(),
         QUIET,
+        (
+            "--data-parallel",
+            ["ddp", "fsdp"],
+            "ddp",
+            "under torchrun (and inside a --sync diloco centre): ddp keeps a "
+            "replica of the model on every rank; fsdp shards its weights, "
+            "gradients and AdamW state over them (FSDP2), for a model one "
+            "device cannot hold",
+        ),
     )
     add_train_args(tr)
     add_flags(tr.add_argument_group("across centres"), *SYNC_FLAGS)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from aisyn.model.segments import own_tensor_shapes
 from aisyn.train import checkpoint as ckpt
+from aisyn.train.fsdp import full, is_sharded, local
 
 #: how long a rank waits for rank 0's next word (rank 0 may idle for days,
 #: or validate for hours, while the others wait)
@@ -209,22 +210,6 @@ def shard_blocks(state, world: int, blocks: Sequence[int]) -> list:
                 for k, v in moments[name].items()
             }
     return modules
-
-
-def is_sharded(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``t`` (``t`` itself if it is not sharded)."""
-    return t.to_local() if is_sharded(t) else t
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole of ``t``, gathered from every rank if it is sharded."""
-    return t.full_tensor() if is_sharded(t) else t
 
 
 def shard_sq_norm(params: Sequence[torch.Tensor], *, replicated: bool = True) -> float:

@@ -47,8 +47,12 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     # keep_vars: a tied parameter is then one object under both names, which
     # is how a meta model (no storage to compare) shows its ties.
+    from torch.distributed.tensor import DTensor
+
     for name, t in model.state_dict(keep_vars=True).items():
-        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        # a meta tensor has no storage, an FSDP2 shard's tells nothing of ties
+        by_object = t.device.type == "meta" or isinstance(t, DTensor)
+        key = id(t) if by_object else t.untyped_storage().data_ptr()
         if key in seen:
             continue
         seen.add(key)

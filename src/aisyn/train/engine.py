@@ -172,6 +172,8 @@ class Engine:
                     bar.update(1)
                     bar.set_postfix(loss=f"{last['loss']:.4f}")
                     if not self.main:
+                        if regime.executor.collective:
+                            self._follow(regime, done, steps)
                         continue
                     record = self._after_step(regime, done, last, steps)
                     if record is not None:
@@ -206,7 +208,7 @@ class Engine:
             record = {"step": done, **regime.record_fields(), **result}
             record.update(self._progress_fields())
             log.info("%s", regime.log_line(done, self.total_steps, result))
-        if self.eval_every and (done % self.eval_every == 0 or final):
+        if self._validates(done):
             val = regime.validate()
             if val is not None:
                 record = record or {"step": done, **self._progress_fields()}
@@ -216,10 +218,27 @@ class Engine:
             # Before the checkpoint: a step whose checkpoint exists is logged.
             if self.run_dir is not None:
                 self.run_dir.log_metrics(record)
-        if (self.ckpt_every and done % self.ckpt_every == 0) or done == steps.stop:
+        if self._checkpoints(done, steps):
             regime.save(done, {**self.state_dict(), **regime.state_dict()})
             self._plot()
         return record
+
+    def _validates(self, done: int) -> bool:
+        final = done == self.total_steps
+        return bool(self.eval_every) and (done % self.eval_every == 0 or final)
+
+    def _checkpoints(self, done: int, steps: range) -> bool:
+        return bool(self.ckpt_every and done % self.ckpt_every == 0) or (
+            done == steps.stop
+        )
+
+    def _follow(self, regime: Regime, done: int, steps: range) -> None:
+        """A rank other than 0 of a collective executor: its part in rank 0's
+        validation and checkpoint after step ``done`` (nothing written)."""
+        if self._validates(done):
+            regime.validate()
+        if self._checkpoints(done, steps):
+            regime.save(done, {**self.state_dict(), **regime.state_dict()})
 
     def _progress_fields(self) -> dict:
         fields: dict = {"tokens": self.tokens} if self.tokens else {}

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aisyn.train import checkpoint as ckpt
+from aisyn.train import fsdp
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import autocast_for
 from aisyn.train.distributed import DistContext
@@ -36,15 +37,32 @@ ADAPTERS_FILE = "adapters.safetensors"
 
 
 class MicroBatchLoss(nn.Module):
-    """One micro-batch's loss as a module's forward, so that DDP wraps the
-    whole of it (its hooks see every parameter the loss uses, the head too)."""
+    """One micro-batch's loss as a module's forward, so that DDP or FSDP2
+    wraps the whole of it (its hooks see every parameter the loss uses, the
+    head too); without ``loss_of``, the logits (validation, through the same
+    hooks)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, inputs, targets, mask, pos, loss_of) -> torch.Tensor:
-        return loss_of(self.model.logits, self.model.hidden(inputs, mask, pos), targets)
+    def forward(self, inputs, targets, mask, pos, loss_of=None) -> torch.Tensor:
+        hidden = self.model.hidden(inputs, mask, pos)
+        if loss_of is None:
+            return self.model.logits(hidden)
+        return loss_of(self.model.logits, hidden, targets)
+
+
+class Logits(nn.Module):
+    """``model(inputs, mask, pos)`` of a sharded model: through its root's
+    forward, which gathers the weights the blocks' own do not hold."""
+
+    def __init__(self, root: MicroBatchLoss) -> None:
+        super().__init__()
+        self.root = root
+
+    def forward(self, inputs, mask=None, pos=None) -> torch.Tensor:
+        return self.root(inputs, None, mask, pos)
 
 
 class LocalExecutor(Executor):
@@ -59,7 +77,9 @@ class LocalExecutor(Executor):
     hold the optimizer and RNG too (a federated client's hold the weights);
     ``optimizer``: another than the one AdamW recipe (``train.optim``);
     ``extra_files``: more files for each checkpoint (name -> tensors), from
-    whatever wraps this executor (DiLoCo's outer optimizer).
+    whatever wraps this executor (DiLoCo's outer optimizer); ``parallel``:
+    over ``ctx``'s ranks, ``ddp`` (a replica each) or ``fsdp`` (FSDP2: each
+    rank a shard of the weights, gradients and moments; ``train.fsdp``).
     """
 
     def __init__(
@@ -77,7 +97,10 @@ class LocalExecutor(Executor):
         hint: str = " (lower --lr?)",
         optimizer: torch.optim.Optimizer | None = None,
         extra_files: Callable[[], dict] | None = None,
+        parallel: str = "ddp",
     ) -> None:
+        if parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"--data-parallel {parallel!r}: ddp or fsdp")
         self.model = model
         self.extra_files = extra_files
         self.trainable = list(trainable)
@@ -90,14 +113,29 @@ class LocalExecutor(Executor):
         self.resumable = resumable
         self.checkpoint_fields = checkpoint_fields or {}
         self.hint = hint
-        self.optimizer = optimizer or make_optimizer(self.trainable, cfg)
         self.device = next(model.parameters()).device
         if cfg.activation_checkpointing:
             checkpoint_blocks(model, model.config.layout)
-        # DDP wraps after the optimizer and checkpoints are set up on plain names.
         loss = MicroBatchLoss(model)
+        self.fsdp = parallel == "fsdp" and self.ctx.enabled
+        if self.fsdp:
+            if self.method.name == "lora" or optimizer is not None or regularizer:
+                raise ValueError(
+                    "--data-parallel fsdp shards a whole model's training; "
+                    "not LoRA's, another optimizer's or a regularizer's"
+                )
+            # the parameters become DTensor shards (their names unchanged):
+            # the optimizer is built over those
+            fsdp.shard_model(loss, model, self.ctx.group)
+            params = dict(model.named_parameters())
+            self.trainable = [(n, params[n]) for n, _ in self.trainable]
+            self.params = [p for _, p in self.trainable]
+        self.optimizer = optimizer or make_optimizer(self.trainable, cfg)
+        # DDP wraps after the optimizer and checkpoints are set up on plain names.
         self.loss: nn.Module = (
-            DDP(loss, process_group=self.ctx.group) if self.ctx.enabled else loss
+            DDP(loss, process_group=self.ctx.group)
+            if self.ctx.enabled and not self.fsdp
+            else loss
         )
 
     def step(self, step: int, batch: StepBatch) -> dict:
@@ -106,9 +144,12 @@ class LocalExecutor(Executor):
         total = 0.0
         with autocast_for(self.device, self.cfg.autocast):
             for i, (inputs, targets, mask, pos) in enumerate(micro):
-                # under DDP gradients are synchronised on the last micro-batch
-                sync = i == len(micro) - 1 or not isinstance(self.loss, DDP)
-                with nullcontext() if sync else self.loss.no_sync():
+                # gradients are synchronised on the last micro-batch
+                sync = i == len(micro) - 1
+                if self.fsdp:
+                    self.loss.set_requires_gradient_sync(sync)
+                ddp = isinstance(self.loss, DDP)
+                with self.loss.no_sync() if ddp and not sync else nullcontext():
                     loss = self.loss(inputs, targets, mask, pos, batch.loss_of)
                     loss.backward()
                 total += loss.item()
@@ -131,13 +172,20 @@ class LocalExecutor(Executor):
         return self.ctx.shard(batch)
 
     def eval_model(self) -> nn.Module:
-        return self.model
+        return Logits(self.loss) if self.fsdp else self.model
+
+    @property
+    def collective(self) -> bool:
+        return self.fsdp
 
     @property
     def adapters(self) -> bool:
         return self.method.name == "lora"
 
     def save(self, run: RunDir, step: int, state: dict, keep: int) -> None:
+        if self.fsdp:
+            self._save_gathered(run, step, state, keep)
+            return
         files = {}
         if self.resumable:
             names = {p: n for n, p in self.trainable}
@@ -161,10 +209,41 @@ class LocalExecutor(Executor):
             files=files,
         )
 
+    def _save_gathered(self, run: RunDir, step: int, state: dict, keep: int) -> None:
+        """Every rank gathers each sharded tensor in turn; rank 0 writes the
+        files DDP's rank 0 would (the same names, every tensor whole)."""
+        main = self.ctx.is_main
+        names = {p: n for n, p in self.trainable}
+        weights = ckpt.unique_state_dict(self.model).items()
+        files = {
+            ckpt.MODEL_FILE: fsdp.full_tensors(weights, main),
+            ckpt.OPTIM_FILE: {
+                **fsdp.full_tensors(
+                    ckpt.optimizer_tensors(self.optimizer, names).items(), main
+                ),
+                **ckpt.rng_tensors(),
+            },
+        }
+        if self.extra_files is not None:
+            files.update(self.extra_files())
+        if main:
+            ckpt.save(
+                run.checkpoints, step, files, {**state, **self.checkpoint_fields}, keep
+            )
+
     def load(self, folder: Path | None) -> dict | None:
         if folder is None:
             return None  # the model was built (or loaded) as the run starts
         state = ckpt.read_state(folder)
+        if self.fsdp:
+            where = str(folder)
+            fsdp.load_weights(
+                self.model, ckpt.read_tensors(folder / ckpt.MODEL_FILE), where
+            )
+            opt = ckpt.read_tensors(folder / ckpt.OPTIM_FILE)
+            fsdp.load_optimizer(self.optimizer, dict(self.trainable), opt, where)
+            ckpt.restore_rng(opt)
+            return state
         if self.adapters:
             adapters = ckpt.read_tensors(folder / ADAPTERS_FILE)
             where = str(folder / ADAPTERS_FILE)

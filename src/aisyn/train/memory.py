@@ -42,18 +42,23 @@ def whole_model_bytes(
     trains_all_weights: bool = True,
     autocast: bool = False,
     activation_checkpointing: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> float:
     """Peak training memory of the unsplit model: the planner's formula
     (``model.plan.rank_load``) for one process holding every piece.
 
     ``autocast``: bf16 autocast over fp32 parameters; ``trains_all_weights=
-    False`` (LoRA): the frozen weights alone, no gradients or AdamW state.
+    False`` (LoRA): the frozen weights alone, no gradients or AdamW state;
+    ``shard=(k, R)``: rank k of R holding FSDP2 shards (``micro_batch``: the
+    rows of all R ranks together); the embedding and head are counted whole,
+    an upper bound.
     """
     sizes = module_sizes(build_model(cfg, device="meta"))
     w = _workload(
         micro_batch, seq_len, dtype, in_flight, autocast, activation_checkpointing
     )
-    r = rank_load(sizes, cfg, w, list(range(cfg.num_blocks)), embed=True, head=True)
+    blocks = list(range(cfg.num_blocks))
+    r = rank_load(sizes, cfg, w, blocks, embed=True, head=True, shard=shard)
     if not trains_all_weights:
         r.grads_bytes = r.optimizer_bytes = 0.0
     return r.memory_bytes

@@ -42,13 +42,16 @@ def train(
     tensorboard: bool = False,
     sync: DiLoCoConfig | None = None,
     sync_timeout_s: float | None = None,
+    parallel: str = "ddp",
 ) -> dict:
     """Train from scratch (or ``init_from`` a checkpoint) and write a run folder.
 
     Returns a summary: final loss, steps, tokens, elapsed seconds, run path.
     ``sync``: DiLoCo across torchrun's ranks, a centre each, or centres of
     ``sync.ranks_per_centre`` ranks running DDP inside
-    (``sync_timeout_s``: how long a centre waits for the others).
+    (``sync_timeout_s``: how long a centre waits for the others);
+    ``parallel``: ``ddp`` or ``fsdp`` (FSDP2, ``train.fsdp``) over the ranks
+    of the job, or of a centre.
     """
     world, rank = distributed.world_size(), distributed.rank()
     centre = None
@@ -73,16 +76,23 @@ def train(
             where = diloco.topology(ctx, sync.ranks_per_centre)
             ranks = where.inner
             last = diloco.agreed_checkpoint(run, last, where)
+        # FSDP2: this rank's shards (rank_load counts a micro-batch's rows
+        # of all the ranks together)
+        shard = (ranks.rank, ranks.world) if parallel == "fsdp" else None
+        if not ranks.enabled:
+            shard = None
         check_fits(
             whole_model_bytes(
                 mcfg,
-                cfg.micro,
+                cfg.micro * (ranks.world if shard else 1),
                 objective.seq_len,
                 autocast=autocast_on(device, cfg.autocast),
                 activation_checkpointing=cfg.activation_checkpointing,
+                shard=shard,
             ),
             device,
-            f"training with micro-batches of {cfg.micro}",
+            f"training with micro-batches of {cfg.micro}"
+            + (f", FSDP2 over {ranks.world} ranks" if shard else ""),
         )
         config = run_config(
             "train",
@@ -119,6 +129,7 @@ def train(
             # a centre trains alone between outer steps: DDP inside it only
             ctx=ranks,
             checkpoint_fields={"model": mcfg.to_dict(), "train": cfg.to_dict()},
+            parallel=parallel,
         )
         if sync is not None:
             executor = diloco.centre_executor(executor, sync, where, config)

@@ -46,6 +46,12 @@ class Executor:
     def log_suffix(self, record: dict) -> str:
         return ""
 
+    @property
+    def collective(self) -> bool:
+        """Whether validating and checkpointing take every rank (FSDP2's
+        sharded weights are gathered for both); False: rank 0's alone."""
+        return False
+
     def save(self, run: RunDir, step: int, state: dict, keep: int) -> None:
         """Checkpoint after ``step`` steps with ``state`` (for ``state.json``)."""
         raise NotImplementedError

@@ -81,6 +81,8 @@ def apply_update(
         if total_norm is None
         else None
     )
+    if norm_t is not None and hasattr(norm_t, "full_tensor"):
+        norm_t = norm_t.full_tensor()  # of FSDP2's sharded gradients: a DTensor
     norm = float(norm_t) if norm_t is not None else float(total_norm)
     if not math.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,124 @@
+"""FSDP2 over a data-parallel job's whole model (``--data-parallel fsdp``).
+
+DDP keeps a whole replica of the weights, gradients and AdamW moments on
+every rank; a model of tens of billions of parameters does not fit one
+device that way. ``fully_shard`` (torch's FSDP2) keeps each rank's dim-0
+chunk of every tensor instead and gathers a block's weights only while it
+runs: each block is its own unit (one all-gather ahead of it, one
+reduce-scatter of its gradients behind it), the embedding, the head and the
+rest of the model the root's.
+
+It is applied from outside, as torchtitan does: the model is built and
+loaded whole-shaped, then sharded; the optimizer is built over the shards.
+Checkpoints are the same files DDP and one process write -- every tensor
+whole, gathered one at a time, written by rank 0 -- so a run may resume
+under either, on any number of ranks, and ``aisyn eval`` reads it as any
+other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from aisyn.train import checkpoint as ckpt
+
+
+def shard_model(root: nn.Module, model: nn.Module, group=None) -> None:
+    """Shard ``model``'s blocks, then ``root`` (the module whose forward the
+    step calls, ``model`` inside it) over the ranks of ``group`` (None: the
+    job's), in place."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device
+    if group is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    else:
+        mesh = DeviceMesh.from_group(group, device.type)
+    layout = model.config.layout
+    units = [
+        model.get_submodule(layout.block_path(i)) for i in range(layout.num_blocks)
+    ]
+    for module in [*units, root]:
+        fully_shard(module, mesh=mesh)
+        if device.type == "cpu":
+            # gloo has no AVG reduce-scatter: a sum, then FSDP2 divides by
+            # the ranks itself -- the mean DDP takes
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (``t`` itself if it is not sharded)."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t``, gathered from every rank if it is sharded (every
+    rank must ask, in the same order)."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def full_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], keep: bool
+) -> dict[str, torch.Tensor]:
+    """Each of ``tensors`` whole, gathered one at a time; kept (``keep``:
+    the rank that writes them) or dropped at once, so that no other rank
+    holds more than one whole tensor."""
+    out = {}
+    for name, t in tensors:
+        whole = full(t.detach()).contiguous()
+        if keep:
+            out[name] = whole
+    return out
+
+
+def like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``value`` (whole) as ``target`` holds it: this rank's shard of it when
+    ``target`` is sharded and of its shape, ``value`` otherwise. No
+    communication: every rank read the whole tensor."""
+    if not is_sharded(target) or value.shape != target.shape:
+        return value.to(target.device)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(
+        value.to(target.device),
+        target.device_mesh,
+        target.placements,
+        src_data_rank=None,
+    )
+
+
+@torch.no_grad()
+def load_weights(
+    model: nn.Module, tensors: dict[str, torch.Tensor], source: str
+) -> None:
+    """``checkpoint.load_weights`` for a sharded model: the same checks, and
+    each rank keeps its shard of every tensor (``expected``'s are detached
+    views of the parameters' shards)."""
+    expected = ckpt.check_weights(model, tensors, source)
+    for name, t in expected.items():
+        local(t).copy_(local(like(tensors[name], t)))
+
+
+def load_optimizer(
+    optimizer: torch.optim.Optimizer,
+    named: dict[str, nn.Parameter],
+    tensors: dict[str, torch.Tensor],
+    source: str,
+) -> None:
+    """``checkpoint.load_optimizer_tensors`` for sharded parameters: each
+    moment as its parameter is sharded."""
+    ckpt.load_optimizer_tensors(optimizer, named, tensors, source)
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            state[key] = like(value, p)
