@@ -3,6 +3,7 @@ does, write the checkpoints one process writes, and resume exactly."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -75,6 +76,10 @@ def test_fsdp_ranks_train_as_one_process(tmp_path, news_data, model_file, micro)
     assert sharded.keys() == whole.keys()
     for name, t in whole.items():
         torch.testing.assert_close(sharded[name], t, rtol=1e-4, atol=1e-5)
+    assert (
+        json.loads((tmp_path / "fsdp" / "config.json").read_text())["data_parallel"]
+        == "fsdp"
+    )
     model, _ = load_run_model(tmp_path / "fsdp")
     assert sum(p.numel() for p in model.parameters()) == sum(
         t.numel() for t in whole.values()

@@ -39,6 +39,7 @@ from torch import nn
 
 from aisyn.errors import RunFailedError
 from aisyn.train import checkpoint as ckpt
+from aisyn.train import fsdp
 from aisyn.train.config import TrainConfig, per_rank_micro_batches
 from aisyn.train.distributed import DistContext
 from aisyn.train.objective import StepBatch
@@ -180,6 +181,14 @@ def payload_bytes(payload: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in payload)
 
 
+def encoded_bytes(numel: int, precision: str) -> int:
+    """``payload_bytes(encode(delta, precision))`` for ``numel`` values,
+    without encoding them."""
+    if precision == "int8":
+        return math.ceil(numel / INT8_BLOCK) * (INT8_BLOCK + 4)
+    return numel * (4 if precision == "fp32" else 2)
+
+
 def ring_bytes_sent(nbytes: int, centres: int, op: str) -> int:
     """What one centre sends for a ring collective over ``centres`` of a
     payload of ``nbytes`` (its own share): all-reduce 2 (N-1)/N of it,
@@ -276,6 +285,12 @@ class OuterSync:
     exchanges the i-th share of the flat delta alone, and the centre's ranks
     gather the averaged shares over their own fast network: the wide-area
     bytes are one delta per centre, over as many connections as it has ranks.
+
+    ``shards``: instead, the centre's ranks when ``params`` are FSDP2's
+    shards (``train.fsdp``): rank i then holds, steps and exchanges the
+    global model of its own shards alone, and nothing is gathered but what
+    a checkpoint holds (the whole global model and momentum, as any other
+    centre's).
     """
 
     def __init__(
@@ -284,18 +299,30 @@ class OuterSync:
         cfg: DiLoCoConfig,
         centres: DistContext,
         inner: DistContext | None = None,
+        shards: DistContext | None = None,
     ) -> None:
         self.params = params
         self.cfg = cfg
         self.centres = centres
         self.inner = inner or DistContext()
-        self.numel = sum(p.numel() for p in params)
+        self.shards = shards or DistContext()
+        if self.inner.enabled and self.shards.enabled:
+            raise ValueError("a centre's ranks share the delta, or hold shards")
+        self.numel = sum(fsdp.local(p).numel() for p in params)
+        self.whole_numel = sum(p.numel() for p in params)
         # a share per rank of the centre, whole int8 blocks each
         blocks = math.ceil(self.numel / INT8_BLOCK)
         per = self.inner.world
         self.share = self.numel if per == 1 else math.ceil(blocks / per) * INT8_BLOCK
+        # what each of the centre's ranks exchanges: the bytes it sends
+        self.share_sizes = [self.share] * per
+        if self.shards.enabled:
+            mine = torch.tensor([self.numel], dtype=torch.int64)
+            sizes = [torch.empty_like(mine) for _ in range(self.shards.world)]
+            dist.all_gather(sizes, mine, group=self.shards.group)
+            self.share_sizes = [int(t) for t in sizes]
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+            flat = self.local_flat()
         # The global model as the outer optimizer sees it: one flat tensor,
         # so one SGD step (torch's own, with Nesterov momentum) covers it.
         self.global_flat = nn.Parameter(flat, requires_grad=False)
@@ -310,8 +337,11 @@ class OuterSync:
         self.bytes_sent = 0
 
     def local_flat(self) -> torch.Tensor:
+        """The centre's own model (of this rank's shards), flat, fp32."""
         with torch.no_grad():
-            return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+            return torch.cat(
+                [fsdp.local(p).detach().reshape(-1).float() for p in self.params]
+            )
 
     @torch.no_grad()
     def put_global(self, mixing: float = 0.0) -> None:
@@ -320,7 +350,7 @@ class OuterSync:
         (Streaming DiLoCo's merge, after inner steps taken while the exchange
         was under way)."""
         offset = 0
-        for p in self.params:
+        for p in map(fsdp.local, self.params):
             n = p.numel()
             g = self.global_flat[offset : offset + n].view_as(p)
             if mixing:
@@ -352,19 +382,19 @@ class OuterSync:
         of it for a centre of one rank); counts the bytes the centre sends."""
         n, group = self.centres.world, self.centres.group
         precision = self.cfg.precision
-        ranks = self.inner.world  # each sends a share of the same size
+        op = "all_reduce" if precision == "fp32" else "all_gather"
+        # every rank of the centre sends its share: the centre's bytes
+        self.bytes_sent += sum(
+            ring_bytes_sent(encoded_bytes(size, precision), n, op)
+            for size in self.share_sizes
+        )
         if precision == "fp32":
             total = delta.clone()
             works = (
                 [dist.all_reduce(total, group=group, async_op=True)] if n > 1 else []
             )
-            self.bytes_sent += ranks * ring_bytes_sent(
-                delta.numel() * 4, n, "all_reduce"
-            )
             return Exchange(works, lambda: total / n)
         payload = encode(delta, precision)
-        sent = ring_bytes_sent(payload_bytes(payload), n, "all_gather")
-        self.bytes_sent += ranks * sent
         if n == 1:
             return Exchange([], lambda: decode(payload, precision, delta.numel()))
         gathered, works = [], []
@@ -425,10 +455,17 @@ class OuterSync:
         earlier, or merged with ``mixing``)."""
         buf = self.optimizer.state.get(self.global_flat, {}).get("momentum_buffer")
         out = {f"{prefix}steps": torch.tensor([self.steps], dtype=torch.int64)}
-        if buf is not None:
-            out[f"{prefix}momentum"] = buf.detach().cpu()
-        if not torch.equal(self.global_flat.detach(), self.local_flat()):
-            out[f"{prefix}global"] = self.global_flat.detach().cpu()
+        differs = not torch.equal(self.global_flat.detach(), self.local_flat())
+        if self.shards.enabled:  # whole, as every centre's: every rank gathers
+            flag = torch.tensor([int(differs)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.shards.group)
+            differs = bool(flag)
+        for name, t in (("momentum", buf), ("global", self.global_flat)):
+            if t is not None and (name == "momentum" or differs):
+                t = t.detach()
+                if self.shards.enabled:
+                    t = fsdp.whole_flat(t, self.params)
+                out[f"{prefix}{name}"] = t.cpu()
         return out
 
     def load_state(
@@ -439,7 +476,7 @@ class OuterSync:
                 f"{source}: no {prefix}steps: written with other --fragments"
             )
         self.steps = int(tensors[f"{prefix}steps"][0])
-        n = self.global_flat.numel()
+        n = self.whole_numel
         for what in ("momentum", "global"):
             t = tensors.get(f"{prefix}{what}")
             if t is not None and (t.dtype != torch.float32 or t.shape != (n,)):
@@ -447,6 +484,11 @@ class OuterSync:
                     f"{source}: outer {what} of {t.numel()} {t.dtype} values, "
                     f"the model's share has {n} float32 ones"
                 )
+            if t is not None and self.shards.enabled:
+                tensors = {
+                    **tensors,
+                    f"{prefix}{what}": fsdp.shard_flat(t, self.params),
+                }
         glob = tensors.get(f"{prefix}global")
         self.global_flat.data.copy_(self.local_flat() if glob is None else glob)
         buf = tensors.get(f"{prefix}momentum")
@@ -533,6 +575,10 @@ class DiLoCoExecutor(Executor):
 
     def eval_model(self) -> nn.Module:
         return self.inner.eval_model()
+
+    @property
+    def collective(self) -> bool:
+        return self.inner.collective
 
     def log_suffix(self, record: dict) -> str:
         if "outer_step" not in record:
@@ -736,18 +782,23 @@ def centre_executor(
     """``executor`` (a centre's local one) with DiLoCo's outer steps, once
     every rank of every centre is found to run the same training."""
     train = {k: v for k, v in config["train"].items() if k != "device"}
+    sharded = getattr(executor, "fsdp", False)
     check_same_run(
         fingerprints(
             model=config["model"],
             train=train,
-            sync=sync.to_dict(),
+            # the ranks of a centre exchange their shares with their
+            # counterparts in every other centre: laid out alike
+            sync={**sync.to_dict(), "fsdp": sharded},
             tokenizer=(config.get("tokenizer") or {}).get("sha256"),
         ),
         where,
     )
     params = [p for _, p in executor.trainable]
     syncs = [
-        OuterSync(part, sync, where.across, where.inner)
+        OuterSync(part, sync, where.across, shards=where.inner)
+        if sharded
+        else OuterSync(part, sync, where.across, where.inner)
         for part in fragments_of(params, sync.fragments)
     ]
     return DiLoCoExecutor(executor, syncs, sync, where)

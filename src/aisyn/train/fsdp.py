@@ -122,3 +122,33 @@ def load_optimizer(
     for p, state in optimizer.state.items():
         for key, value in state.items():
             state[key] = like(value, p)
+
+
+def whole_flat(mine: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """``mine`` -- this rank's shards of ``params``, flat and in order --
+    as the whole tensors, flat and in order, gathered one at a time (every
+    rank must ask)."""
+    from torch.distributed.tensor import DTensor
+
+    parts, offset = [], 0
+    for p in params:
+        shard = local(p)
+        piece = mine[offset : offset + shard.numel()].view(shard.shape)
+        offset += shard.numel()
+        if is_sharded(p):
+            piece = DTensor.from_local(
+                piece, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            ).full_tensor()
+        parts.append(piece.reshape(-1))
+    return torch.cat(parts)
+
+
+def shard_flat(whole: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """``whole_flat``'s inverse: this rank's shards of the flat whole
+    tensors ``whole``, flat and in order (no communication)."""
+    parts, offset = [], 0
+    for p in params:
+        piece = whole[offset : offset + p.numel()].view(p.shape)
+        offset += p.numel()
+        parts.append(local(like(piece, p)).reshape(-1))
+    return torch.cat(parts)

@@ -103,6 +103,8 @@ def train(
             seq_len=objective.seq_len,
             init_from=str(init_from) if init_from else None,
         )
+        if ranks.enabled:
+            config["data_parallel"] = parallel
         if sync is not None:
             config.update(sync=sync.to_dict(), centre=centre, centres=centres)
         # Checked before the folder is rewritten or the model built: a resume
