@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
          [("ddp", None, None, 1, 0, None), ("diloco", 100, "fp32", 1, 0, None),
           ("diloco", 100, "fp32", 1, 0, (1.0, 0.0))]),
         (4, "shared", [news],
-         [("ddp", None, None, 1, 0, None), ("diloco", 100, "fp32", 1, 0, None)]),
+         [("ddp", None, None, 1, 0, None), ("diloco", 100, "fp32", 1, 0, None),
+          ("diloco", 100, "fp32", 1, 0, (1.0, 0.0))]),
     ]  # fmt: skip
     results = []
     curves = {}
