@@ -71,14 +71,15 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def full_tensors(
     tensors: Iterable[tuple[str, torch.Tensor]], keep: bool
 ) -> dict[str, torch.Tensor]:
-    """Each of ``tensors`` whole, gathered one at a time; kept (``keep``:
-    the rank that writes them) or dropped at once, so that no other rank
-    holds more than one whole tensor."""
+    """Each of ``tensors`` whole, gathered one at a time; kept in host
+    memory (``keep``: the rank that writes them, which so holds the whole
+    checkpoint there, never on its device) or dropped at once, so that no
+    other rank holds more than one whole tensor."""
     out = {}
     for name, t in tensors:
-        whole = full(t.detach()).contiguous()
+        whole = full(t.detach())
         if keep:
-            out[name] = whole
+            out[name] = whole.cpu().contiguous()
     return out
 
 
