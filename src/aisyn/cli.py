@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from aisyn.privacy import cli as privacy_cli
     from aisyn.split import cli as split_cli
-    from aisyn.train.flags import SYNC_FLAGS, add_train_args
+    from aisyn.train.flags import DATA_PARALLEL, SYNC_FLAGS, add_train_args
     from aisyn.validate import positive_int
 
     p = Parser(
@@ -353,15 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--out", None, REQUIRED, "run folder"),
         init_from_flag(),
         QUIET,
-        (
-            "--data-parallel",
-            ["ddp", "fsdp"],
-            "ddp",
-            "under torchrun (and inside a --sync diloco centre): ddp keeps a "
-            "replica of the model on every rank; fsdp shards its weights, "
-            "gradients and AdamW state over them (FSDP2), for a model one "
-            "device cannot hold",
-        ),
+        DATA_PARALLEL,
     )
     add_train_args(tr)
     add_flags(tr.add_argument_group("across centres"), *SYNC_FLAGS)

@@ -87,7 +87,9 @@ def ft_parts(tmp_path_factory, tokenizer, news_corpus, tiny_config):
     return base, root / "sft"
 
 
-def centre(rank: int, world: int, port: int, *args, log: Path) -> subprocess.Popen:
+def centre(
+    rank: int, world: int, port: int, *args, log: Path, command: str = "train"
+) -> subprocess.Popen:
     """One centre: ``aisyn train`` as rank ``rank`` of ``world`` (what
     torchrun would set, without torchrun, so each centre can be given its
     own flags -- or killed)."""
@@ -102,18 +104,23 @@ def centre(rank: int, world: int, port: int, *args, log: Path) -> subprocess.Pop
         "MASTER_PORT": str(port),
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "aisyn.cli", "train", "--quiet", *args],
+        [sys.executable, "-m", "aisyn.cli", command, "--quiet", *args],
         env=env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
 
 
-def run_centres(flags: list[list[str]], tmp_path: Path, timeout: float = 120):
+def run_centres(
+    flags: list[list[str]], tmp_path: Path, timeout: float = 120, command="train"
+):
     """Every centre to its end; (return codes, logs)."""
     port = free_port()
     logs = [tmp_path / f"centre{i}.log" for i in range(len(flags))]
-    procs = [centre(i, len(flags), port, *f, log=logs[i]) for i, f in enumerate(flags)]
+    procs = [
+        centre(i, len(flags), port, *f, log=logs[i], command=command)
+        for i, f in enumerate(flags)
+    ]
     try:
         rcs = [p.wait(timeout) for p in procs]
     finally:
@@ -738,6 +745,45 @@ def test_a_centre_killed_during_the_exchange_stops_the_other_and_both_resume(
 
 def losses_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+
+def test_full_fine_tuning_with_fsdp_inside_two_centres(tmp_path, ft_parts):
+    """``aisyn finetune --method full --ranks-per-centre 2 --data-parallel
+    fsdp``: two centres of two FSDP2 ranks fine-tune what two centres of one
+    rank do (float rounding aside)."""
+    base, sft = ft_parts
+    common = [
+        "--base", str(base), "--data", str(sft), "--method", "full",
+        "--steps", "4", "--batch-size", "4", "--lr", "3e-3", "--warmup", "1",
+        "--log-every", "1", "--seed", "3", "--sync", "diloco",
+        "--inner-steps", "2", "--sync-timeout", "60",
+    ]  # fmt: skip
+    one, sharded = tmp_path / "one", tmp_path / "fsdp"
+    rcs, logs = run_centres(
+        [["--out", str(one), *common]] * 2, tmp_path, command="finetune"
+    )
+    assert rcs == [0, 0], logs
+    args = ["--out", str(sharded), *common, "--ranks-per-centre", "2",
+            "--data-parallel", "fsdp"]  # fmt: skip
+    rcs, logs = run_centres([args] * 4, tmp_path, timeout=240, command="finetune")
+    assert rcs == [0] * 4, logs
+    assert json.loads((sharded / "config.json").read_text())["data_parallel"] == "fsdp"
+    assert losses(sharded) == pytest.approx(losses(one), rel=1e-5)
+    for centre_dir in ("", "centres/1"):
+        a, b = final_model(sharded / centre_dir), final_model(one / centre_dir)
+        for name, t in a.items():
+            torch.testing.assert_close(t, b[name], rtol=1e-4, atol=1e-5)
+
+
+def test_fsdp_lora_fine_tuning_is_refused_in_one_line(tmp_path, ft_parts):
+    from aisyn.train.finetune import finetune
+    from aisyn.train.lora import Method
+
+    base, sft = ft_parts
+    with pytest.raises(ValueError, match="--data-parallel fsdp shards a full"):
+        finetune(base, [sft], tmp_path / "x", TrainConfig(steps=2, batch_size=4),
+                 Method("lora"), parallel="fsdp")  # fmt: skip
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize(

@@ -116,6 +116,7 @@ def cmd_finetune(args) -> None:
         tensorboard=args.tensorboard,
         sync=sync_from_args(args),
         sync_timeout_s=args.sync_timeout if args.sync == "diloco" else None,
+        parallel=args.data_parallel,
     )
     print_summary(
         summary,
@@ -133,7 +134,12 @@ def register(sub) -> None:
         add_flags,
         add_group,
     )
-    from aisyn.train.flags import LORA_FLAGS, SYNC_FLAGS, add_train_args
+    from aisyn.train.flags import (
+        DATA_PARALLEL,
+        LORA_FLAGS,
+        SYNC_FLAGS,
+        add_train_args,
+    )
     from aisyn.train.lora import Method
 
     esub = add_group(
@@ -222,6 +228,7 @@ def register(sub) -> None:
         ("--method", list(METHODS), Method.name, "full weights or LoRA adapters"),
         *LORA_FLAGS,
         QUIET,
+        DATA_PARALLEL,
     )
     add_train_args(f, steps=200)
     add_flags(f.add_argument_group("across centres"), *SYNC_FLAGS)

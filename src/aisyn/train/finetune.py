@@ -48,16 +48,22 @@ def finetune(
     tensorboard: bool = False,
     sync: DiLoCoConfig | None = None,
     sync_timeout_s: float | None = None,
+    parallel: str = "ddp",
 ) -> dict:
     """Fine-tune ``base`` on the pooled SFT folders; returns a summary dict.
 
     ``sync``: DiLoCo across torchrun's ranks, a centre each (or of
-    ``ranks_per_centre``, DDP inside it), as ``aisyn train --sync diloco``
-    (``train.diloco``; the outer step covers what the method trains: every
-    weight, or LoRA's adapters).
+    ``ranks_per_centre``, DDP inside it, or FSDP2 with ``parallel="fsdp"``),
+    as ``aisyn train --sync diloco`` (``train.diloco``; the outer step covers
+    what the method trains: every weight, or LoRA's adapters).
     """
     method = method or Method()
-    centre = 0
+    if parallel == "fsdp" and method.name == "lora":
+        raise ValueError(
+            "--data-parallel fsdp shards a full fine-tune; LoRA's adapters are "
+            "small: drop it (DDP), or use --method full"
+        )
+    centre, shard = 0, None
     if sync is None and distributed.world_size() > 1:
         raise ValueError(
             "aisyn finetune under torchrun trains one centre per rank: give "
@@ -67,6 +73,9 @@ def finetune(
         world, rank = distributed.world_size(), distributed.rank()
         cfg, data_dirs = diloco.centre_settings(cfg, sync, world, rank, data_dirs)
         centre, centres = diloco.centre_of(rank, world, sync.ranks_per_centre)
+        per = sync.ranks_per_centre
+        if parallel == "fsdp" and per > 1:
+            shard = (rank % per, per)  # this rank's FSDP2 shards in its centre
     device = resolve_device(cfg.device)
     info = describe_base(base)
     objective = SFTObjective(data_dirs, cfg)
@@ -74,15 +83,17 @@ def finetune(
     check_fits(
         whole_model_bytes(
             info.model,
-            cfg.micro,
+            cfg.micro * (shard[1] if shard else 1),
             objective.seq_len,
             autocast=autocast_on(device, cfg.autocast),
             activation_checkpointing=cfg.activation_checkpointing,
             # LoRA keeps no gradients or optimizer state for the frozen weights
             trains_all_weights=method.name != "lora",
+            shard=shard,
         ),
         device,
-        f"fine-tuning with micro-batches of {cfg.micro}",
+        f"fine-tuning with micro-batches of {cfg.micro}"
+        + (f", FSDP2 over {shard[1]} ranks" if shard else ""),
     )
     run = RunDir(diloco.centre_folder(out, centre))
     config = run_config(
@@ -98,12 +109,14 @@ def finetune(
     ctx = ranks = distributed.DistContext()
     if sync is not None:
         config.update(sync=sync.to_dict(), centre=centre, centres=centres)
+        if sync.ranks_per_centre > 1:
+            config["data_parallel"] = parallel
         timeout = None if sync_timeout_s is None else timedelta(seconds=sync_timeout_s)
         ctx, device = distributed.setup(device, timeout)
     try:
         last = ckpt.latest(run.checkpoints) if resume else None
         if sync is not None:
-            # a centre of several ranks runs DDP inside it
+            # a centre of several ranks runs DDP (or FSDP2) inside it
             where = diloco.topology(ctx, sync.ranks_per_centre)
             ranks = where.inner
             last = diloco.agreed_checkpoint(run, last, where)
@@ -129,6 +142,7 @@ def finetune(
             ctx=ranks,
             checkpoint_fields={"method": method.to_dict()},
             hint=" (lower the learning rate?)",
+            parallel=parallel,
         )
         if sync is not None:
             executor = diloco.centre_executor(executor, sync, where, config)

@@ -105,6 +105,15 @@ def print_summary(summary: dict, details: str) -> None:
 
 
 #: the cross-centre synchronisation flags of ``aisyn train`` (``train.diloco``)
+DATA_PARALLEL = Row(
+    "--data-parallel",
+    ["ddp", "fsdp"],
+    "ddp",
+    "under torchrun (and inside a --sync diloco centre): ddp keeps a replica "
+    "of the model on every rank; fsdp shards its weights, gradients and AdamW "
+    "state over them (FSDP2), for a model one device cannot hold",
+)
+
 SYNC_FLAGS = (
     Row(
         "--sync",
