@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from aisyn.train import checkpoint as ckpt
@@ -40,3 +41,22 @@ def test_a_hostile_state_file_is_one_line_not_a_parser_crash(tmp_path):
         ckpt.read_state(folder)
     (folder / ckpt.STATE_FILE).write_text('{"step": 3}')
     assert ckpt.read_state(folder) == {"step": 3}
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (torch.zeros(3, 5), r"exp_avg has shape \(3, 5\), its parameter \(4, 2\)"),
+        (torch.full((4, 2), float("nan")), "exp_avg is not finite"),
+    ],
+    ids=["shape", "nan"],
+)
+def test_bad_optimizer_state_is_one_line(value, message):
+    """Moments of another shape, or NaN, from a file not written here: one
+    line naming the tensor, and the optimizer keeps its state."""
+    p = torch.nn.Parameter(torch.zeros(4, 2))
+    opt = torch.optim.AdamW([p])
+    tensors = {"w::step": torch.tensor(1.0), "w::exp_avg": value}
+    with pytest.raises(ckpt.CheckpointError, match=message):
+        ckpt.load_optimizer_tensors(opt, {"w": p}, tensors, "f.safetensors")
+    assert not opt.state

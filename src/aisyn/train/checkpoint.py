@@ -152,6 +152,15 @@ def load_optimizer_tensors(
                 f"{source}: optimizer state for unknown parameter {name}"
             )
         p = named_params[name]
+        # a file from elsewhere: one line here, not a shape error (or NaN
+        # weights) at the first step
+        if value.dim() and value.shape != p.shape:
+            raise CheckpointError(
+                f"{source}: optimizer state {key} has shape "
+                f"{tuple(value.shape)}, its parameter {tuple(p.shape)}"
+            )
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{source}: optimizer state {key} is not finite")
         state.setdefault(p, {})[field] = value.to(p.device)
     optimizer.state.clear()
     optimizer.state.update(state)
