@@ -782,7 +782,7 @@ def centre_executor(
     """``executor`` (a centre's local one) with DiLoCo's outer steps, once
     every rank of every centre is found to run the same training."""
     train = {k: v for k, v in config["train"].items() if k != "device"}
-    sharded = getattr(executor, "fsdp", False)
+    sharded = executor.collective  # FSDP2 inside the centre: shards
     check_same_run(
         fingerprints(
             model=config["model"],

@@ -78,9 +78,8 @@ def train(
             last = diloco.agreed_checkpoint(run, last, where)
         # FSDP2: this rank's shards (rank_load counts a micro-batch's rows
         # of all the ranks together)
-        shard = (ranks.rank, ranks.world) if parallel == "fsdp" else None
-        if not ranks.enabled:
-            shard = None
+        fsdp = parallel == "fsdp" and ranks.enabled
+        shard = (ranks.rank, ranks.world) if fsdp else None
         check_fits(
             whole_model_bytes(
                 mcfg,
