@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -741,6 +742,95 @@ def test_a_centre_killed_during_the_exchange_stops_the_other_and_both_resume(
     finally:
         stopped_with_one_line(procs, tmp_path, 1)
     resumed_as_whole(model_file, news_data, out, whole_run, 1)
+
+
+def lost_for_good(run: Path, out: Path, step: int) -> Path:
+    """Centre 0's folder of ``run`` as it was after ``step``, without the
+    other centre (its machine gone) or any later checkpoint."""
+    import shutil
+
+    shutil.copytree(run, out, ignore=shutil.ignore_patterns("centres"))
+    root = out / "checkpoints"
+    for later in ckpt.complete_steps(root):
+        if later > step:
+            shutil.rmtree(ckpt.step_folder(root, later))
+    (root / ckpt.LATEST).write_text(ckpt.step_folder(root, step).name)
+    return out
+
+
+def test_a_centre_lost_for_good_the_other_resumes_without_it(
+    tmp_path, news_data, model_file
+):
+    """Two centres, then centre 1 gone for good after the outer step at 8:
+    centre 0 resumes alone from that step's global model and momentum,
+    takes every row of each global batch, says so, and keeps its count of
+    bytes sent."""
+    both = tmp_path / "both"
+    more = ["--steps", "16", "--inner-steps", "8", "--ckpt-every", "8"]
+    rcs, logs = run_centres([flags(model_file, [news_data], both, *more)] * 2, tmp_path)
+    assert rcs == [0, 0], logs
+    alone, plain = (lost_for_good(both, tmp_path / n, 8) for n in ("alone", "plain"))
+    one = [sys.executable, "-m", "aisyn.cli", "train", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*one, *flags(model_file, [news_data], alone, *more, "--resume")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "a run of 2 centres resumed by 1" in proc.stderr
+    # the survivor's first step: the global model on both centres' rows
+    first = [
+        next(r["loss"] for r in read_metrics(run / "metrics.jsonl") if r["step"] == 9)
+        for run in (alone, both, both / "centres" / "1")
+    ]
+    assert first[0] == pytest.approx((first[1] + first[2]) / 2, rel=1e-5)
+    records = read_metrics(alone / "metrics.jsonl")
+    sent = [r["outer_bytes_sent"] for r in records if "outer_step" in r]
+    assert sent == [sent[0], sent[0]] and sent[0] > 0  # alone, it sends nothing
+    # its outer step: the Nesterov step of the saved momentum on its own
+    # delta -- the delta of a plain continuation (outer lr 1, no momentum)
+    avg = ["--outer-lr", "1", "--outer-momentum", "0", "--resume"]
+    proc = subprocess.run(
+        [*one, *flags(model_file, [news_data], plain, *more, *avg)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    at8 = ckpt.step_folder(both / "checkpoints", 8)
+    start = ckpt.read_tensors(at8 / ckpt.MODEL_FILE)
+    buf = ckpt.read_tensors(at8 / "outer.safetensors")["outer.momentum"]
+    local, glob = final_model(plain), final_model(alone)
+    from aisyn.model.families import build_model, config_from_dict
+
+    model = build_model(config_from_dict(json.loads(Path(model_file).read_text())))
+    order = [n for n, _ in model.named_parameters()]  # the flat outer state's
+    d = torch.cat([(start[n] - local[n]).reshape(-1) for n in order])
+    g = torch.cat([start[n].reshape(-1) for n in order]) - 0.7 * (
+        d + 0.9 * (0.9 * buf + d)
+    )
+    got = torch.cat([glob[n].reshape(-1) for n in order])
+    torch.testing.assert_close(got, g, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_resumed_under_another_regime_is_refused(
+    tmp_path, news_data, tiny_config
+):
+    """DiLoCo's checkpoints resumed without --sync diloco (the outer momentum
+    would be dropped unsaid), and a plain run's with it (there is no outer
+    state): one line each, the run untouched."""
+    cfg = TrainConfig(steps=8, ckpt_every=4, **CFG)
+    sync = DiLoCoConfig(inner_steps=4)
+    for out, was, now, message in (
+        ("d", sync, None, "started with --sync diloco; resume it with --sync diloco"),
+        ("p", None, sync, "started without --sync diloco"),
+    ):
+        run = tmp_path / out
+        train(tiny_config, [news_data], run, replace(cfg, steps=4), progress=False,
+              sync=was)  # fmt: skip
+        before = (run / "metrics.jsonl").read_bytes()
+        with pytest.raises(ValueError, match=message):
+            train(tiny_config, [news_data], run, cfg, progress=False, sync=now,
+                  resume=True)  # fmt: skip
+        assert (run / "metrics.jsonl").read_bytes() == before
 
 
 def losses_steps(run: Path) -> list[int]:

@@ -450,11 +450,14 @@ class OuterSync:
         return {**self.finish(self.start()), "outer_bytes_sent": self.bytes_sent}
 
     def state_tensors(self, prefix: str = "outer.") -> dict[str, torch.Tensor]:
-        """The outer optimizer's momentum and steps, and the global model
-        where it is not the model's own weights (a fragment synchronised
-        earlier, or merged with ``mixing``)."""
+        """The outer optimizer's momentum and steps, the bytes sent so far,
+        and the global model where it is not the model's own weights (a
+        fragment synchronised earlier, or merged with ``mixing``)."""
         buf = self.optimizer.state.get(self.global_flat, {}).get("momentum_buffer")
-        out = {f"{prefix}steps": torch.tensor([self.steps], dtype=torch.int64)}
+        out = {
+            f"{prefix}steps": torch.tensor([self.steps], dtype=torch.int64),
+            f"{prefix}bytes_sent": torch.tensor([self.bytes_sent], dtype=torch.int64),
+        }
         differs = not torch.equal(self.global_flat.detach(), self.local_flat())
         if self.shards.enabled:  # whole, as every centre's: every rank gathers
             flag = torch.tensor([int(differs)])
@@ -476,6 +479,13 @@ class OuterSync:
                 f"{source}: no {prefix}steps: written with other --fragments"
             )
         self.steps = int(tensors[f"{prefix}steps"][0])
+        sent = tensors.get(f"{prefix}bytes_sent")  # (absent in older checkpoints)
+        if sent is not None:
+            if sent.dtype != torch.int64 or sent.shape != (1,) or int(sent) < 0:
+                raise ckpt.CheckpointError(
+                    f"{source}: {prefix}bytes_sent is not one count of bytes"
+                )
+            self.bytes_sent = int(sent)
         n = self.whole_numel
         for what in ("momentum", "global"):
             t = tensors.get(f"{prefix}{what}")
@@ -765,14 +775,45 @@ def agreed_checkpoint(run: RunDir, last: Path | None, where: Topology) -> Path |
     return ckpt.step_folder(run.checkpoints, max(common))
 
 
-def check_same_fragments(run: RunDir, sync: DiLoCoConfig) -> None:
-    """Refuse, before the run folder is touched, to resume a run whose
-    checkpoints hold another number of fragments' outer state."""
-    was = (run.read_config().get("sync") or {}).get("fragments", 1)
-    if was != sync.fragments:
+def check_resume(run: RunDir, config: dict) -> None:
+    """Refuse, before the run folder is touched, to resume a run with
+    ``config`` (this start's run config) under another regime than its
+    checkpoints were written by: DiLoCo's without
+    ``--sync diloco`` (its outer momentum would be dropped unsaid), another
+    run's with it (there is no outer state to read), or with another number
+    of fragments. Another number of centres than the run had (one lost for
+    good) is allowed, and said."""
+    old = run.read_config()
+    was, sync = old.get("sync"), config.get("sync")
+    if was is None and sync is None:
+        return
+    if not isinstance(was, dict | None):
+        raise ValueError(f"{run.path}: corrupt run config: its sync is not a table")
+    if sync is None:
         raise ValueError(
-            f"{run.path}: started with --fragments {was}; its checkpoints hold "
-            f"that many fragments' outer state: resume it with --fragments {was}"
+            f"{run.path}: started with --sync diloco; resume it with --sync "
+            "diloco (--outer-lr 1 --outer-momentum 0 to go on as plain training)"
+        )
+    if was is None:
+        raise ValueError(
+            f"{run.path}: started without --sync diloco; its checkpoints hold "
+            "no outer state to resume DiLoCo from"
+        )
+    if (n := was.get("fragments", 1)) != sync["fragments"]:
+        raise ValueError(
+            f"{run.path}: started with --fragments {n}; its checkpoints hold "
+            f"that many fragments' outer state: resume it with --fragments {n}"
+        )
+    before, centres = old.get("centres"), config["centres"]
+    if isinstance(before, int) and before != centres:
+        log.warning(
+            "%s: a run of %d centres resumed by %d: from the last outer step, %s",
+            run.path,
+            before,
+            centres,
+            "the centres share every global batch among them"
+            if sync["data"] == "split"
+            else "each centre reads a larger share from its own --data",
         )
 
 

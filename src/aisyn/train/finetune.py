@@ -122,8 +122,7 @@ def finetune(
             last = diloco.agreed_checkpoint(run, last, where)
         if last is not None:
             run.check_same_model(config)
-            if sync is not None:
-                diloco.check_same_fragments(run, sync)
+            diloco.check_resume(run, config)
             check_same_start(run, config)
             if (done := finished(run, last, cfg.steps)) is not None:
                 summary = run.path / SUMMARY

@@ -110,8 +110,7 @@ def train(
         # with nothing left to do neither trains nor touches the run.
         if last is not None:
             run.check_same_model(config)
-            if sync is not None:
-                diloco.check_same_fragments(run, sync)
+            diloco.check_resume(run, config)
             if (done := finished(run, last, cfg.steps)) is not None:
                 return done
         # every centre keeps a folder of its own; of DDP's ranks, rank 0 alone
