@@ -770,6 +770,15 @@ def test_a_centre_lost_for_good_the_other_resumes_without_it(
     rcs, logs = run_centres([flags(model_file, [news_data], both, *more)] * 2, tmp_path)
     assert rcs == [0, 0], logs
     alone, plain = (lost_for_good(both, tmp_path / n, 8) for n in ("alone", "plain"))
+    # two centres again, the second without its folder (a centre renumbered
+    # after another was lost, its folder not moved): refused, in one line
+    rcs, logs = run_centres(
+        [flags(model_file, [news_data], alone, *more, "--resume")] * 2, tmp_path
+    )
+    assert rcs == [2, 2], logs
+    for text in logs:
+        [line] = [ln for ln in text.splitlines() if ln.startswith("aisyn: error:")]
+        assert "no checkpoint step in common" in line and "centre 1: none" in line
     one = [sys.executable, "-m", "aisyn.cli", "train", "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

@@ -770,7 +770,9 @@ def agreed_checkpoint(run: RunDir, last: Path | None, where: Topology) -> Path |
         )
         raise ValueError(
             f"the centres have no checkpoint step in common ({shown}); "
-            "resume needs the same outer step at every centre"
+            "resume needs the same outer step at every centre (after a centre "
+            "lost for good, those after it move down a rank: move their "
+            "centres/<k> folders down with them)"
         )
     return ckpt.step_folder(run.checkpoints, max(common))
 
