@@ -55,7 +55,7 @@ def test_help_shows_defaults(capsys):
 
     assert "optimizer steps (default: 200)" in out
     assert "peak learning rate (default: 0.001)" in out
-    assert "--resume continue the run" in out  # a switch: no "(default: False)"
+    assert "--resume [auto] continue the run" in out  # no "(default: False)"
     assert "(default: False)" not in out and "(default: None)" not in out
 
 

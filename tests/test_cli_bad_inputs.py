@@ -209,6 +209,19 @@ BAD_INPUTS = [
         "nothing to resume",
     ),
     (
+        "train resume with a value other than auto",
+        lambda f: ["train", "--data", "d", "--out", str(f / "r"), "--resume", "yes"],
+        "--resume takes no value or 'auto'",
+    ),
+    (
+        "finetune resume empty folder",
+        lambda f: (
+            ["finetune", "--base", "b", "--data", "d", "--out", str(f / "empty")]
+            + ["--resume"]
+        ),
+        "nothing to resume",
+    ),
+    (
         "split train resume empty folder",
         lambda f: (
             ["split", "train", "--data", "d", "--out", str(f / "empty")] + ["--resume"]

@@ -148,23 +148,23 @@ def cmd_train(args) -> None:
 
     from aisyn.train.flags import (
         print_summary,
+        resume_from_args,
         sync_from_args,
         train_config_from_args,
     )
     from aisyn.train.pretrain import train
 
-    if args.resume:
-        validate.check_resumable(args.out)
+    sync = sync_from_args(args)
     summary = train(
         args.model,
         args.data,
         args.out,
         train_config_from_args(args),
-        resume=args.resume,
+        resume=resume_from_args(args, sync),
         init_from=args.init_from,
         progress=not args.quiet,
         tensorboard=args.tensorboard,
-        sync=sync_from_args(args),
+        sync=sync,
         sync_timeout_s=args.sync_timeout if args.sync == "diloco" else None,
         parallel=args.data_parallel,
     )

@@ -310,11 +310,15 @@ def name_differences(
 # --- run folders ----------------------------------------------------------------------
 
 
+def holds_run(out: str | Path) -> bool:
+    """Whether run folder ``out`` holds a run (its config.json)."""
+    return (Path(out) / "config.json").is_file()
+
+
 def check_resumable(out: str | Path) -> None:
     """``--resume`` needs a run to continue: refuse an empty or missing folder
     instead of quietly starting a new run the user did not ask for."""
-    config = Path(out) / "config.json"
-    if not config.is_file():
+    if not holds_run(out):
         raise ValueError(
             f"--resume: nothing to resume in {out} (no config.json); "
             "drop --resume to start a new run there"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -357,8 +358,6 @@ def test_a_resume_with_other_fragments_is_refused_in_one_line(
     cfg = TrainConfig(steps=4, ckpt_every=2, **CFG)
     sync = DiLoCoConfig(inner_steps=2)
     train(tiny_config, [news_data], tmp_path / "d", cfg, progress=False, sync=sync)
-    import shutil
-
     shutil.rmtree(ckpt.step_folder(tmp_path / "d" / "checkpoints", 4))
     (tmp_path / "d" / "checkpoints" / "latest").write_text("step_00000002")
     before = (tmp_path / "d" / "config.json").read_bytes()
@@ -395,8 +394,6 @@ def test_streaming_centres_end_on_one_model_and_resume_exactly(
     )
     assert "outer.0.global" in middle and "outer.1.momentum" in middle
     for folder in (out, out / "centres" / "1"):  # as if killed after step 4
-        import shutil
-
         shutil.rmtree(ckpt.step_folder(folder / "checkpoints", 8))
         (folder / "checkpoints" / "latest").write_text("step_00000004")
     rcs, logs = run_centres(
@@ -537,8 +534,6 @@ def test_centres_of_two_fsdp_ranks_train_as_centres_of_one_and_resume(
         assert "outer.0.global" in middle[0]  # fragment 0 synced ahead: saved
     whole = final_model(sharded)
     for centre in ("", "centres/1"):  # as if killed after step 4
-        import shutil
-
         folder = sharded / centre / "checkpoints"
         shutil.rmtree(ckpt.step_folder(folder, 8))
         (folder / "latest").write_text("step_00000004")
@@ -744,11 +739,60 @@ def test_a_centre_killed_during_the_exchange_stops_the_other_and_both_resume(
     resumed_as_whole(model_file, news_data, out, whole_run, 1)
 
 
+def worker_of(agent: subprocess.Popen, rank: int) -> int:
+    """The PID of torchrun's worker of ``rank`` (a child of its agent)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        if ppid == agent.pid and f"RANK={rank}".encode() in env:
+            return int(stat.parent.name)
+    raise AssertionError(f"torchrun's agent has no worker of rank {rank}")
+
+
+def test_a_centre_killed_under_torchrun_max_restarts_goes_on_with_resume_auto(
+    tmp_path, news_data, model_file, whole_run
+):
+    """Both centres as one torchrun job with ``--max-restarts 1`` and
+    ``--resume auto`` (the first attempt starts the run): centre 1 killed
+    with -9 between outer steps, torchrun's agent starts both again, and
+    they go on from their last agreed checkpoint to the uninterrupted run's
+    model, bit for bit."""
+    out, log = tmp_path / "run", tmp_path / "torchrun.log"
+    agent = subprocess.Popen(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", "2", "--max-restarts", "1",
+            "--monitor-interval", "0.1", "-m", "aisyn.cli", "train", "--quiet",
+            *flags(model_file, [news_data], out, *kill_args(1), "--resume", "auto"),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # the agent and its workers: one group to end
+    )  # fmt: skip
+    try:
+        wait_for_checkpoint(out, 40, agent)
+        os.kill(worker_of(agent, 1), signal.SIGKILL)
+        rc = agent.wait(240)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(10)
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    resumed = [ln for ln in text.splitlines() if "resumed from" in ln]
+    assert len(resumed) == 2 and all("(step 40)" in ln for ln in resumed), text
+    assert losses(out)[-1] == pytest.approx(losses(whole_run)[-1], rel=1e-6)
+    for name, t in final_model(out).items():
+        assert torch.equal(t, final_model(whole_run)[name])
+
+
 def lost_for_good(run: Path, out: Path, step: int) -> Path:
     """Centre 0's folder of ``run`` as it was after ``step``, without the
     other centre (its machine gone) or any later checkpoint."""
-    import shutil
-
     shutil.copytree(run, out, ignore=shutil.ignore_patterns("centres"))
     root = out / "checkpoints"
     for later in ckpt.complete_steps(root):
@@ -771,14 +815,23 @@ def test_a_centre_lost_for_good_the_other_resumes_without_it(
     assert rcs == [0, 0], logs
     alone, plain = (lost_for_good(both, tmp_path / n, 8) for n in ("alone", "plain"))
     # two centres again, the second without its folder (a centre renumbered
-    # after another was lost, its folder not moved): refused, in one line
-    rcs, logs = run_centres(
-        [flags(model_file, [news_data], alone, *more, "--resume")] * 2, tmp_path
-    )
-    assert rcs == [2, 2], logs
-    for text in logs:
-        [line] = [ln for ln in text.splitlines() if ln.startswith("aisyn: error:")]
-        assert "no checkpoint step in common" in line and "centre 1: none" in line
+    # after another was lost, its folder not moved), then with a folder but
+    # no checkpoint: refused on both, in one line naming it
+    own = alone / "centres" / "1"
+    for expected in (
+        ("nothing to resume in the folder of centre 1",),
+        ("no checkpoint step in common", "centre 1: none"),
+    ):
+        rcs, logs = run_centres(
+            [flags(model_file, [news_data], alone, *more, "--resume")] * 2, tmp_path
+        )
+        assert rcs == [2, 2], logs
+        for text in logs:
+            errors = [ln for ln in text.splitlines() if ln.startswith("aisyn: error:")]
+            assert len(errors) == 1 and all(e in errors[0] for e in expected), text
+        own.mkdir(parents=True, exist_ok=True)  # for the second case
+        (own / "config.json").write_bytes((alone / "config.json").read_bytes())
+    shutil.rmtree(alone / "centres")
     one = [sys.executable, "-m", "aisyn.cli", "train", "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

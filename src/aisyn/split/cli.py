@@ -259,11 +259,14 @@ def _train_rank0(args, ranks) -> None:
     from aisyn.split.cut_dp import CutDefence, defence_from_flags, undefended_warning
     from aisyn.split.session import SplitOptions
     from aisyn.split.train import secret_seed, split_train
-    from aisyn.train.flags import print_summary, train_config_from_args
+    from aisyn.train.flags import (
+        print_summary,
+        resume_from_args,
+        train_config_from_args,
+    )
     from aisyn.train.lora import Method
 
-    if args.resume:
-        validate.check_resumable(args.out)
+    args.resume = resume_from_args(args, None)
     if args.seed is None:
         args.seed = secret_seed(args.out, args.resume)
     elif args.seed < 2**32:

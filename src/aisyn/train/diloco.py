@@ -45,7 +45,7 @@ from aisyn.train.distributed import DistContext
 from aisyn.train.objective import StepBatch
 from aisyn.train.regime import Executor
 from aisyn.train.run import RunDir
-from aisyn.validate import number_problem
+from aisyn.validate import check_resumable, holds_run, number_problem
 
 log = logging.getLogger(__name__)
 
@@ -745,14 +745,35 @@ def centre_folder(out: str | Path, centre: int) -> Path:
     return Path(out) if centre == 0 else Path(out) / "centres" / str(centre)
 
 
-def agreed_checkpoint(run: RunDir, last: Path | None, where: Topology) -> Path | None:
+def agreed_checkpoint(
+    run: RunDir, last: Path | None, where: Topology, *, resume: bool
+) -> Path | None:
     """The newest checkpoint every centre has (each keeps its last few): the
     one they all resume from. None for a fresh run; ValueError if they have
-    none in common. (A centre's ranks read its one folder: shared storage
-    inside a centre, as DDP's ranks need.)"""
+    none in common, or if a centre was asked to resume (``resume``) and some
+    centre's folder holds no run (said on every centre alike: a centre
+    refusing alone would leave the others waiting for it until the
+    timeout). (A centre's ranks read its one folder: shared storage inside
+    a centre, as DDP's ranks need.)"""
     job = where.job
     if job.world <= 1:
+        if resume:
+            check_resumable(run.path)
         return last
+    per = where.inner.world  # a centre's ranks read the same folder
+    flags = torch.tensor([int(resume), int(holds_run(run.path))], dtype=torch.int64)
+    gathered = [torch.empty_like(flags) for _ in range(job.world)]
+    dist.all_gather(gathered, flags)
+    if any(int(g[0]) for g in gathered):
+        empty = [c for c in range(where.centres) if not int(gathered[c * per][1])]
+        if empty:
+            shown = ", ".join(f"centre {c}" for c in empty)
+            raise ValueError(
+                f"--resume: nothing to resume in the folder of {shown} (no "
+                "config.json); every centre needs its own run folder (centre "
+                "k: OUT/centres/<k>); drop --resume on every centre to start "
+                "a new run"
+            )
     steps = ckpt.complete_steps(run.checkpoints) if last is not None else []
     t = torch.full((8,), -1, dtype=torch.int64)
     t[: min(8, len(steps))] = torch.tensor(steps[-8:], dtype=torch.int64)
@@ -763,7 +784,6 @@ def agreed_checkpoint(run: RunDir, last: Path | None, where: Topology) -> Path |
         return None
     common = set.intersection(*have)
     if not common:
-        per = where.inner.world  # a centre's ranks read the same folder
         shown = ", ".join(
             f"centre {c}: {sorted(have[c * per]) or 'none'}"
             for c in range(where.centres)

@@ -64,6 +64,26 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def _attempt_store(world: int, timeout: timedelta | None) -> dist.Store | None:
+    """The store this attempt's ranks meet in, when torchrun shares its own
+    with them (its c10d rendezvous, the default): that store outlives a
+    restart of the workers (``--max-restarts``), so the keys an earlier
+    attempt's ranks wrote (a killed rank's address) would be read by the
+    next attempt's, which then fail to connect (pytorch#135712). A prefix
+    per attempt keeps them apart. None: ``env://`` as it is."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timeout or dist.constants.default_pg_timeout,
+    )
+    return dist.PrefixStore(f"aisyn/attempt_{attempt}", store)
+
+
 def world_size() -> int:
     """Ranks torchrun started (1 when not run under torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -93,6 +113,9 @@ def setup(
         # was seen to leave a gloo thread running at exit: SIGABRT)
         extra = {} if timeout is None else {"timeout": timeout}
         try:
+            store = _attempt_store(world, timeout)
+            if store is not None:
+                extra.update(store=store, rank=rank, world_size=world)
             dist.init_process_group(backend, **extra)
         except (RuntimeError, dist.DistError) as e:
             where = (

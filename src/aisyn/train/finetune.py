@@ -119,7 +119,7 @@ def finetune(
             # a centre of several ranks runs DDP (or FSDP2) inside it
             where = diloco.topology(ctx, sync.ranks_per_centre)
             ranks = where.inner
-            last = diloco.agreed_checkpoint(run, last, where)
+            last = diloco.agreed_checkpoint(run, last, where, resume=resume)
         if last is not None:
             run.check_same_model(config)
             diloco.check_resume(run, config)

@@ -16,6 +16,18 @@ from aisyn.flagtable import DEVICE, Row, add_flags
 from aisyn.train.config import TrainConfig
 from aisyn.train.lora import Method
 
+#: ``--resume auto``: continue the run if the folder holds one, else start it
+AUTO = "auto"
+
+
+def _resume_mode(value: str) -> str:
+    if value != AUTO:
+        raise argparse.ArgumentTypeError(
+            f"--resume takes no value or '{AUTO}', got {value!r}"
+        )
+    return value
+
+
 #: the LoRA flags of every command that fine-tunes (with its own --method)
 LORA_FLAGS = (
     Row("--lora-rank", validate.positive_int, Method.rank, "rank of the LoRA adapters"),
@@ -80,9 +92,15 @@ def add_train_args(
     if resumable:
         g.add_argument(
             "--resume",
-            action="store_true",
+            nargs="?",
+            const=True,
+            default=False,
+            type=_resume_mode,
+            metavar="auto",
             help="continue the run in --out from its latest checkpoint (the "
-            "folder must hold a run)",
+            "folder must hold a run); '--resume auto': if it holds one, else "
+            "start it (for a job its launcher restarts: torchrun "
+            "--max-restarts)",
         )
 
 
@@ -209,3 +227,26 @@ def sync_from_args(args: argparse.Namespace):
         overlap_steps=args.overlap_steps,
         mixing=args.overlap_mixing,
     )
+
+
+def resume_from_args(args: argparse.Namespace, sync) -> bool:
+    """Whether to continue the run in this rank's folder: ``--resume``,
+    refused in one line when the folder holds no run; ``--resume auto``,
+    when it holds one. A DiLoCo centre's folder (``centres/<k>`` beyond the
+    first) is checked once the centres have met, all of them alike
+    (``diloco.agreed_checkpoint``)."""
+    if not args.resume:
+        return False
+    folder = args.out
+    if sync is not None:
+        from aisyn.train import distributed
+        from aisyn.train.diloco import centre_folder, centre_of
+
+        rank, world = distributed.rank(), distributed.world_size()
+        centre, _ = centre_of(rank, world, sync.ranks_per_centre)
+        folder = centre_folder(args.out, centre)
+    if args.resume == AUTO:
+        return validate.holds_run(folder)
+    if sync is None:
+        validate.check_resumable(folder)
+    return True

@@ -75,7 +75,7 @@ def train(
         if sync is not None:
             where = diloco.topology(ctx, sync.ranks_per_centre)
             ranks = where.inner
-            last = diloco.agreed_checkpoint(run, last, where)
+            last = diloco.agreed_checkpoint(run, last, where, resume=resume)
         # FSDP2: this rank's shards (rank_load counts a micro-batch's rows
         # of all the ranks together)
         fsdp = parallel == "fsdp" and ranks.enabled
