@@ -802,17 +802,29 @@ def lost_for_good(run: Path, out: Path, step: int) -> Path:
     return out
 
 
+#: two outer steps, a checkpoint after each
+SIXTEEN = ["--steps", "16", "--inner-steps", "8", "--ckpt-every", "8"]
+
+
+@pytest.fixture(scope="module")
+def both_run(tmp_path_factory, module_model_file, news_data) -> Path:
+    """Two centres' run of :data:`SIXTEEN` steps."""
+    both = tmp_path_factory.mktemp("both") / "run"
+    rcs, logs = run_centres(
+        [flags(module_model_file, [news_data], both, *SIXTEEN)] * 2, both.parent
+    )
+    assert rcs == [0, 0], logs
+    return both
+
+
 def test_a_centre_lost_for_good_the_other_resumes_without_it(
-    tmp_path, news_data, model_file
+    tmp_path, news_data, model_file, both_run
 ):
     """Two centres, then centre 1 gone for good after the outer step at 8:
     centre 0 resumes alone from that step's global model and momentum,
     takes every row of each global batch, says so, and keeps its count of
     bytes sent."""
-    both = tmp_path / "both"
-    more = ["--steps", "16", "--inner-steps", "8", "--ckpt-every", "8"]
-    rcs, logs = run_centres([flags(model_file, [news_data], both, *more)] * 2, tmp_path)
-    assert rcs == [0, 0], logs
+    both, more = both_run, SIXTEEN
     alone, plain = (lost_for_good(both, tmp_path / n, 8) for n in ("alone", "plain"))
     # two centres again, the second without its folder (a centre renumbered
     # after another was lost, its folder not moved), then with a folder but
@@ -871,6 +883,51 @@ def test_a_centre_lost_for_good_the_other_resumes_without_it(
     )
     got = torch.cat([glob[n].reshape(-1) for n in order])
     torch.testing.assert_close(got, g, rtol=1e-5, atol=1e-6)
+
+
+def test_a_centre_joins_a_run_under_way(tmp_path, news_data, model_file, both_run):
+    """Centre 1 gone after the outer step at 8 and a new one in its place,
+    with an empty folder: started with ``--resume auto`` beside centre 0, it
+    joins at step 8 with the global model, the outer momentum and the data
+    position, and starts its AdamW afresh. Its first loss is the global
+    model's on its half of the batch (the uninterrupted centre 1's), and
+    both centres end with the same model."""
+    run = lost_for_good(both_run, tmp_path / "run", 8)
+    rcs, logs = run_centres(
+        [flags(model_file, [news_data], run, *SIXTEEN, "--resume", "auto")] * 2,
+        tmp_path,
+    )
+    assert rcs == [0, 0], logs
+    assert "centre 1 joined the run at step 8" in logs[0], logs[0]
+    assert "centre 1 joins the run at step 8 (from centre 0's" in logs[1], logs[1]
+    joined = run / "centres" / "1"
+    records = read_metrics(joined / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(9, 17))
+    at9 = next(
+        r["loss"]
+        for r in read_metrics(both_run / "centres" / "1" / "metrics.jsonl")
+        if r["step"] == 9
+    )
+    assert records[0]["loss"] == pytest.approx(at9, rel=1e-6)
+    assert records[-1]["outer_step"] == 2  # the run's count, not its own
+    # its AdamW started afresh: its second step differs from the old one's
+    at10 = next(
+        r["loss"]
+        for r in read_metrics(both_run / "centres" / "1" / "metrics.jsonl")
+        if r["step"] == 10
+    )
+    assert records[1]["loss"] != pytest.approx(at10, rel=1e-6)
+    ends = [final_model(run), final_model(joined)]
+    for name, t in ends[0].items():
+        assert torch.equal(t, ends[1][name]), name
+    # a run at its last step has nobody to join: said, not waited on
+    done = lost_for_good(both_run, tmp_path / "done", 16)
+    rcs, logs = run_centres(
+        [flags(model_file, [news_data], done, *SIXTEEN, "--resume", "auto")] * 2,
+        tmp_path,
+    )
+    assert rcs == [0, 2], logs
+    assert "nothing to join" in logs[1].strip().splitlines()[-1], logs[1]
 
 
 def test_a_run_resumed_under_another_regime_is_refused(

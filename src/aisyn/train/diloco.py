@@ -745,48 +745,67 @@ def centre_folder(out: str | Path, centre: int) -> Path:
     return Path(out) if centre == 0 else Path(out) / "centres" / str(centre)
 
 
-def agreed_checkpoint(
-    run: RunDir, last: Path | None, where: Topology, *, resume: bool
-) -> Path | None:
-    """The newest checkpoint every centre has (each keeps its last few): the
-    one they all resume from. None for a fresh run; ValueError if they have
-    none in common, or if a centre was asked to resume (``resume``) and some
-    centre's folder holds no run (said on every centre alike: a centre
-    refusing alone would leave the others waiting for it until the
-    timeout). (A centre's ranks read its one folder: shared storage inside
-    a centre, as DDP's ranks need.)"""
-    job = where.job
-    if job.world <= 1:
+def joining_centres(run: RunDir, where: Topology, *, resume: bool) -> list[int]:
+    """The centres that join a run under way: those whose folder holds no run
+    while the others resume theirs (a centre added to the job, started with
+    ``--resume auto``). ValueError, on every centre alike, if a centre was
+    asked to resume (``--resume``) a folder that holds no run: a centre
+    refusing alone would leave the others waiting for it until the timeout."""
+    if where.job.world <= 1:
         if resume:
             check_resumable(run.path)
-        return last
+        return []
     per = where.inner.world  # a centre's ranks read the same folder
     flags = torch.tensor([int(resume), int(holds_run(run.path))], dtype=torch.int64)
-    gathered = [torch.empty_like(flags) for _ in range(job.world)]
+    gathered = [torch.empty_like(flags) for _ in range(where.job.world)]
     dist.all_gather(gathered, flags)
-    if any(int(g[0]) for g in gathered):
-        empty = [c for c in range(where.centres) if not int(gathered[c * per][1])]
-        if empty:
-            shown = ", ".join(f"centre {c}" for c in empty)
-            raise ValueError(
-                f"--resume: nothing to resume in the folder of {shown} (no "
-                "config.json); every centre needs its own run folder (centre "
-                "k: OUT/centres/<k>); drop --resume on every centre to start "
-                "a new run"
-            )
+    asked = [bool(gathered[c * per][0]) for c in range(where.centres)]
+    holds = [bool(gathered[c * per][1]) for c in range(where.centres)]
+    if not any(asked):
+        return []
+    refused = [c for c in range(where.centres) if asked[c] and not holds[c]]
+    if refused:
+        shown = ", ".join(f"centre {c}" for c in refused)
+        raise ValueError(
+            f"--resume: nothing to resume in the folder of {shown} (no "
+            "config.json); every centre needs its own run folder (centre "
+            "k: OUT/centres/<k>); a centre joining the run takes --resume auto"
+        )
+    return [c for c in range(where.centres) if not holds[c]]
+
+
+def agreed_checkpoint(
+    run: RunDir,
+    last: Path | None,
+    where: Topology,
+    joining: list[int] = (),
+    total_steps: int = 2**62,
+) -> Path | None:
+    """The newest checkpoint every centre has (each keeps its last few): the
+    one they all resume from. ``joining`` centres have none and take no
+    part; one is refused if the run is already at its ``total_steps``. None
+    for a fresh run; ValueError if they have none in common. (A centre's
+    ranks read its one folder: shared storage inside a centre, as DDP's
+    ranks need.)"""
+    job = where.job
+    if job.world <= 1:
+        return last
     steps = ckpt.complete_steps(run.checkpoints) if last is not None else []
     t = torch.full((8,), -1, dtype=torch.int64)
     t[: min(8, len(steps))] = torch.tensor(steps[-8:], dtype=torch.int64)
     parts = [torch.empty_like(t) for _ in range(job.world)]
     dist.all_gather(parts, t)
     have = [{int(x) for x in p if int(x) >= 0} for p in parts]
-    if not any(have):
+    per = where.inner.world
+    resuming = [h for r, h in enumerate(have) if r // per not in joining]
+    if not any(resuming):
         return None
-    common = set.intersection(*have)
+    common = set.intersection(*resuming)
     if not common:
         shown = ", ".join(
             f"centre {c}: {sorted(have[c * per]) or 'none'}"
             for c in range(where.centres)
+            if c not in joining
         )
         raise ValueError(
             f"the centres have no checkpoint step in common ({shown}); "
@@ -794,7 +813,81 @@ def agreed_checkpoint(
             "lost for good, those after it move down a rank: move their "
             "centres/<k> folders down with them)"
         )
+    if where.centre in joining:
+        if max(common) >= total_steps:  # the others stop there: none to join
+            raise ValueError(
+                f"the run is already at step {max(common)} of {total_steps}: "
+                "nothing to join (raise --steps on every centre to go on)"
+            )
+        return None  # it is brought to that step by ``admit``
     return ckpt.step_folder(run.checkpoints, max(common))
+
+
+def admit(
+    executor: DiLoCoExecutor,
+    objective,
+    engine,
+    start: int,
+    joining: list[int],
+) -> int:
+    """Bring the ``joining`` centres to where the others resumed (step
+    ``start``), and return the step every centre goes on from. The first
+    resuming centre sends, rank by rank over the exchange's groups, what every
+    centre already holds alike: the step, the global model (and each
+    fragment's), the outer momentum and the outer step count, and, where the
+    centres share the data (``--centre-data split``), the position in it. A
+    joiner puts the global model in place and starts its AdamW afresh: the
+    others' moments come from their own data and stay with them. With its
+    own data, a joiner reads its domain from the start."""
+    where = executor.where
+    if not joining:
+        return start
+    source = min(c for c in range(where.centres) if c not in joining)
+    src = source * where.inner.world + where.inner.rank  # a job rank
+    group, mine = where.across.group, where.centre in joining
+    sampler = objective.sampler
+    head = torch.tensor(
+        [start, sampler.epoch, sampler.position, engine.tokens], dtype=torch.int64
+    )
+    dist.broadcast(head, src, group=group)
+    for sync in executor.syncs:
+        buf = sync.optimizer.state.get(sync.global_flat, {}).get("momentum_buffer")
+        meta = torch.tensor([sync.steps, int(buf is not None)], dtype=torch.int64)
+        dist.broadcast(meta, src, group=group)
+        dist.broadcast(sync.global_flat.data, src, group=group)
+        if int(meta[1]):
+            if buf is None:
+                buf = torch.empty_like(sync.global_flat.data)
+            dist.broadcast(buf, src, group=group)
+        if mine:
+            sync.steps = int(meta[0])
+            if int(meta[1]):
+                sync.optimizer.state[sync.global_flat] = {"momentum_buffer": buf}
+            if not bool(torch.isfinite(sync.global_flat).all()):
+                raise ValueError(f"centre {source} sent a non-finite global model")
+            sync.put_global()
+    step, epoch, position, tokens = (int(x) for x in head)
+    if mine:
+        engine.tokens = tokens
+        if executor.cfg.data == "split":  # the same global batches
+            if epoch < 0 or not 0 <= position < sampler.total:
+                raise ValueError(
+                    f"centre {source} sent a data position (epoch {epoch}, "
+                    f"sample {position}) outside this centre's {sampler.total} "
+                    "samples: the centres do not read the same data"
+                )
+            state = {**sampler.state_dict(), "epoch": epoch, "position": position}
+            sampler.load_state_dict(state)
+        log.info(
+            "centre %d joins the run at step %d (from centre %d's global model)",
+            where.centre,
+            step,
+            source,
+        )
+    elif where.inner.is_main and where.centre == source:
+        shown = ", ".join(f"centre {c}" for c in joining)
+        log.info("%s joined the run at step %d", shown, step)
+    return step
 
 
 def check_resume(run: RunDir, config: dict) -> None:

@@ -119,7 +119,8 @@ def finetune(
             # a centre of several ranks runs DDP (or FSDP2) inside it
             where = diloco.topology(ctx, sync.ranks_per_centre)
             ranks = where.inner
-            last = diloco.agreed_checkpoint(run, last, where, resume=resume)
+            joining = diloco.joining_centres(run, where, resume=resume)
+            last = diloco.agreed_checkpoint(run, last, where, joining, cfg.steps)
         if last is not None:
             run.check_same_model(config)
             diloco.check_resume(run, config)
@@ -156,6 +157,8 @@ def finetune(
             tensorboard=tensorboard,
         )
         start_step = engine.restore(regime, last, resume=resume)
+        if sync is not None:
+            start_step = diloco.admit(executor, objective, engine, start_step, joining)
         result = engine.run(regime, range(start_step, cfg.steps))
     finally:
         distributed.teardown(ctx)

@@ -75,7 +75,8 @@ def train(
         if sync is not None:
             where = diloco.topology(ctx, sync.ranks_per_centre)
             ranks = where.inner
-            last = diloco.agreed_checkpoint(run, last, where, resume=resume)
+            joining = diloco.joining_centres(run, where, resume=resume)
+            last = diloco.agreed_checkpoint(run, last, where, joining, cfg.steps)
         # FSDP2: this rank's shards (rank_load counts a micro-batch's rows
         # of all the ranks together)
         fsdp = parallel == "fsdp" and ranks.enabled
@@ -144,6 +145,8 @@ def train(
             tensorboard=tensorboard,
         )
         start_step = engine.restore(regime, last, resume=resume)
+        if sync is not None:
+            start_step = diloco.admit(executor, objective, engine, start_step, joining)
         model.train()
         summary = engine.run(regime, range(start_step, cfg.steps))
         del summary["records"]
