@@ -827,12 +827,12 @@ def test_a_centre_lost_for_good_the_other_resumes_without_it(
     both, more = both_run, SIXTEEN
     alone, plain = (lost_for_good(both, tmp_path / n, 8) for n in ("alone", "plain"))
     # two centres again, the second without its folder (a centre renumbered
-    # after another was lost, its folder not moved), then with a folder but
-    # no checkpoint: refused on both, in one line naming it
+    # after another was lost, its folder not moved), then with checkpoints
+    # none of which centre 0 has: refused on both, in one line naming it
     own = alone / "centres" / "1"
     for expected in (
         ("nothing to resume in the folder of centre 1",),
-        ("no checkpoint step in common", "centre 1: none"),
+        ("no checkpoint step in common", "centre 0: [8]", "centre 1: [16]"),
     ):
         rcs, logs = run_centres(
             [flags(model_file, [news_data], alone, *more, "--resume")] * 2, tmp_path
@@ -841,8 +841,9 @@ def test_a_centre_lost_for_good_the_other_resumes_without_it(
         for text in logs:
             errors = [ln for ln in text.splitlines() if ln.startswith("aisyn: error:")]
             assert len(errors) == 1 and all(e in errors[0] for e in expected), text
-        own.mkdir(parents=True, exist_ok=True)  # for the second case
-        (own / "config.json").write_bytes((alone / "config.json").read_bytes())
+        if not own.exists():  # for the second case: centre 1 at 16 alone
+            shutil.copytree(both / "centres" / "1", own)
+            shutil.rmtree(ckpt.step_folder(own / "checkpoints", 8))
     shutil.rmtree(alone / "centres")
     one = [sys.executable, "-m", "aisyn.cli", "train", "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -920,6 +921,18 @@ def test_a_centre_joins_a_run_under_way(tmp_path, news_data, model_file, both_ru
     ends = [final_model(run), final_model(joined)]
     for name, t in ends[0].items():
         assert torch.equal(t, ends[1][name]), name
+    # a newcomer stopped before its first checkpoint (its folder holds the
+    # run's config only) joins again
+    again = lost_for_good(both_run, tmp_path / "again", 8)
+    (again / "centres" / "1").mkdir(parents=True)
+    shutil.copy(joined / "config.json", again / "centres" / "1" / "config.json")
+    rcs, logs = run_centres(
+        [flags(model_file, [news_data], again, *SIXTEEN, "--resume", "auto")] * 2,
+        tmp_path,
+    )
+    assert rcs == [0, 0] and "joins the run at step 8" in logs[1], logs
+    for name, t in final_model(again / "centres" / "1").items():
+        assert torch.equal(t, ends[1][name]), name  # as the first join went
     # a run at its last step has nobody to join: said, not waited on
     done = lost_for_good(both_run, tmp_path / "done", 16)
     rcs, logs = run_centres(

@@ -746,23 +746,25 @@ def centre_folder(out: str | Path, centre: int) -> Path:
 
 
 def joining_centres(run: RunDir, where: Topology, *, resume: bool) -> list[int]:
-    """The centres that join a run under way: those whose folder holds no run
-    while the others resume theirs (a centre added to the job, started with
-    ``--resume auto``). ValueError, on every centre alike, if a centre was
-    asked to resume (``--resume``) a folder that holds no run: a centre
-    refusing alone would leave the others waiting for it until the timeout."""
+    """The centres that join a run under way: those without a checkpoint
+    while others resume from theirs (a centre added to the job with an empty
+    folder and ``--resume auto``, or one that joined and was stopped before
+    its first checkpoint: it has nothing of its own to lose). ValueError, on
+    every centre alike, if a centre was asked to resume (``--resume``) a
+    folder that holds no run: a centre refusing alone would leave the others
+    waiting for it until the timeout."""
     if where.job.world <= 1:
         if resume:
             check_resumable(run.path)
         return []
     per = where.inner.world  # a centre's ranks read the same folder
-    flags = torch.tensor([int(resume), int(holds_run(run.path))], dtype=torch.int64)
+    mine = [resume, holds_run(run.path), bool(ckpt.complete_steps(run.checkpoints))]
+    flags = torch.tensor(mine, dtype=torch.int64)
     gathered = [torch.empty_like(flags) for _ in range(where.job.world)]
     dist.all_gather(gathered, flags)
-    asked = [bool(gathered[c * per][0]) for c in range(where.centres)]
-    holds = [bool(gathered[c * per][1]) for c in range(where.centres)]
-    if not any(asked):
-        return []
+    asked, holds, saved = (
+        [bool(gathered[c * per][i]) for c in range(where.centres)] for i in range(3)
+    )
     refused = [c for c in range(where.centres) if asked[c] and not holds[c]]
     if refused:
         shown = ", ".join(f"centre {c}" for c in refused)
@@ -771,7 +773,9 @@ def joining_centres(run: RunDir, where: Topology, *, resume: bool) -> list[int]:
             "config.json); every centre needs its own run folder (centre "
             "k: OUT/centres/<k>); a centre joining the run takes --resume auto"
         )
-    return [c for c in range(where.centres) if not holds[c]]
+    if not any(asked[c] and saved[c] for c in range(where.centres)):
+        return []  # nobody resumes from a checkpoint: all start at step 0
+    return [c for c in range(where.centres) if not saved[c]]
 
 
 def agreed_checkpoint(
@@ -860,14 +864,24 @@ def admit(
                 buf = torch.empty_like(sync.global_flat.data)
             dist.broadcast(buf, src, group=group)
         if mine:
+            if int(meta[0]) < 0 or int(meta[1]) not in (0, 1):
+                raise ValueError(f"centre {source} sent a corrupt outer state")
+            sent = [sync.global_flat] + ([buf] if int(meta[1]) else [])
+            if not all(bool(torch.isfinite(t).all()) for t in sent):
+                raise ValueError(
+                    f"centre {source} sent a non-finite global model or momentum"
+                )
             sync.steps = int(meta[0])
             if int(meta[1]):
                 sync.optimizer.state[sync.global_flat] = {"momentum_buffer": buf}
-            if not bool(torch.isfinite(sync.global_flat).all()):
-                raise ValueError(f"centre {source} sent a non-finite global model")
             sync.put_global()
     step, epoch, position, tokens = (int(x) for x in head)
     if mine:
+        if not 0 <= step < executor.inner.cfg.steps or tokens < 0:
+            raise ValueError(
+                f"centre {source} sent step {step} and {tokens} tokens: not a "
+                f"point of this run of {executor.inner.cfg.steps} steps"
+            )
         engine.tokens = tokens
         if executor.cfg.data == "split":  # the same global batches
             if epoch < 0 or not 0 <= position < sampler.total:
