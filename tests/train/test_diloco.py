@@ -790,6 +790,65 @@ def test_a_centre_killed_under_torchrun_max_restarts_goes_on_with_resume_auto(
         assert torch.equal(t, final_model(whole_run)[name])
 
 
+def torchrun_node(node: int, port: int, out: Path, log: Path, *train: str):
+    """A torchrun agent for one node of an elastic job of one or two nodes
+    (one worker each), on 127.0.0.1."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        # torchrun's shared store breaks its own re-rendezvous when a node
+        # joins (torch 2.13: role_info never arrives); a fresh one per round
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "grow",
+            "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "2",
+            "--monitor-interval", "0.1", "-m", "aisyn.cli", "train", "--quiet",
+            *train,
+        ],
+        cwd=out, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_second_node_joins_an_elastic_torchrun_job(tmp_path, news_data, model_file):
+    """``torchrun --nnodes 1:2`` with ``--resume auto``: one centre trains
+    alone, a second node arrives, torchrun restarts the job with two, and
+    the newcomer joins at centre 0's last checkpoint; both end with one
+    model."""
+    port = free_port()
+    train = flags(model_file, [news_data], "run", *kill_args(1), "--resume", "auto")
+    homes = [tmp_path / "n0", tmp_path / "n1"]
+    logs = [tmp_path / "n0.log", tmp_path / "n1.log"]
+    agents = [torchrun_node(0, port, homes[0], logs[0], *train)]
+    try:
+        first = homes[0] / "run" / "checkpoints"
+        deadline = time.monotonic() + 120
+        while 80 not in ckpt.complete_steps(first):
+            assert time.monotonic() < deadline and agents[0].poll() is None
+            time.sleep(0.05)
+        agents.append(torchrun_node(1, port, homes[1], logs[1], *train))
+        rcs = [a.wait(300) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait(10)
+    texts = [log.read_text() for log in logs]
+    assert rcs == [0, 0], [t[-3000:] for t in texts]
+    assert "a run of 1 centres resumed by 2" in texts[0]
+    joined = [ln for ln in texts[1].splitlines() if "joins the run at step" in ln]
+    assert len(joined) == 1, texts[1][-3000:]
+    ends = [final_model(homes[0] / "run"), final_model(homes[1] / "run/centres/1")]
+    for name, t in ends[0].items():
+        assert torch.equal(t, ends[1][name]), name
+
+
 def lost_for_good(run: Path, out: Path, step: int) -> Path:
     """Centre 0's folder of ``run`` as it was after ``step``, without the
     other centre (its machine gone) or any later checkpoint."""
