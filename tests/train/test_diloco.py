@@ -281,6 +281,82 @@ def test_centres_of_two_ranks_each_exchange_a_share_of_the_delta(tmp_path):
         assert int(got[0]["sent"]) == 2 * each  # ring of 2: each share once
 
 
+#: a centre that lies to a newcomer (``python -c``, rank 0 of two): the
+#: newcomer (rank 1) writes what ``admit`` refused, case by case
+_LYING_SOURCE = """
+import sys, types, torch, torch.distributed as dist
+from aisyn.train.diloco import DiLoCoConfig, OuterSync, admit, topology
+from aisyn.train.distributed import DistContext
+out = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+where = topology(DistContext(rank, 2), 1)
+lies = {"nan": dict(value=float("nan")), "step": dict(step=10**9),
+        "tokens": dict(tokens=-1), "position": dict(position=10**6),
+        "steps": dict(outer=-3)}
+seen = []
+for name, lie in lies.items():
+    p = torch.nn.Parameter(torch.zeros(6))
+    sync = OuterSync([p], DiLoCoConfig(), where.across, where.inner)
+    if rank == 0:
+        sync.global_flat.data.fill_(lie.get("value", 1.0))
+        sync.steps = lie.get("outer", 1)
+    executor = types.SimpleNamespace(
+        where=where, syncs=[sync], cfg=DiLoCoConfig(),
+        inner=types.SimpleNamespace(cfg=types.SimpleNamespace(steps=100)))
+    sampler = types.SimpleNamespace(
+        epoch=0, position=lie.get("position", 3) if rank == 0 else 0, total=50,
+        state_dict=lambda: {}, load_state_dict=lambda state: None)
+    engine = types.SimpleNamespace(tokens=lie.get("tokens", 64) if rank == 0 else 0)
+    start = lie.get("step", 8) if rank == 0 else 0
+    try:
+        admit(executor, types.SimpleNamespace(sampler=sampler), engine, start, [1])
+        seen.append(f"{name}: accepted")
+    except ValueError as e:
+        seen.append(f"{name}: {e}")
+    seen.append(f"{name} model: {p.detach().tolist()}")
+if rank == 1:
+    open(out, "w").write("\\n".join(seen))
+dist.destroy_process_group()
+from aisyn.procs import exit_rank
+exit_rank(0)
+"""
+
+
+def test_a_newcomer_refuses_what_a_lying_centre_sends(tmp_path):
+    """A centre with valid credentials that lies to a joining one: a
+    non-finite global model, a step or token count outside the run, a data
+    position outside the data, a negative outer step count -- each refused
+    in one line naming the sender (the run stops before it writes a
+    checkpoint); a non-finite model or a corrupt outer state is not even
+    put in place."""
+    port, out = free_port(), tmp_path / "seen.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LYING_SOURCE, str(out)],
+            env={**env, "RANK": str(r)},
+        )
+        for r in range(2)
+    ]
+    try:
+        assert [p.wait(120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    seen = dict(line.split(": ", 1) for line in out.read_text().splitlines())
+    assert seen["nan"] == "centre 0 sent a non-finite global model or momentum"
+    assert seen["nan model"] == str([0.0] * 6)  # not put in place
+    assert "sent step 1000000000" in seen["step"]
+    assert "-1 tokens" in seen["tokens"]
+    assert "data position (epoch 0, sample 1000000)" in seen["position"]
+    assert seen["steps"] == "centre 0 sent a corrupt outer state"
+    assert seen["steps model"] == str([0.0] * 6)
+
+
 # --- streaming by fragments -------------------------------------------------------
 
 

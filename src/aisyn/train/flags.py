@@ -234,7 +234,7 @@ def resume_from_args(args: argparse.Namespace, sync) -> bool:
     refused in one line when the folder holds no run; ``--resume auto``,
     when it holds one. A DiLoCo centre's folder (``centres/<k>`` beyond the
     first) is checked once the centres have met, all of them alike
-    (``diloco.agreed_checkpoint``)."""
+    (``diloco.joining_centres``)."""
     if not args.resume:
         return False
     folder = args.out
