@@ -1132,6 +1132,36 @@ def test_full_fine_tuning_with_fsdp_inside_two_centres(tmp_path, ft_parts):
             torch.testing.assert_close(t, b[name], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_a_centre_joins_a_lora_fine_tuning_under_way(tmp_path, ft_parts):
+    """``aisyn finetune --method lora`` joins as ``aisyn train`` does: centre
+    1 gone after the checkpoint at 4, a new one with an empty folder joins
+    there, and both centres end with the same model."""
+    base, sft = ft_parts
+    common = [
+        "--base", str(base), "--data", str(sft), "--method", "lora",
+        "--steps", "8", "--batch-size", "4", "--lr", "3e-3", "--warmup", "1",
+        "--log-every", "1", "--seed", "3", "--sync", "diloco",
+        "--inner-steps", "2", "--ckpt-every", "4", "--sync-timeout", "60",
+    ]  # fmt: skip
+    both = tmp_path / "both"
+    rcs, logs = run_centres(
+        [["--out", str(both), *common]] * 2, tmp_path, command="finetune"
+    )
+    assert rcs == [0, 0], logs
+    run = lost_for_good(both, tmp_path / "run", 4)
+    rcs, logs = run_centres(
+        [["--out", str(run), *common, "--resume", "auto"]] * 2,
+        tmp_path,
+        command="finetune",
+    )
+    assert rcs == [0, 0], logs
+    assert "centre 1 joins the run at step 4" in logs[1], logs[1]
+    ends = [final_model(run), final_model(run / "centres" / "1")]
+    for name, t in ends[0].items():
+        assert torch.equal(t, ends[1][name]), name
+
+
 def test_fsdp_lora_fine_tuning_is_refused_in_one_line(tmp_path, ft_parts):
     from aisyn.train.finetune import finetune
     from aisyn.train.lora import Method
