@@ -28,6 +28,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -52,6 +53,7 @@ from .frames import (
     MAX_DIMS,
     SCALAR,
     TENSOR,
+    ChunkData,
     FrameKey,
     Inbound,
     ReceivePool,
@@ -63,6 +65,7 @@ from .frames import (
     scalar_frame,
     tensor_frames,
 )
+from .staging import CudaCopier, HostStaging, device_parts
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,9 @@ class _Job(NamedTuple):
     value: float = 0.0
     codec: str = "none"
     version: int | None = None
+    #: a GPU tensor's: recorded on the caller's stream at send(), so the
+    #: sender reads the tensor as the caller's queued work leaves it
+    ready: torch.cuda.Event | None = None
 
 
 #: tensors up to this size may be written from the caller's thread
@@ -124,6 +130,7 @@ class LinkCore(Link):
             options.max_tensor_bytes, self._admit, ReceivePool(options.recv_pool_bytes)
         )
         self._tail = bytearray()  # the sender's copy of a tensor's last chunk
+        self._staging: dict[torch.device, HostStaging] = {}  # per GPU, on first use
         self._sender = threading.Thread(
             target=self._send_loop, name=f"{name}-send", daemon=True
         )
@@ -140,9 +147,12 @@ class LinkCore(Link):
         wire and return its size on the wire; may block; raises LinkError if
         the transport is gone."""
 
-    def _tensor_wire(self, key: FrameKey, enc: Encoded) -> Iterator[bytes | Wire]:
-        """The frames carrying one tensor, in the form ``_write`` takes."""
-        return tensor_frames(key, enc, self._opts.chunk_bytes)
+    def _tensor_wire(
+        self, key: FrameKey, enc: Encoded, data: ChunkData | None
+    ) -> Iterator[bytes | Wire]:
+        """The frames carrying one tensor, in the form ``_write`` takes;
+        ``data`` supplies the chunks' bytes of a tensor left on its device."""
+        return tensor_frames(key, enc, self._opts.chunk_bytes, data)
 
     @abstractmethod
     def _end_writes(self) -> None:
@@ -185,8 +195,14 @@ class LinkCore(Link):
             version = tensor._version  # bumped by every in-place op on the storage
         except RuntimeError:  # inference-mode tensors have no version counter
             version = None
+        ready = None
+        if tensor.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
         key = FrameKey(TENSOR, tag, step, micro)
-        self._enqueue(_Job(key, tensor.detach(), codec=codec, version=version))
+        self._enqueue(
+            _Job(key, tensor.detach(), codec=codec, version=version, ready=ready)
+        )
 
     def send_scalar(self, tag: str, value: float, *, step: int) -> None:
         self._enqueue(_Job(FrameKey(SCALAR, tag, step, 0), value=float(value)))
@@ -267,12 +283,21 @@ class LinkCore(Link):
 
     def _transmit_tensor(self, job: _Job) -> None:
         assert job.key is not None and job.tensor is not None
+        data: ChunkData | None = None
         try:
-            enc = encode(job.tensor, job.codec)
+            staging = self._host_staging(job.tensor)
+            if staging is not None:
+                # Encoded on the device; its wire bytes staged to the host a
+                # chunk at a time, each copy overlapping the previous write.
+                with staging.copier.ordered_after(job.ready):
+                    enc = encode(job.tensor, job.codec, to_host=False)
+                data = partial(staging.chunks, device_parts(enc.side, enc.payload))
+            else:
+                enc = encode(job.tensor, job.codec)
         except CodecOverflowError as e:
             # Ends the session, telling the peer why (as abort() does).
             raise SessionAbortedError(f"cannot send {job.key}: {e}") from None
-        frames = self._tensor_wire(job.key, enc)
+        frames = self._tensor_wire(job.key, enc, data)
         # Write each frame only once the next one is built, so the last frame is
         # still held back when all reads of the tensor's memory are done: if the
         # caller modified it meanwhile, the peer never completes a torn tensor.
@@ -289,6 +314,15 @@ class LinkCore(Link):
                 "transmitted; clone it before sending or send it later"
             )
         self._write_frame(last)
+
+    def _host_staging(self, tensor: torch.Tensor) -> HostStaging | None:
+        """How a tensor outside host memory reaches it (None: it is there)."""
+        if not tensor.is_cuda:
+            return None
+        if tensor.device not in self._staging:
+            copier = CudaCopier(tensor.device)
+            self._staging[tensor.device] = HostStaging(self._opts.chunk_bytes, copier)
+        return self._staging[tensor.device]
 
     def _copy_tail(self, views: Sequence[memoryview | bytes]) -> memoryview:
         """The views' bytes in the sender's reused buffer (written before the

@@ -41,6 +41,7 @@ from .errors import (
 )
 from .frames import (
     MAX_MESSAGE_BYTES,
+    ChunkData,
     FrameKey,
     Inbound,
     Wire,
@@ -219,10 +220,12 @@ class GrpcLink(LinkCore):
                 continue
         raise PeerLostError(f"{self._name}: stream closed")
 
-    def _tensor_wire(self, key: FrameKey, enc: Encoded) -> Iterator[bytes | Wire]:
+    def _tensor_wire(
+        self, key: FrameKey, enc: Encoded, data: ChunkData | None
+    ) -> Iterator[bytes | Wire]:
         if self._plane is None:
-            return super()._tensor_wire(key, enc)
-        return tensor_chunks(key, enc, self._opts.chunk_bytes)
+            return super()._tensor_wire(key, enc, data)
+        return tensor_chunks(key, enc, self._opts.chunk_bytes, data)
 
     def _outgoing(self) -> Iterator[bytes]:
         """Frames for gRPC to write, until the end marker."""

@@ -1,10 +1,13 @@
 """Tensor codecs: how a tensor becomes bytes on the wire and back.
 
 A codec turns a tensor into two byte buffers, *side data* (e.g. int8 scales)
-and *payload*, both returned as 1-D uint8 CPU tensors so the frame layer can
-hand their memory to the socket without another copy. Decoding takes the same
-two buffers (typically views into one receive buffer) plus the dtype/shape
-from the frame header, and returns a tensor of the original dtype and shape.
+and *payload*, 1-D uint8 tensors: on the CPU, so the frame layer can hand
+their memory to the socket without another copy, or with ``to_host=False`` on
+the tensor's own device, so a GPU tensor is encoded where it lives and only
+its wire bytes cross to the host, chunk by chunk (``link/staging.py``).
+Decoding takes the same two buffers (typically views into one receive buffer)
+plus the dtype/shape from the frame header, and returns a tensor of the
+original dtype and shape.
 
 =======  =========================================  ===========================
 codec    wire bytes per element (fp32 source)       error
@@ -73,7 +76,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Encoded:
-    """A tensor in wire form. ``side`` and ``payload`` are 1-D uint8 CPU tensors."""
+    """A tensor in wire form. ``side`` and ``payload`` are 1-D uint8 tensors,
+    on the CPU unless :func:`encode` was asked to leave them on the device."""
 
     codec: str
     dtype: torch.dtype
@@ -100,7 +104,7 @@ class _Codec(ABC):
 
     @abstractmethod
     def encode(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat contiguous tensor (any device) -> (side, payload) uint8 CPU tensors."""
+        """Flat contiguous tensor -> (side, payload) uint8 tensors on its device."""
 
     @abstractmethod
     def decode(
@@ -116,7 +120,7 @@ class _Raw(_Codec):
         return 0, numel * dtype.itemsize
 
     def encode(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _EMPTY, _as_bytes(flat.cpu())
+        return _EMPTY, _as_bytes(flat)
 
     def decode(
         self, side: torch.Tensor, payload: torch.Tensor, numel: int, dtype: torch.dtype
@@ -138,7 +142,7 @@ class _Cast(_Codec):
         return 0, numel * self._wire.itemsize
 
     def encode(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Cast before the device->host copy so a GPU tensor moves half the bytes.
+        # On the tensor's device: a GPU tensor then moves half the bytes to the host.
         wire = flat.to(self._wire)
         if self._wire is torch.float16 and not bool(torch.isfinite(wire).all()):
             # Name the overflow here: the peer would only see inf, and finite
@@ -149,7 +153,7 @@ class _Cast(_Codec):
                     f"fp16 codec overflow: values up to {biggest:.4g} exceed "
                     f"float16's range (65504); use --compress bf16 or none"
                 )
-        return _EMPTY, _as_bytes(wire.cpu())
+        return _EMPTY, _as_bytes(wire)
 
     def decode(
         self, side: torch.Tensor, payload: torch.Tensor, numel: int, dtype: torch.dtype
@@ -203,7 +207,7 @@ class _Int8Blockwise(_Codec):
             first = start // b
             self._quantise(y, scale[first : first + rows])
             q[start:end].view(rows, -1).copy_(y)
-        return _as_bytes(scale.cpu()), _as_bytes(q.cpu())
+        return _as_bytes(scale), _as_bytes(q)
 
     @staticmethod
     def _quantise(y: torch.Tensor, scale: torch.Tensor) -> None:
@@ -267,12 +271,16 @@ def effective_codec(codec: str, dtype: torch.dtype) -> str:
     return codec if dtype.is_floating_point else "none"
 
 
-def encode(tensor: torch.Tensor, codec: str = "none") -> Encoded:
+def encode(
+    tensor: torch.Tensor, codec: str = "none", *, to_host: bool = True
+) -> Encoded:
     """Encode ``tensor`` (any device, any layout) without modifying it.
 
-    For ``none`` on a contiguous CPU tensor the payload is a view of the
-    tensor's own memory: the caller must not modify the tensor until the
-    payload has been consumed.
+    The buffers are CPU tensors; with ``to_host=False`` they stay on the
+    tensor's device (where the codec ran), for a caller that moves them to
+    the host itself. For ``none`` on a contiguous tensor the payload is a
+    view of the tensor's own memory: the caller must not modify the tensor
+    until the payload has been consumed.
     """
     dtype_name(tensor.dtype)  # reject unsupported dtypes early
     if tensor.layout is not torch.strided:
@@ -280,6 +288,8 @@ def encode(tensor: torch.Tensor, codec: str = "none") -> Encoded:
     name = effective_codec(codec, tensor.dtype)
     flat = tensor.detach().reshape(-1)  # copies only if not contiguous
     side, payload = _CODECS[name].encode(flat)
+    if to_host:  # no-ops on the CPU
+        side, payload = side.cpu(), payload.cpu()
     return Encoded(name, tensor.dtype, tuple(tensor.shape), side, payload)
 
 

@@ -186,11 +186,19 @@ def _stream(enc: Encoded) -> list[memoryview]:
     return [memoryview(t.numpy()).cast("B") for t in parts if t.numel()]
 
 
-def tensor_frames(key: FrameKey, enc: Encoded, chunk_bytes: int) -> Iterator[bytes]:
-    """Serialised frames carrying ``enc``; each copies its slice exactly once."""
-    buffers = _stream(enc)
-    for prefix, start, end in _chunk_prefixes(_enc_headers(key, enc, chunk_bytes)):
-        yield b"".join([prefix, *_slices(buffers, start, end)])
+def tensor_frames(
+    key: FrameKey,
+    enc: Encoded,
+    chunk_bytes: int,
+    data: ChunkData | None = None,
+) -> Iterator[bytes]:
+    """Serialised frames carrying ``enc``; each copies its slice exactly once.
+    ``data`` gives each chunk's bytes where ``enc``'s buffers are not in
+    host memory (a GPU tensor's, staged by ``link/staging.py``)."""
+    prefixes = list(_chunk_prefixes(_enc_headers(key, enc, chunk_bytes)))
+    parts = _chunk_data(enc, [(s, e) for _, s, e in prefixes], data)
+    for (prefix, _, _), views in zip(prefixes, parts, strict=True):
+        yield b"".join([prefix, *views])
 
 
 class Wire(NamedTuple):
@@ -201,13 +209,34 @@ class Wire(NamedTuple):
     data: Sequence[memoryview | bytes] = ()
 
 
-def tensor_chunks(key: FrameKey, enc: Encoded, chunk_bytes: int) -> Iterator[Wire]:
+def tensor_chunks(
+    key: FrameKey,
+    enc: Encoded,
+    chunk_bytes: int,
+    data: ChunkData | None = None,
+) -> Iterator[Wire]:
     """The data plane's form of ``tensor_frames``: per chunk, the header and
     views of the data (no copy)."""
-    buffers = _stream(enc)
-    for body, start, end in _enc_headers(key, enc, chunk_bytes):
+    headers = list(_enc_headers(key, enc, chunk_bytes))
+    parts = _chunk_data(enc, [(s, e) for _, s, e in headers], data)
+    for (body, _, _), views in zip(headers, parts, strict=True):
         header = b"".join((_FRAME_TENSOR_TAG, _varint(len(body)), body))
-        yield Wire(header, _slices(buffers, start, end))
+        yield Wire(header, views)
+
+
+#: given the (start, end) byte ranges of a tensor's chunks in the stream of its
+#: side data then payload, the views of each chunk's bytes in host memory, in
+#: order, one chunk at a time
+ChunkData = Callable[[list[tuple[int, int]]], Iterator[Sequence[memoryview | bytes]]]
+
+
+def _chunk_data(
+    enc: Encoded, ranges: list[tuple[int, int]], data: ChunkData | None
+) -> Iterator[Sequence[memoryview | bytes]]:
+    if data is not None:
+        return data(ranges)
+    buffers = _stream(enc)
+    return (_slices(buffers, start, end) for start, end in ranges)
 
 
 def tensor_wire_size(key: FrameKey, tensor: torch.Tensor, chunk_bytes: int) -> int:
