@@ -22,13 +22,13 @@ Protocol rules enforced here (the frame layer checks each frame in isolation):
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -291,7 +291,8 @@ class LinkCore(Link):
                 # chunk at a time, each copy overlapping the previous write.
                 with staging.copier.ordered_after(job.ready):
                     enc = encode(job.tensor, job.codec, to_host=False)
-                data = partial(staging.chunks, device_parts(enc.side, enc.payload))
+                parts = device_parts(enc.side, enc.payload)
+                data = functools.partial(staging.chunks, parts)
             else:
                 enc = encode(job.tensor, job.codec)
         except CodecOverflowError as e:
