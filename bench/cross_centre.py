@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
           ("diloco", 100, "fp32", 1, 0, (1.0, 0.0))]),
         (4, "shared", [news],
          [("ddp", None, None, 1, 0, None), ("diloco", 100, "fp32", 1, 0, None),
-          ("diloco", 100, "fp32", 1, 0, (1.0, 0.0))]),
+          ("diloco", 100, "fp32", 1, 0, (1.0, 0.0)),
+          ("diloco", 100, "int8", 1, 0, (1.0, 0.0))]),
     ]  # fmt: skip
     results = []
     curves = {}
