@@ -279,17 +279,25 @@ def plot(curves: dict, path: Path, steps: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, (points, step_s, _) in curves.items():
+    for i, (name, (points, step_s, centres)) in enumerate(curves.items()):
         if not points:
             continue
-        tokens, loss = zip(*points, strict=True)
-        a.plot(tokens, loss, label=name)
+        tokens, raw = zip(*points, strict=True)
+        # One batch's loss every 10 steps is noisy: a moving average of them,
+        # so that the runs can be told apart.
+        loss, avg = [], raw[0]
+        for x in raw:
+            avg = 0.7 * avg + 0.3 * x
+            loss.append(avg)
+        style = {"label": name, "color": plt.cm.tab20(i % 20),
+                 "linestyle": "-" if centres == 2 else "--"}  # fmt: skip
+        a.plot(tokens, loss, **style)
         wall = [t / tokens[-1] * steps * step_s / 3600 for t in tokens]
-        b.plot(wall, loss, label=name)
+        b.plot(wall, loss, **style)
     a.set_xlabel("tokens (all centres together)")
     b.set_xlabel("modelled wall time at 100 Mbit/s, 50 ms RTT (h)")
     for ax in (a, b):
-        ax.set_ylabel("training loss (centre 0)")
+        ax.set_ylabel("training loss of centre 0 (moving average)")
         ax.grid(alpha=0.3)
     b.set_xscale("log")
     a.legend(fontsize=7)
