@@ -38,7 +38,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from link_throughput import TIMEOUT, TOKEN, Plan, start_peer, stop_peer  # noqa: E402
 
-from aisyn.link import DevCerts, GrpcLinkServer, connect, make_dev_certs  # noqa: E402
+from aisyn.link import (  # noqa: E402
+    DevCerts,
+    GrpcLinkServer,
+    Link,
+    connect,
+    make_dev_certs,
+)
 from aisyn.link.codec import decode, encode  # noqa: E402
 from aisyn.link.staging import CudaCopier, HostStaging  # noqa: E402
 
@@ -90,6 +96,17 @@ def copy_rates(x: torch.Tensor, reps: int) -> dict[str, float]:
     return rates
 
 
+def dial(port: int, data_port: int, certs: str) -> Link:
+    """A link to party B on loopback, mutual TLS, with its data plane."""
+    return connect(
+        f"127.0.0.1:{port}",
+        token=TOKEN,
+        tls=DevCerts.at(certs).client_tls(),
+        timeout=60,
+        data_peer=f"127.0.0.1:{data_port}",
+    )
+
+
 def check_exact(device: torch.device, certs: str) -> None:
     """GPU tensors through the data plane arrive as the host's do."""
     with GrpcLinkServer(
@@ -98,13 +115,7 @@ def check_exact(device: torch.device, certs: str) -> None:
         tls=DevCerts.at(certs).server_tls(),
         data_listen="127.0.0.1:0",
     ) as server:
-        client = connect(
-            f"127.0.0.1:{server.port}",
-            token=TOKEN,
-            tls=DevCerts.at(certs).client_tls(),
-            timeout=60,
-            data_peer=f"127.0.0.1:{server.data_port}",
-        )
+        client = dial(server.port, server.data_port, certs)
         peer = server.accept(timeout=60)
         sent = []
         for micro, codec in enumerate(("none", "bf16", "int8")):
@@ -128,13 +139,7 @@ def link_rate(make: Callable[[], torch.Tensor], plan: Plan, certs: str) -> float
     """MB/s of ``plan.n`` tensors from ``make`` through the data plane to a
     party B in its own process, timed until B has received them all."""
     proc, (port, data_port) = start_peer("plane", certs, plan)
-    link = connect(
-        f"127.0.0.1:{port}",
-        token=TOKEN,
-        tls=DevCerts.at(certs).client_tls(),
-        timeout=60,
-        data_peer=f"127.0.0.1:{data_port}",
-    )
+    link = dial(port, data_port, certs)
     nbytes = 0
     t0 = time.perf_counter()
     for i in range(plan.n):

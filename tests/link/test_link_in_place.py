@@ -12,15 +12,13 @@ bug the guard cannot always see (as with ``torch.distributed.isend``), which
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
-from linkutil import FAST, TOKEN, open_pair
+from linkutil import transport_pair
 
-from aisyn.link import GrpcLinkServer, Link, LinkError, memory_pair
+from aisyn.link import Link, LinkError
 
 # (transport, codec). In memory, codec "none" hands the peer the sender's own
 # tensor (zero copy), so there is nothing to guard there.
@@ -31,23 +29,6 @@ CASES = [
     ("data-plane", "none"),
     ("data-plane", "fp16"),
 ]
-
-
-@contextlib.contextmanager
-def _pair(transport: str) -> Iterator[tuple[Link, Link]]:
-    if transport == "memory":
-        a, b = memory_pair()
-        yield a, b
-    else:
-        extra = {"data_listen": "127.0.0.1:0"} if transport == "data-plane" else {}
-        with GrpcLinkServer(
-            "127.0.0.1:0", token=TOKEN, insecure=True, options=FAST, **extra
-        ) as srv:
-            a, b = open_pair(srv)
-            assert (a._plane is not None) == (transport == "data-plane")
-            yield a, b
-    a.close()
-    b.close()
 
 
 def _hold_sender(link: Link) -> threading.Event:
@@ -66,7 +47,7 @@ def _hold_sender(link: Link) -> threading.Event:
 
 @pytest.mark.parametrize(("transport", "codec"), CASES)
 def test_modified_before_it_was_read_fails_the_link(transport, codec):
-    with _pair(transport) as (a, b):
+    with transport_pair(transport) as (a, b):
         gate = _hold_sender(a)
         # Too big to go inline, and in the codec under test: in memory, codec
         # none hands the tensor over without a write, so it would not wait.
@@ -81,7 +62,7 @@ def test_modified_before_it_was_read_fails_the_link(transport, codec):
 
 @pytest.mark.parametrize(("transport", "codec"), CASES)
 def test_modified_after_flush_the_peer_has_the_original(transport, codec):
-    with _pair(transport) as (a, b):
+    with transport_pair(transport) as (a, b):
         x = torch.randn(1_000_000)
         original = x.clone()
         a.send("act", x, step=0, codec=codec)

@@ -23,13 +23,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from linkutil import FAST, TOKEN, open_pair
+from linkutil import transport_pair
 
-from aisyn.link import GrpcLinkServer, LinkError, memory_pair
+from aisyn.link import LinkError
 from aisyn.link._core import LinkCore
 from aisyn.link.codec import decode, encode
 from aisyn.link.frames import TENSOR, FrameKey, tensor_chunks, tensor_frames
 from aisyn.link.staging import HostStaging, device_parts
+
+
+def _land(dst, srcs) -> None:
+    offset = 0
+    for src in srcs:
+        dst[offset : offset + src.numel()].copy_(src)
+        offset += src.numel()
 
 
 class _Copier:
@@ -49,10 +56,7 @@ class _Copier:
         self.started += 1
 
         def land() -> None:
-            offset = 0
-            for src in srcs:
-                dst[offset : offset + src.numel()].copy_(src)
-                offset += src.numel()
+            _land(dst, srcs)
 
         if self.lands == "at-start":
             land()
@@ -80,10 +84,7 @@ class _ThreadCopier(_Copier):
 
         def land() -> None:
             time.sleep(0.001)
-            offset = 0
-            for src in srcs:
-                dst[offset : offset + src.numel()].copy_(src)
-                offset += src.numel()
+            _land(dst, srcs)
 
         return self._pool.submit(land)
 
@@ -196,18 +197,8 @@ def _staged_links(transport: str, monkeypatch):
         return self._staging["staging"]
 
     monkeypatch.setattr(LinkCore, "_host_staging", staging)
-    if transport == "memory":
-        a, b = memory_pair()
+    with transport_pair(transport) as (a, b):
         yield a, b, copier
-    else:
-        extra = {"data_listen": "127.0.0.1:0"} if transport == "data-plane" else {}
-        with GrpcLinkServer(
-            "127.0.0.1:0", token=TOKEN, insecure=True, options=FAST, **extra
-        ) as srv:
-            a, b = open_pair(srv)
-            yield a, b, copier
-    a.close()
-    b.close()
 
 
 @pytest.mark.parametrize(
