@@ -306,7 +306,9 @@ class LinkCore(Link):
         for frame in frames:
             self._write_frame(last)
             last = frame
-        if isinstance(last, Wire):  # views of the tensor: read them now
+        if isinstance(last, Wire) and data is None:
+            # Views of the tensor: read them now. Staged data is already the
+            # link's own copy, landed before the chunk was handed out.
             last = Wire(last.header, [self._copy_tail(last.data)])
         if job.version is not None and job.tensor._version != job.version:
             # Ends the session telling the peer why, as a codec overflow does.
