@@ -363,9 +363,13 @@ class Lease:
             if self._closed:
                 return
             self._closed = True
-        self._usage._close(self)
-        if self.on_close is not None:
-            self.on_close()
+        # The session stays open until its line is written: whoever waits for
+        # the centre to drain then finds every ended session recorded.
+        try:
+            if self.on_close is not None:
+                self.on_close()
+        finally:
+            self._usage._close(self)
 
 
 class Usage:
