@@ -7,6 +7,8 @@ Run on a machine with a CUDA device. In one run, on tensors of the cut's size
 * rates of moving the tensor's bytes once: host memcpy (pageable to
   pageable), device->host with ``.cpu()`` (pageable), into one pinned buffer,
   and the link's staging alone (chunk copies into its three pinned buffers);
+  host->device from pageable and from pinned memory (the receiving side, which
+  still lands tensors in pageable memory: whether pinning them pays);
 * exactness: GPU tensors sent through the link with its data plane (codecs
   none, bf16, int8) arrive as the same tensors sent from the host do;
 * the link with its data plane on loopback mutual TLS, party B in a process of
@@ -93,6 +95,15 @@ def copy_rates(x: torch.Tensor, reps: int) -> dict[str, float]:
                 pass
 
         rates["staged"] = rate_of(staged, nbytes, x.device, reps)
+        # The receiving side's choice, measured for it: a received tensor
+        # lands in pageable memory today and the party moves it with .to().
+        rates["H2D pageable"] = rate_of(
+            lambda: host_src.to(x.device), nbytes, x.device, reps
+        )
+        landed = torch.empty_like(x)
+        rates["H2D pinned"] = rate_of(
+            lambda: landed.copy_(pinned, non_blocking=True), nbytes, x.device, reps
+        )
     return rates
 
 
