@@ -150,20 +150,19 @@ class TenantMetrics:
         self.sent.labels(t).inc(sent)
 
     def closed(self, record: SessionRecord, folder: Path | None, outcome: str) -> None:
-        """The session ended: its gauges back down, its line written."""
+        """The session ended: its line written, then its gauges back down (a
+        status that shows it gone finds its line there)."""
         t = record.tenant
+        record.ended, record.outcome = time.time(), outcome
+        if folder is not None:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                with (folder / SESSIONS_FILE).open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(asdict(record)) + "\n")
+            except OSError as e:  # the session's work is saved; only the line is lost
+                log.error("could not record the session in %s: %s", folder, e)
         self.sessions.labels(t).dec()
         self.memory.labels(t).dec(record.memory_bytes)
-        record.ended, record.outcome = time.time(), outcome
-        if folder is None:
-            return
-        line = asdict(record)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with (folder / SESSIONS_FILE).open("a", encoding="utf-8") as f:
-                f.write(json.dumps(line) + "\n")
-        except OSError as e:  # the session's work is saved; only the line is lost
-            log.error("could not record the session in %s: %s", folder, e)
 
 
 def read_status(text: str) -> dict[str, dict[str, float]]:
