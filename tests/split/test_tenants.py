@@ -274,6 +274,22 @@ def test_sessions_memory_and_runs_are_counted_per_tenant_and_in_all():
     usage.open(a, "r1", 4 * GIB)
 
 
+def test_a_session_is_open_until_its_close_has_been_recorded():
+    """Whoever waits for the centre to drain finds every ended session
+    recorded (its on_close writes the tenant's _sessions.jsonl line)."""
+    usage = Usage(settle_s=0)
+    lease = usage.open(Tenant("a", CERT), "r1", 0)
+    seen: list[list] = []
+    lease.on_close = lambda: seen.append(usage.sessions())
+    lease.close()
+    assert seen == [[("a", "r1", 0)]] and usage.sessions() == []
+    failing = usage.open(Tenant("a", CERT), "r2", 0)
+    failing.on_close = lambda: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        failing.close()
+    assert usage.sessions() == []  # a failed record does not hold the slot
+
+
 def test_a_session_over_a_quota_waits_briefly_for_one_that_is_ending():
     usage = Usage(max_sessions=1, settle_s=5)
     a = Tenant("a", CERT)
