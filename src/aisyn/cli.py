@@ -87,30 +87,49 @@ def cmd_cloze_build(args) -> None:
 
 def cmd_certs(args) -> None:
     """Development credentials for a first run across two machines: a fresh CA
-    (ca.pem), the certificate and key of party B, the compute party or
-    federated server (b.pem, b.key, valid for each --host), those of party A,
-    the data party or a client (a.pem, a.key), and a random shared token
-    (token). The names are the ones docs/split.md uses; keys and the token
-    are written 0600. For experiments only: production brings its own PKI."""
+    (ca.pem, its key ca.key), the certificate and key of party B, the compute
+    party or federated server (b.pem, b.key, valid for each --host), those of
+    party A, the data party or a client (a.pem, a.key), and a random shared
+    token (token). The names are the ones docs/split.md uses; keys and the
+    token are written 0600, never through a link. With --client NAME, one
+    more client certificate (NAME.pem, NAME.key) signed by the CA already in
+    --out: one per tenant of a centre. For experiments only: production
+    brings its own PKI."""
 
-    from aisyn.link.certs import DevCerts, make_dev_certs, write_token
+    from aisyn.link.certs import (
+        DevCerts,
+        check_targets,
+        make_dev_certs,
+        write_token,
+    )
 
     out = Path(args.out)
+    if args.client:
+        if args.host:
+            raise ValueError(
+                "--host names B's certificate; --client signs client "
+                "certificates only (leave --host out)"
+            )
+        _issue_clients(out, args)
+        return
     paths = DevCerts.for_parties(out)
     token = out / "token"
-    if not args.overwrite:
-        there = [p.name for p in (*paths.files(), token) if p.exists()]
-        if there:
-            raise FileExistsError(
-                f"{out}: already holds {', '.join(there)}; pass --overwrite to "
-                "replace them (peers using the old ones will be refused)"
-            )
+    # Every target checked before anything is generated or written.
+    check_targets([*paths.files(), paths.ca_key, token], overwrite=args.overwrite)
     hosts = args.host or ["127.0.0.1", "localhost"]
-    make_dev_certs(out, hosts, days=args.days, paths=paths)
-    write_token(token)
+    make_dev_certs(
+        out,
+        hosts,
+        days=args.days,
+        paths=paths,
+        keep_ca_key=True,
+        overwrite=args.overwrite,
+    )
+    write_token(token, overwrite=args.overwrite)
     print(
-        f"wrote {out}/: ca.pem, b.pem + b.key (compute party / server, for "
-        f"{', '.join(hosts)}), a.pem + a.key (data party / client), token"
+        f"wrote {out}/: ca.pem + ca.key (the CA; ca.key stays here), b.pem + "
+        f"b.key (compute party / server, for {', '.join(hosts)}), a.pem + a.key "
+        "(data party / client), token"
     )
     print(
         f"B: --tls-cert {paths.server_cert} --tls-key {paths.server_key} "
@@ -120,6 +139,29 @@ def cmd_certs(args) -> None:
         f"A: --tls-cert {paths.client_cert} --tls-key {paths.client_key} "
         f"--tls-ca {paths.ca_cert} --token-file {token}"
     )
+    print(f"more clients (a tenant each): aisyn certs --out {out} --client NAME")
+
+
+def _issue_clients(out: Path, args) -> None:
+    from aisyn.link.certs import check_targets, issue_client
+
+    names = list(dict.fromkeys(args.client))
+    # All of them refused before any is written.
+    check_targets(
+        [out / f"{n}{ext}" for n in names for ext in (".pem", ".key")],
+        overwrite=args.overwrite,
+    )
+    for name in names:
+        c = issue_client(out, name, days=args.days, overwrite=args.overwrite)
+        print(
+            f"wrote {c.cert} + {c.key} (client {c.subject}, signed by "
+            f"{c.ca_cert}, valid until {c.not_after:%Y-%m-%d %H:%M} UTC)"
+        )
+        print(
+            f'  tenants file: [tenant.{name}] certificate = "{c.fingerprint}"  '
+            f'(or subject = "{c.subject}")'
+        )
+        print(f"  {name}: --tls-cert {c.cert} --tls-key {c.key} --tls-ca {c.ca_cert}")
 
 
 def _cert_host(text: str) -> str:
@@ -135,6 +177,38 @@ def _cert_host(text: str) -> str:
     if not re.fullmatch(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", text):
         raise argparse.ArgumentTypeError(
             f"{text!r} is neither an IP address nor an ASCII host name"
+        )
+    return text
+
+
+def _cert_days(text: str) -> int:
+    """``aisyn certs --days``: a whole number of days X.509 can express."""
+    from aisyn.link.certs import check_days
+
+    days = validate.positive_int(text)
+    try:
+        check_days(days)
+    except ValueError as e:
+        message = str(e).removeprefix(f"--days {days}: ")
+        raise argparse.ArgumentTypeError(message) from None
+    return days
+
+
+def _client_name(text: str) -> str:
+    """``aisyn certs --client``: a plain name, as a tenant's (its file names
+    and the certificate's CN)."""
+    import re
+
+    from aisyn.link.certs import RESERVED_CLIENT_NAMES
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a client name is letters, digits, _ and - (up to 64), "
+            "as a tenant's"
+        )
+    if text in RESERVED_CLIENT_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names the parties' or the CA's own files; pick another"
         )
     return text
 
@@ -334,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(
         ce,
         ("--out", None, REQUIRED, "folder to write them to"),
-        ("--days", positive_int, 30, "days the certificates are valid"),
+        ("--days", _cert_days, 30, "days the certificates are valid"),
         ("--overwrite", "store_true", None, "replace credentials already there"),
     )
     ce.add_argument(
@@ -343,6 +417,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_cert_host,
         help="name or address B is reached at (repeat; default 127.0.0.1 and "
         "localhost)",
+    )
+    ce.add_argument(
+        "--client",
+        action="append",
+        type=_client_name,
+        metavar="NAME",
+        help="sign one more client certificate (NAME.pem, NAME.key) with the CA "
+        "an earlier `aisyn certs` left in --out (repeat): one per tenant",
     )
 
     tr = add_command(sub, "train", cmd_train, "standalone (unsplit) training")

@@ -4,16 +4,25 @@ Both parties authenticate each other with certificates signed by one CA they
 agreed on (mutual TLS); the shared token in call metadata is a second factor
 that also guards against a mis-issued certificate. :func:`make_dev_certs`
 creates a throwaway CA plus one server and one client certificate for tests
-and first experiments; production deployments bring their own PKI.
+and first experiments (and, asked to, keeps the CA's key so that
+:func:`issue_client` can sign more client certificates: one per tenant of a
+centre); production deployments bring their own PKI.
+
+Credentials are written into their folder and never through a link in it: a
+planted symbolic link (``token -> ../elsewhere``, ``a.key -> ../precious``)
+is refused, and a file is replaced by renaming a fresh one over it, so
+neither a symbolic nor a hard link carries a private key outside the folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 import os
 import secrets
-from collections.abc import Sequence
+import stat
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +31,26 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["DevCerts", "TlsConfig", "make_dev_certs", "write_token"]
+__all__ = [
+    "DevCerts",
+    "IssuedClient",
+    "TlsConfig",
+    "UnsafePathError",
+    "issue_client",
+    "make_dev_certs",
+    "max_days",
+    "write_token",
+]
+
+#: the last instant an X.509 validity period can name (GeneralizedTime's
+#: four-digit year, RFC 5280 4.1.2.5)
+LAST_DATE = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.UTC)
+#: clients named like a party's or the CA's files would replace them
+RESERVED_CLIENT_NAMES = frozenset({"a", "b", "ca"})
+
+
+class UnsafePathError(ValueError):
+    """A credential's path is a symbolic link: nothing is written through it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +121,12 @@ class DevCerts:
         client A (``a.pem``, ``a.key``)."""
         return cls.at(out_dir, server="b", client="a")
 
+    @property
+    def ca_key(self) -> Path:
+        """Where ``make_dev_certs(..., keep_ca_key=True)`` keeps the CA's key
+        (``ca.key`` beside ``ca.pem``)."""
+        return self.ca_cert.with_suffix(".key")
+
     def files(self) -> tuple[Path, ...]:
         return (
             self.ca_cert,
@@ -124,15 +158,28 @@ def make_dev_certs(
     days: int = 30,
     paths: DevCerts | None = None,
     more_clients: Sequence[str] = (),
+    keep_ca_key: bool = False,
+    overwrite: bool = True,
 ) -> DevCerts:
     """Write a fresh CA, a server certificate valid for ``hosts`` and a client
     certificate into ``out_dir`` (under ``paths``' names, by default
     ``DevCerts.at``'s), and one more client certificate per name in
     ``more_clients`` (``DevCerts.other_client``). Keys are P-256 (fast to
-    generate, supported by gRPC's BoringSSL) and written with mode 0600; the
-    CA's key is never written, so nothing more can be signed with it."""
+    generate, supported by gRPC's BoringSSL) and written with mode 0600. The
+    CA's key is written (``DevCerts.ca_key``, 0600) only with
+    ``keep_ca_key``; otherwise nothing more can be signed with it.
+
+    Nothing is written if a target is a symbolic link (:class:`UnsafePathError`)
+    or, without ``overwrite``, if one exists (``FileExistsError``)."""
+    check_days(days)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    paths = paths or DevCerts.at(out)
+    targets = [*paths.files()]
+    targets += [p for name in more_clients for p in paths.other_client(name)]
+    if keep_ca_key:
+        targets.append(paths.ca_key)
+    check_targets(targets, overwrite=overwrite)
     now = dt.datetime.now(dt.UTC)
     # Back-date a little so a peer whose clock runs slightly behind accepts it.
     not_before, not_after = now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
@@ -145,53 +192,150 @@ def make_dev_certs(
         .add_extension(_key_usage(ca=True), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
+    ca = _Ca(ca_cert, ca_key)
 
-    def leaf(
-        common_name: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]
-    ):
-        key = ec.generate_private_key(ec.SECP256R1())
-        builder = (
-            _builder(
-                _name(common_name), ca_name, key.public_key(), not_before, not_after
-            )
-            .add_extension(
-                x509.BasicConstraints(ca=False, path_length=None), critical=True
-            )
-            .add_extension(_key_usage(ca=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        )
-        if sans:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName(sans), critical=False
-            )
-        return builder.sign(ca_key, hashes.SHA256()), key
-
-    server_cert, server_key = leaf(
+    server_cert, server_key = ca.leaf(
         hosts[0] if hosts else "aisyn-server",
         ExtendedKeyUsageOID.SERVER_AUTH,
         [_general_name(h) for h in hosts],
+        not_before,
+        not_after,
     )
-    client_cert, client_key = leaf("aisyn-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    client_cert, client_key = ca.leaf(
+        "aisyn-client", ExtendedKeyUsageOID.CLIENT_AUTH, [], not_before, not_after
+    )
 
-    paths = paths or DevCerts.at(out)
-    _write(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
-    _write(paths.server_cert, server_cert.public_bytes(serialization.Encoding.PEM))
-    _write(paths.client_cert, client_cert.public_bytes(serialization.Encoding.PEM))
-    _write(paths.server_key, _key_pem(server_key), private=True)
-    _write(paths.client_key, _key_pem(client_key), private=True)
+    w = overwrite
+    _write(paths.ca_cert, _cert_pem(ca_cert), replace=w)
+    _write(paths.server_cert, _cert_pem(server_cert), replace=w)
+    _write(paths.client_cert, _cert_pem(client_cert), replace=w)
+    _write(paths.server_key, _key_pem(server_key), private=True, replace=w)
+    _write(paths.client_key, _key_pem(client_key), private=True, replace=w)
+    if keep_ca_key:
+        _write(paths.ca_key, _key_pem(ca_key), private=True, replace=w)
     for name in more_clients:
-        cert, key = leaf(f"aisyn-client-{name}", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+        cert, key = ca.leaf(
+            f"aisyn-client-{name}",
+            ExtendedKeyUsageOID.CLIENT_AUTH,
+            [],
+            not_before,
+            not_after,
+        )
         cert_path, key_path = paths.other_client(name)
-        _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-        _write(key_path, _key_pem(key), private=True)
+        _write(cert_path, _cert_pem(cert), replace=w)
+        _write(key_path, _key_pem(key), private=True, replace=w)
     return paths
 
 
-def write_token(path: str | os.PathLike[str]) -> Path:
+@dataclass(frozen=True, slots=True)
+class IssuedClient:
+    """What :func:`issue_client` wrote, and what a tenants file names it by."""
+
+    cert: Path
+    key: Path
+    ca_cert: Path
+    not_after: dt.datetime
+    #: ``x509-sha256:<hex>``, the link's name for it (a tenant's ``certificate``)
+    fingerprint: str
+    #: RFC 4514 (a tenant's ``subject``)
+    subject: str
+
+
+def issue_client(
+    folder: str | os.PathLike[str],
+    name: str,
+    *,
+    days: int = 30,
+    overwrite: bool = False,
+) -> IssuedClient:
+    """Sign a client certificate for ``name`` (subject ``CN=name``) with the CA
+    ``make_dev_certs(..., keep_ca_key=True)`` left in ``folder`` (``ca.pem``,
+    ``ca.key``), written as ``NAME.pem`` and ``NAME.key`` (0600). It ends
+    ``days`` from now or when the CA does, whichever is first."""
+    check_days(days)
+    if name in RESERVED_CLIENT_NAMES:
+        raise ValueError(
+            f"client {name!r}: {', '.join(sorted(RESERVED_CLIENT_NAMES))} name the "
+            "parties' and the CA's own files; pick another name"
+        )
+    out = Path(folder)
+    paths = DevCerts.at(out)
+    if not os.path.lexists(paths.ca_key):
+        raise FileNotFoundError(
+            f"{paths.ca_key}: no CA key here, so no more certificates can be "
+            f"signed by {paths.ca_cert} (folders made before `aisyn certs` kept "
+            "it, or copied without it); make a new CA with `aisyn certs --out "
+            "NEW_FOLDER` or sign with your own PKI"
+        )
+    ca = _Ca.load(paths.ca_cert, paths.ca_key)
+    cert_path, key_path = out / f"{name}.pem", out / f"{name}.key"
+    check_targets([cert_path, key_path], overwrite=overwrite)
+    now = dt.datetime.now(dt.UTC)
+    ca_end = ca.cert.not_valid_after_utc
+    if ca_end <= now:
+        raise ValueError(
+            f"{paths.ca_cert}: the CA expired on {ca_end:%Y-%m-%d %H:%M} UTC; make "
+            "a new one with `aisyn certs --out NEW_FOLDER`"
+        )
+    not_after = min(now + dt.timedelta(days=days), ca_end)
+    cert, key = ca.leaf(
+        name,
+        ExtendedKeyUsageOID.CLIENT_AUTH,
+        [],
+        now - dt.timedelta(minutes=5),
+        not_after,
+    )
+    _write(cert_path, _cert_pem(cert), replace=overwrite)
+    _write(key_path, _key_pem(key), private=True, replace=overwrite)
+    return IssuedClient(
+        cert=cert_path,
+        key=key_path,
+        ca_cert=paths.ca_cert,
+        not_after=not_after,
+        # The SHA-256 of the DER, as the link computes a peer's identity.
+        fingerprint="x509-sha256:" + cert.fingerprint(hashes.SHA256()).hex(),
+        subject=cert.subject.rfc4514_string(),
+    )
+
+
+def max_days(now: dt.datetime | None = None) -> int:
+    """The most whole days from ``now`` a certificate can be valid for."""
+    return (LAST_DATE - (now or dt.datetime.now(dt.UTC))).days
+
+
+def check_days(days: int) -> None:
+    """Refuse a validity period X.509 cannot express (it ends by 9999-12-31)."""
+    limit = max_days()
+    if not 0 < days <= limit:
+        raise ValueError(
+            f"--days {days}: a certificate is valid from 1 day up to {limit} days "
+            "from today (X.509 dates end at 9999-12-31)"
+        )
+
+
+def check_targets(paths: Iterable[Path], *, overwrite: bool) -> None:
+    """Before anything is generated: refuse a target that is a symbolic link
+    (even with ``overwrite``), and without ``overwrite`` one that exists."""
+    paths = [Path(p) for p in paths]
+    there = []
+    for path in paths:
+        if path.is_symlink():
+            raise UnsafePathError(_link_message(path, os.readlink(path)))
+        if os.path.lexists(path):
+            there.append(path.name)
+    if there and not overwrite:
+        raise FileExistsError(
+            f"{paths[0].parent}: already holds {', '.join(there)}; pass "
+            "--overwrite to replace them (peers using the old ones will be refused)"
+        )
+
+
+def write_token(path: str | os.PathLike[str], *, overwrite: bool = True) -> Path:
     """A fresh random token (256 bits, URL-safe text) for ``--token-file``,
     written with mode 0600: both parties of a split run give the same file."""
     path = Path(path)
-    _write(path, (secrets.token_urlsafe(32) + "\n").encode(), private=True)
+    token = (secrets.token_urlsafe(32) + "\n").encode()
+    _write(path, token, private=True, replace=overwrite)
     return path
 
 
@@ -246,11 +390,106 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def _write(path: Path, data: bytes, *, private: bool = False) -> None:
-    # Create private keys 0600 from the start rather than chmod after writing;
-    # fchmod also tightens a pre-existing file that is being overwritten.
+class _Ca:
+    """A CA certificate and its key, signing leaves."""
+
+    def __init__(self, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+        self.cert, self.key = cert, key
+
+    @classmethod
+    def load(cls, cert_path: Path, key_path: Path) -> _Ca:
+        try:
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        except ValueError:
+            raise ValueError(f"{cert_path}: not a PEM certificate") from None
+        try:
+            key = serialization.load_pem_private_key(key_path.read_bytes(), None)
+        except (ValueError, TypeError):  # TypeError: it wants a password
+            raise ValueError(
+                f"{key_path}: not an unencrypted PEM private key"
+            ) from None
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or (
+            key.public_key() != cert.public_key()
+        ):
+            raise ValueError(f"{key_path} is not the key of {cert_path}")
+        return cls(cert, key)
+
+    def leaf(
+        self,
+        common_name: str,
+        usage: x509.ObjectIdentifier,
+        sans: list[x509.GeneralName],
+        not_before: dt.datetime,
+        not_after: dt.datetime,
+    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (
+            _builder(
+                _name(common_name),
+                self.cert.subject,
+                key.public_key(),
+                not_before,
+                not_after,
+            )
+            .add_extension(
+                x509.BasicConstraints(ca=False, path_length=None), critical=True
+            )
+            .add_extension(_key_usage(ca=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        )
+        if sans:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(sans), critical=False
+            )
+        return builder.sign(self.key, hashes.SHA256()), key
+
+
+def _cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _link_message(path: Path, target: str) -> str:
+    return (
+        f"{path} is a symbolic link (to {target}); credentials are never written "
+        "through one: remove it, or give another folder"
+    )
+
+
+def _write(
+    path: Path, data: bytes, *, private: bool = False, replace: bool = True
+) -> None:
+    """Write ``data`` to ``path`` in its folder, never through a link there.
+
+    Without ``replace`` the file is created exclusively (an existing name,
+    dangling link included, is an error). With it, a fresh file beside it is
+    renamed over it: the rename replaces the name itself, so a symbolic or
+    hard link planted there carries nothing outside the folder, and a reader
+    sees the old file or the new one, never half of one. Both are opened
+    relative to the folder opened once, with O_NOFOLLOW.
+    """
+    # Private keys 0600 from the first byte rather than chmod after writing;
+    # fchmod because the umask may have taken bits off the mode asked for.
     mode = 0o600 if private else 0o644
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    os.fchmod(fd, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISLNK(os.lstat(path.name, dir_fd=folder).st_mode):
+                target = os.readlink(path.name, dir_fd=folder)
+                raise UnsafePathError(_link_message(path, target))
+        name = f".{path.name}.{secrets.token_hex(6)}.tmp" if replace else path.name
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(name, flags, mode, dir_fd=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), mode)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if replace:
+                os.replace(name, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=folder)
+            raise
+    finally:
+        os.close(folder)
