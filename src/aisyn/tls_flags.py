@@ -52,14 +52,21 @@ def add_tls_files(
     key: str | None,
     ca: str,
     old: Mapping[str, str] | None = None,
+    prefix: str = "",
 ) -> None:
     """``--tls-cert``, ``--tls-key`` and ``--tls-ca`` with these helps (a flag
     whose help is None is left out); ``old`` maps a flag to an earlier spelling
-    accepted as a hidden alias."""
+    accepted as a hidden alias. A ``prefix`` names another endpoint's set
+    (``metrics-``: ``--metrics-tls-cert``, ...), checked alike."""
     for flag, help_text in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
         if help_text is None:
             continue
-        group.add_argument(flag, type=_FILES[flag], default=None, help=help_text)
+        group.add_argument(
+            "--" + prefix + flag.removeprefix("--"),
+            type=_FILES[flag],
+            default=None,
+            help=help_text,
+        )
         if old and flag in old:
             group.add_argument(
                 old[flag],

@@ -347,6 +347,35 @@ def _train_rank0(args, ranks) -> None:
     )
 
 
+def _metrics_tls(args):
+    """--metrics-tls-cert/-key/-ca: all three (the endpoint asks every scraper
+    for a client certificate), and only with --metrics-listen."""
+    from aisyn.split.metrics_endpoint import MetricsTls
+
+    given = {
+        flag: value
+        for flag, value in (
+            ("--metrics-tls-cert", args.metrics_tls_cert),
+            ("--metrics-tls-key", args.metrics_tls_key),
+            ("--metrics-tls-ca", args.metrics_tls_ca),
+        )
+        if value
+    }
+    if not given:
+        return None
+    if args.metrics_listen is None:
+        raise ValueError(
+            f"{', '.join(given)}: there is no --metrics-listen endpoint to secure"
+        )
+    if len(given) < 3:
+        raise ValueError(
+            "--metrics-tls-cert, --metrics-tls-key and --metrics-tls-ca go "
+            "together (the endpoint's certificate and key, and the CA of its "
+            f"scrapers' client certificates); only {', '.join(given)} given"
+        )
+    return MetricsTls(args.metrics_tls_cert, args.metrics_tls_key, args.metrics_tls_ca)
+
+
 def cmd_serve(args) -> None:
     """Holds only the middle blocks of --model cut by --cut; takes the
     optimisation settings from each data party's hello; keeps one run folder per
@@ -364,6 +393,7 @@ def cmd_serve(args) -> None:
     from aisyn.train import distributed
     from aisyn.train.device import resolve_device
 
+    metrics_tls = _metrics_tls(args)  # checked before anything is loaded
     tenants = None
     if args.tenants:  # checked before anything is loaded
         from aisyn.split.tenants import load_tenants
@@ -408,6 +438,7 @@ def cmd_serve(args) -> None:
         max_sessions=args.max_sessions,
         memory_bytes=math.inf if args.memory is None else args.memory,
         metrics_listen=args.metrics_listen,
+        metrics_tls=metrics_tls,
     )
     server.start(args.address_file)
     stages = "" if ranks is None else f" (blocks over {ranks.world} ranks)"
@@ -483,6 +514,25 @@ def cmd_merge(args) -> None:
     print(f"merged checkpoint: {folder}  (run folder {args.out})")
 
 
+def _status_tls(args):
+    """The TLS context of ``split status`` against an endpoint served with
+    --metrics-tls-*: all three files, or none (plain HTTP)."""
+    import ssl
+
+    files = (args.tls_cert, args.tls_key, args.tls_ca)
+    if not any(files):
+        return None
+    if not all(files):
+        raise ValueError(
+            "--tls-cert, --tls-key and --tls-ca go together: a client "
+            "certificate and key the endpoint's --metrics-tls-ca signed, and the "
+            "CA of its own certificate"
+        )
+    context = ssl.create_default_context(cafile=args.tls_ca)
+    context.load_cert_chain(args.tls_cert, args.tls_key)
+    return context
+
+
 def cmd_status(args) -> None:
     """Each tenant's use of a running compute party, from its metrics
     endpoint (`aisyn split serve --metrics-listen HOST:PORT`): sessions open,
@@ -493,9 +543,12 @@ def cmd_status(args) -> None:
 
     from aisyn.split.tenant_metrics import format_status, read_status
 
-    url = f"http://{args.metrics}/metrics"
+    context = _status_tls(args)
+    url = f"{'https' if context else 'http'}://{args.metrics}/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=args.timeout) as reply:
+        with urllib.request.urlopen(
+            url, timeout=args.timeout, context=context
+        ) as reply:
             text = reply.read(16 << 20).decode("utf-8", "replace")
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
@@ -814,8 +867,9 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
             None,
             "HOST:PORT of a Prometheus endpoint with each tenant's steps, "
             "tokens, compute seconds, bytes, sessions, memory, queue wait and "
-            "refusals (plain HTTP: keep it on loopback or an operators' "
-            "network; `aisyn split status --metrics HOST:PORT` reads it)",
+            "refusals (plain HTTP unless --metrics-tls-*: keep it on loopback "
+            "or an operators' network; `aisyn split status --metrics HOST:PORT` "
+            "reads it)",
         ),
         (
             "--exit-after",
@@ -854,6 +908,14 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
         "checkpoint; 0 or none: the idle timeout)",
     )
     _add_link_args(v, server=True)
+    add_tls_files(
+        v.add_argument_group("metrics endpoint security"),
+        cert="serve --metrics-listen over HTTPS with this certificate (PEM)",
+        key="its private key (PEM)",
+        ca="CA (PEM) that must have signed every scraper's client certificate "
+        "(best one of its own: whatever it signed reads every tenant's use)",
+        prefix="metrics-",
+    )
     add_config_flag(v, "split-serve")
 
 
@@ -869,6 +931,12 @@ def _add_status(ssub: argparse._SubParsersAction) -> None:
         ),
         ("--timeout", positive_float, 10.0, "seconds to wait for the endpoint"),
         ("--json", "store_true", None, "print the figures as JSON"),
+    )
+    add_tls_files(
+        st.add_argument_group("an endpoint served with --metrics-tls-*"),
+        cert="client certificate (PEM) signed by the endpoint's --metrics-tls-ca",
+        key="its private key (PEM)",
+        ca="CA certificate (PEM) that signed the endpoint's",
     )
 
 

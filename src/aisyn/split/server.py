@@ -34,6 +34,7 @@ from aisyn.model.families import build_model
 from aisyn.model.plan import Workload, module_sizes, party_load
 from aisyn.model.segments import COMPUTE_PARTY
 from aisyn.split.compute_party import ComputeParty, Session
+from aisyn.split.metrics_endpoint import MetricsTls
 from aisyn.split.pipeline import RanksOutOfStep, stop_ranks
 from aisyn.split.session import failure_reason
 from aisyn.split.tenant_metrics import SessionRecord, TenantMetrics
@@ -75,6 +76,7 @@ class SplitServer:
         max_sessions: int = 1,
         memory_bytes: float = math.inf,
         metrics_listen: str | None = None,
+        metrics_tls: MetricsTls | None = None,
     ) -> None:
         if max_sessions > 1 and party.ranks is not None:
             raise ValueError(
@@ -129,6 +131,7 @@ class SplitServer:
         #: ``metrics_listen`` once started
         self.metrics = TenantMetrics()
         self.metrics_listen = metrics_listen
+        self.metrics_tls = metrics_tls
         self.metrics_port: int | None = None
         #: sessions run so far, and how many of them failed (for logs and tests)
         self.sessions_served = 0
@@ -231,7 +234,9 @@ class SplitServer:
 
     def start(self, address_file: str | Path | None = None) -> SplitServer:
         if self.metrics_listen is not None:
-            self.metrics_port = self.metrics.serve(self.metrics_listen)
+            self.metrics_port = self.metrics.serve(
+                self.metrics_listen, self.metrics_tls
+            )
         self.server.start()
         if address_file is not None:
             # Written only once listening, so a launcher may poll for it.

@@ -1,9 +1,10 @@
 """What each tenant of a compute centre uses, for the operator.
 
 Live, on a Prometheus endpoint (``aisyn split serve --metrics-listen
-HOST:PORT``; ``aisyn split status --metrics HOST:PORT`` reads it back as a
-table): per tenant, the steps and tokens trained, the compute seconds B
-spent on them, the bytes each way, the sessions open and the memory they
+HOST:PORT``, over mutual TLS with ``--metrics-tls-*``:
+``split.metrics_endpoint``; ``aisyn split status --metrics HOST:PORT`` reads
+it back as a table): per tenant, the steps and tokens trained, the compute
+seconds B spent on them, the bytes each way, the sessions open and the memory they
 hold, the time sessions waited to be admitted, and the refusals by quota.
 And per session, one JSON line in the tenant's folder
 (``OUT/<tenant>/_sessions.jsonl``) when it ends.
@@ -21,8 +22,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
+
+from aisyn.split.metrics_endpoint import MetricsTls, serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +94,13 @@ class TenantMetrics:
         self._server = None
         self._lock = threading.Lock()
 
-    def serve(self, address: str) -> int:
-        """Expose the registry on ``address`` ("host:port"); the bound port."""
+    def serve(self, address: str, tls: MetricsTls | None = None) -> int:
+        """Expose the registry on ``address`` ("host:port"), over mutual TLS
+        with ``tls``; the bound port."""
         from aisyn.net import split_host_port
 
         host, port = split_host_port(address)
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        bound = server.server_address[1]
-        log.info("per-tenant metrics on http://%s:%d/metrics", host, bound)
+        self._server, bound = serve_metrics(self.registry, host, port, tls)
         return bound
 
     def stop(self) -> None:
