@@ -205,3 +205,19 @@ def test_certs_client_needs_the_cas_key(tmp_path, capsys):
     assert main(["certs", "--out", str(old), "--client", "hospital"]) == 2
     assert "is not the key of" in capsys.readouterr().err
     assert not (old / "hospital.pem").exists()
+
+
+@pytest.mark.parametrize("name", ["../outside", "b", "ca", ""])
+def test_certs_client_names_stay_in_the_folder(tmp_path, capsys, name):
+    from aisyn.link.certs import issue_client
+
+    out = tmp_path / "creds"
+    main(["certs", "--out", str(out)])
+    before = _contents(out)
+    with pytest.raises(SystemExit) as e:
+        main(["certs", "--out", str(out), "--client", name])
+    assert e.value.code == 2
+    assert "argument --client" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="client"):
+        issue_client(out, name)
+    assert _contents(out) == before and not (tmp_path / "outside.pem").exists()

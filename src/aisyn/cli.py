@@ -197,19 +197,12 @@ def _cert_days(text: str) -> int:
 def _client_name(text: str) -> str:
     """``aisyn certs --client``: a plain name, as a tenant's (its file names
     and the certificate's CN)."""
-    import re
+    from aisyn.link.certs import check_client_name
 
-    from aisyn.link.certs import RESERVED_CLIENT_NAMES
-
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", text):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: a client name is letters, digits, _ and - (up to 64), "
-            "as a tenant's"
-        )
-    if text in RESERVED_CLIENT_NAMES:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} names the parties' or the CA's own files; pick another"
-        )
+    try:
+        check_client_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("client ")) from None
     return text
 
 

@@ -12,6 +12,9 @@ Credentials are written into their folder and never through a link in it: a
 planted symbolic link (``token -> ../elsewhere``, ``a.key -> ../precious``)
 is refused, and a file is replaced by renaming a fresh one over it, so
 neither a symbolic nor a hard link carries a private key outside the folder.
+The folder itself may be a link: the user named it (``creds ->
+/secrets/creds`` is an ordinary layout), and every file is then opened
+relative to the folder as opened once, so it cannot be swapped midway.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import datetime as dt
 import ipaddress
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterable, Sequence
@@ -253,11 +257,7 @@ def issue_client(
     ``ca.key``), written as ``NAME.pem`` and ``NAME.key`` (0600). It ends
     ``days`` from now or when the CA does, whichever is first."""
     check_days(days)
-    if name in RESERVED_CLIENT_NAMES:
-        raise ValueError(
-            f"client {name!r}: {', '.join(sorted(RESERVED_CLIENT_NAMES))} name the "
-            "parties' and the CA's own files; pick another name"
-        )
+    check_client_name(name)
     out = Path(folder)
     paths = DevCerts.at(out)
     if not os.path.lexists(paths.ca_key):
@@ -296,6 +296,21 @@ def issue_client(
         fingerprint="x509-sha256:" + cert.fingerprint(hashes.SHA256()).hex(),
         subject=cert.subject.rfc4514_string(),
     )
+
+
+def check_client_name(name: str) -> None:
+    """A client's name is a plain file name, as a tenant's (it names its
+    files, so nothing like ``../x``), and none of the parties' or the CA's."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", name):
+        raise ValueError(
+            f"client {name!r}: a name is letters, digits, _ and - (up to 64), as "
+            "a tenant's"
+        )
+    if name in RESERVED_CLIENT_NAMES:
+        raise ValueError(
+            f"client {name!r}: {', '.join(sorted(RESERVED_CLIENT_NAMES))} name the "
+            "parties' and the CA's own files; pick another name"
+        )
 
 
 def max_days(now: dt.datetime | None = None) -> int:
