@@ -13,8 +13,8 @@ planted symbolic link (``token -> ../elsewhere``, ``a.key -> ../precious``)
 is refused, and a file is replaced by renaming a fresh one over it, so
 neither a symbolic nor a hard link carries a private key outside the folder.
 The folder itself may be a link: the user named it (``creds ->
-/secrets/creds`` is an ordinary layout), and every file is then opened
-relative to the folder as opened once, so it cannot be swapped midway.
+/secrets/creds`` is an ordinary layout); each file's temporary and its
+rename are relative to one open handle of the folder, so they land together.
 """
 
 from __future__ import annotations
