@@ -457,3 +457,68 @@ def test_a_flood_of_silent_dials_does_not_lock_the_client_out(tls_server, pki):
     finally:
         for s in silent:
             s.close()
+
+
+def _hold_idle(port: int, count: int, sources: list[str]) -> list[socket.socket]:
+    """``count`` connections that never send a byte, from ``sources`` in turn."""
+    held = []
+    for i in range(count):
+        s = socket.socket()
+        s.bind((sources[i % len(sources)], 0))
+        s.connect(("127.0.0.1", port))
+        held.append(s)
+    return held
+
+
+def _until(predicate, timeout: float = 10.0) -> bool:
+    import time as _time
+
+    deadline = _time.monotonic() + timeout
+    while not predicate():
+        if _time.monotonic() > deadline:
+            return False
+        _time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("max_pending", [None, 64])
+def test_a_thousand_idle_connections_do_not_lock_the_client_out(pki, max_pending):
+    """1 000 connections that never authenticate, held open -- 8 from the
+    session's own client address, the rest from 16 other loopback addresses
+    -- while the session's client attaches. Before, 4 from one address (or 64
+    in all) made the listener drop every later dial, the client's included.
+    The listener holds at most its cap of them (an idle one costs a socket,
+    no TLS state); past the cap the flood's own connections make room."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * 1000 + 512  # both ends of every connection live in this process
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"the open-file limit ({hard}) cannot hold {need}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    extra = {} if max_pending is None else {"data_max_pending": max_pending}
+    with GrpcLinkServer(
+        "127.0.0.1:0",
+        token=TOKEN,
+        tls=pki.server_tls(),
+        options=FAST,
+        data_listen="127.0.0.1:0",
+        **extra,
+    ) as srv:
+        listener = srv._plane
+        cap = listener.max_pending
+        others = [f"127.0.0.{i}" for i in range(2, 18)]
+        held = _hold_idle(srv.data_port, 8, ["127.0.0.1"])
+        held += _hold_idle(srv.data_port, 992, others)
+        try:
+            assert _until(lambda: listener.pending() == min(1000, cap))
+            assert not any(p.started for p in list(listener._pending.values()))
+            _next_session_works(srv, pki)
+            _next_session_works(srv, pki)
+            assert listener.peak_pending <= cap
+            if max_pending is None:  # room for all: the flood was not dropped
+                assert cap >= 1000 and listener.pending() >= 990
+        finally:
+            for s in held:
+                s.close()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import logging
 import os
 import secrets
@@ -43,9 +42,7 @@ import socket
 import ssl
 import struct
 import tempfile
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
@@ -57,7 +54,6 @@ from .certs import TlsConfig
 from .errors import (
     FrameTooLargeError,
     HandshakeError,
-    LinkError,
     LinkTimeoutError,
     MalformedFrameError,
     PeerLostError,
@@ -81,11 +77,6 @@ MAX_HEADER_BYTES = 64 * 1024
 _COALESCE_BYTES = 64 * 1024
 #: what one receive call may read ahead; must hold the largest header
 _READ_BUFFER = MAX_HEADER_BYTES + 8 + 64 * 1024
-#: TLS handshakes in progress at once, in all and from one address: a flood
-#: of dials beyond it is dropped, and one host's flood cannot fill the slots
-#: the session's own client needs
-_MAX_HANDSHAKES = 64
-_MAX_HANDSHAKES_PER_HOST = 4
 
 
 def new_secret() -> bytes:
@@ -257,15 +248,22 @@ class FrameSocket:
         or ``timeout`` passes (False). Called between frames only."""
         if self._buffered() or getattr(self._sock, "pending", lambda: 0)():
             return True
+        # poll, not select: under a flood of connections this socket's
+        # descriptor may be above select's limit of 1024.
         try:
-            fds = [self._sock] if wake is None else [self._sock, wake]
-            ready = select.select(fds, [], [], timeout)[0]
+            poller = select.poll()
+            mine = self._sock.fileno()
+            poller.register(mine, select.POLLIN)
+            if wake is not None:
+                poller.register(wake.fileno(), select.POLLIN)
+            ms = None if timeout is None else max(0, int(timeout * 1000))
+            ready = {fd for fd, _ in poller.poll(ms)}
         except (OSError, ValueError):  # closed under us: the read will say so
             return True
-        if wake is not None and wake in ready:
+        if wake is not None and wake.fileno() in ready:
             with contextlib.suppress(OSError):
                 wake.recv(4096)
-        return self._sock in ready
+        return mine in ready
 
     def set_timeout(self, timeout: float | None) -> None:
         """How long one receive call may wait (None: forever)."""
@@ -294,173 +292,6 @@ class Plane(NamedTuple):
 
     out: FrameSocket
     inbound: FrameSocket
-
-
-# -------------------------------------------------------------------- server
-
-
-class _Expected:
-    """One session's data plane while its two connections come in."""
-
-    def __init__(self, secret: bytes, identity: str) -> None:
-        self.secret = secret
-        self.identity = identity
-        self.socks: dict[bytes, socket.socket] = {}
-        self.cond = threading.Condition()
-        self.cancelled = False
-
-
-class DataListener:
-    """The server's data-plane port, shared by its sessions (one at a time)."""
-
-    def __init__(self, listen: str, tls: TlsConfig | None, timeout: float) -> None:
-        host, port = split_host_port(listen)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            self._sock = socket.create_server((host, port), family=family)
-        except OSError as exc:
-            raise LinkError(
-                f"cannot listen on {listen} for the data plane: {exc}"
-            ) from None
-        self.port: int = self._sock.getsockname()[1]
-        self._ctx = tls_context(tls, server=True) if tls is not None else None
-        self._timeout = timeout
-        self._lock = threading.Lock()
-        self._expected: list[_Expected] = []
-        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
-        self._per_host: dict[str, int] = {}  # handshakes in progress per address
-        self._stopped = False
-        self._thread = threading.Thread(
-            target=self._accept_loop, name="data-plane-accept", daemon=True
-        )
-        self._thread.start()
-
-    def expect(self, identity: str) -> tuple[bytes, _Expected]:
-        """Register a session about to be offered the plane: (secret, handle)."""
-        expected = _Expected(new_secret(), identity)
-        with self._lock:
-            self._expected.append(expected)
-        return expected.secret, expected
-
-    def wait(
-        self, expected: _Expected, timeout: float, gone: Callable[[], bool]
-    ) -> tuple[socket.socket, socket.socket]:
-        """Both of the session's connections (up, down), or HandshakeError."""
-        deadline = time.monotonic() + timeout
-        try:
-            with expected.cond:
-                while len(expected.socks) < 2:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or gone() or self._stopped:
-                        why = "the session ended" if gone() else f"{timeout:g} s"
-                        raise HandshakeError(
-                            "the client did not open its data-plane connections "
-                            f"(port {self.port}) within {why}"
-                        )
-                    expected.cond.wait(min(left, 0.1))
-                return expected.socks[UP], expected.socks[DOWN]
-        except BaseException:
-            self.forget(expected)
-            raise
-        finally:
-            with self._lock:
-                if expected in self._expected:
-                    self._expected.remove(expected)
-
-    def forget(self, expected: _Expected) -> None:
-        with self._lock:
-            if expected in self._expected:
-                self._expected.remove(expected)
-        with expected.cond:
-            expected.cancelled = True
-            for sock in expected.socks.values():
-                sock.close()
-            expected.socks.clear()
-
-    def stop(self) -> None:
-        self._stopped = True
-        try:
-            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-
-    def _accept_loop(self) -> None:
-        while not self._stopped:
-            try:
-                conn, addr = self._sock.accept()
-            except OSError:
-                return
-            host = addr[0] if isinstance(addr, tuple) else str(addr)
-            with self._lock:
-                busy = self._per_host.get(host, 0) >= _MAX_HANDSHAKES_PER_HOST
-                if not busy:
-                    self._per_host[host] = self._per_host.get(host, 0) + 1
-            if busy or not self._handshakes.acquire(blocking=False):
-                if not busy:
-                    self._unclaim(host)
-                log.warning("data plane: too many handshakes; dropped %s", addr)
-                conn.close()
-                continue
-            threading.Thread(
-                target=self._handshake, args=(conn, addr, host), daemon=True
-            ).start()
-
-    def _unclaim(self, host: str) -> None:
-        with self._lock:
-            left = self._per_host.pop(host, 1) - 1
-            if left:
-                self._per_host[host] = left
-
-    def _handshake(self, conn: socket.socket, addr: object, host: str) -> None:
-        held = [conn]  # and, once wrapped, its TLS socket
-        try:
-            problem = self._admit(held)
-        except (OSError, EOFError, ValueError) as exc:
-            problem = f"handshake failed: {exc}"
-        finally:
-            self._handshakes.release()
-            self._unclaim(host)
-        if problem:
-            log.warning("data plane: refused a connection from %s: %s", addr, problem)
-            held[-1].close()
-
-    def _admit(self, held: list[socket.socket]) -> str | None:
-        """Authenticate one connection and hand it to its session; returns
-        why it was refused, or None."""
-        sock = held[0]
-        sock.settimeout(self._timeout)
-        _tune(sock)
-        peer_identity = None
-        if self._ctx is not None:
-            sock = self._ctx.wrap_socket(sock, server_side=True)
-            held.append(sock)
-            peer_identity = certificate_identity(sock.getpeercert(binary_form=True))
-        preamble = bytearray(_PREAMBLE)
-        _recv_exact(sock, memoryview(preamble))
-        magic, rest = preamble[: len(MAGIC)], preamble[len(MAGIC) :]
-        direction, secret = bytes(rest[:1]), bytes(rest[1:])
-        if magic != MAGIC or direction not in (UP, DOWN):
-            return "not a data-plane preamble"
-        with self._lock:
-            expected = next(
-                (e for e in self._expected if hmac.compare_digest(e.secret, secret)),
-                None,
-            )
-        if expected is None:
-            return "unknown or expired session secret"
-        if peer_identity is not None and not hmac.compare_digest(
-            peer_identity, expected.identity
-        ):
-            return "its certificate is not the one its session was opened with"
-        with expected.cond:
-            if expected.cancelled or direction in expected.socks:
-                return "its session already has that connection"
-            sock.sendall(_ACK)
-            sock.settimeout(None)
-            expected.socks[direction] = sock
-            expected.cond.notify_all()
-        return None
 
 
 # -------------------------------------------------------------------- client

@@ -45,7 +45,8 @@ from ._grpc_transport import (
 from .admission import AdmissionQueue
 from .base import LinkOptions, PeerHello, Service
 from .certs import TlsConfig
-from .data_plane import DataListener, FrameSocket, Plane, certificate_identity
+from .data_listener import MAX_PENDING, DataListener
+from .data_plane import FrameSocket, Plane, certificate_identity
 from .errors import (
     AuthError,
     HandshakeError,
@@ -57,10 +58,14 @@ from .errors import (
     PeerLostError,
 )
 from .frames import Inbound, check_hello, error_frame, hello_frame, parse_frame
+from .limits import ensure_fd_headroom
 
 __all__ = ["Accept", "GrpcLink", "GrpcLinkServer", "connect"]
 
 log = logging.getLogger(__name__)
+
+#: descriptors a link server makes room for on its gRPC port (idle callers)
+_CONTROL_FDS = 4096
 
 
 class Accept(NamedTuple):
@@ -414,6 +419,7 @@ class GrpcLinkServer(Service):
         max_workers: int = 8,
         data_listen: str | None = None,
         max_sessions: int = 1,
+        data_max_pending: int = MAX_PENDING,
     ) -> None:
         for address in (listen, data_listen) if data_listen else (listen,):
             check_plaintext(address, insecure, allow_insecure_remote, tls is not None)
@@ -446,10 +452,22 @@ class GrpcLinkServer(Service):
         # Each open session's stream holds a worker; a few more turn callers
         # away as busy while every slot is taken.
         workers = max(max_workers, max_sessions + 4)
+        # gRPC handshakes on its own event loop and holds any number of idle
+        # connections, until the descriptors run out: then it accepts nobody
+        # ("File descriptor limit reached") until they time out. Room for a
+        # thousand or more, and idle ones dropped after the link's handshake
+        # timeout rather than gRPC's 120 s.
+        ensure_fd_headroom(_CONTROL_FDS, "the link server")
         self._server = grpc.server(
             ThreadPoolExecutor(workers, thread_name_prefix="link-server"),
             handlers=[handler],
-            options=grpc_options(self._opts, server=True),
+            options=grpc_options(self._opts, server=True)
+            + [
+                (
+                    "grpc.server_handshake_timeout_ms",
+                    int(self._opts.handshake_timeout_s * 1000),
+                )
+            ],
         )
         try:
             if tls is not None:
@@ -471,7 +489,12 @@ class GrpcLinkServer(Service):
         self.address: str = join_host_port(host, port)
         #: the bulk data plane offered to every session (data_plane.py), if any
         self._plane = (
-            DataListener(data_listen, tls, self._opts.handshake_timeout_s)
+            DataListener(
+                data_listen,
+                tls,
+                self._opts.handshake_timeout_s,
+                max_pending=data_max_pending,
+            )
             if data_listen is not None
             else None
         )
