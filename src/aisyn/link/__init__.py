@@ -80,6 +80,7 @@ from .codec import CODECS
 from .data_plane import certificate_identity
 from .errors import (
     AuthError,
+    CertificateError,
     FrameError,
     FrameMismatchError,
     FrameOrderError,
@@ -110,6 +111,7 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "Accept",
     "AuthError",
+    "CertificateError",
     "DevCerts",
     "FrameError",
     "FrameMismatchError",

@@ -107,6 +107,9 @@ class LinkCore(Link):
         self.peer = peer
         self._opts = options
         self._name = name
+        #: how loudly a failure is logged (a connect attempt's: quietly, the
+        #: caller reports each kind of failure once)
+        self._fail_level = logging.WARNING
         self._lock = threading.RLock()  # a transport may add conditions on it
         self._cond = threading.Condition(self._lock)
         # Receive side; guarded by _cond.
@@ -557,7 +560,7 @@ class LinkCore(Link):
                 return  # the peer already said goodbye; keep unread frames readable
             self._error = exc
             self._cond.notify_all()
-        log.warning("%s: %s: %s", self._name, type(exc).__name__, exc)
+        log.log(self._fail_level, "%s: %s: %s", self._name, type(exc).__name__, exc)
         try:
             self._teardown(exc, notify_peer)
         finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "AuthError",
+    "CertificateError",
     "FrameError",
     "FrameMismatchError",
     "FrameOrderError",
@@ -51,6 +52,29 @@ class FrameMismatchError(FrameError):
 
 class AuthError(LinkError):
     """The peer's credentials (token or certificate) were rejected."""
+
+
+class CertificateError(AuthError):
+    """TLS cannot work with these certificates: the server's is not for the
+    address dialled (``kind`` "name"), not signed by our CA ("untrusted"),
+    expired ("expired"), or the server refused ours ("refused"). Retrying
+    cannot help. ``hosts``: what the server's certificate is valid for (where
+    known); ``dialled``, ``port``: the name and port that were dialled."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str,
+        hosts: list[str] | None = None,
+        dialled: str = "",
+        port: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.hosts = list(hosts or [])
+        self.dialled = dialled
+        self.port = port
 
 
 class HandshakeError(LinkError):

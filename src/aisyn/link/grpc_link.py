@@ -31,7 +31,7 @@ import grpc
 
 from aisyn.net import join_host_port, split_host_port
 
-from . import data_plane
+from . import data_plane, tls_check
 from ._grpc_transport import (
     METHOD,
     SERVICE,
@@ -49,6 +49,7 @@ from .data_listener import MAX_PENDING, DataListener
 from .data_plane import FrameSocket, Plane, certificate_identity
 from .errors import (
     AuthError,
+    CertificateError,
     HandshakeError,
     LinkClosedError,
     LinkError,
@@ -128,6 +129,7 @@ class _ClientLink(GrpcLink):
         name: str,
     ) -> None:
         super().__init__(options, name, None, target)
+        self._fail_level = logging.DEBUG  # until open: connect() reports
         self._channel = channel
         self._requests_done = threading.Event()
         self._call_done = threading.Event()
@@ -206,6 +208,30 @@ class _ClientLink(GrpcLink):
 _QUEUED = re.compile(r"queued at position (\d+)")
 
 
+def _permanent(
+    peer: str, tls: TlsConfig | None, exc: PeerLostError
+) -> CertificateError | None:
+    """The certificate problem behind a failed attempt, if that is what it
+    was (gRPC reports it as UNAVAILABLE, as it does a server not up yet)."""
+    if tls is None:
+        return None
+    found = tls_check.diagnose(peer, tls)
+    if found is not None and found.kind == "refused":
+        # A server closing right after the handshake may also be one going
+        # down: believe it only twice in a row.
+        time.sleep(0.2)
+        found = tls_check.diagnose(peer, tls)
+    if found is None:
+        return None
+    return type(found)(
+        f"TLS with {peer} failed: {found}",
+        kind=found.kind,
+        hosts=found.hosts,
+        dialled=found.dialled,
+        port=found.port,
+    )
+
+
 def connect(
     peer: str,
     *,
@@ -226,16 +252,20 @@ def connect(
     proxy or NAT in between).
 
     Retries while the server is unreachable or busy, for up to ``timeout``
-    seconds (default ``options.handshake_timeout_s``); a busy server queues
-    this identity, and its place is logged whenever it changes. Raises AuthError for a
-    rejected token, HandshakeError for a refused HELLO, PeerLostError when no
-    session could be opened in time, ValueError for an insecure non-loopback
-    address.
+    seconds (default ``options.handshake_timeout_s``), logging each kind of
+    failure once; a busy server queues this identity, and its place is
+    logged whenever it changes. Raises AuthError for a rejected token,
+    CertificateError (an AuthError) at once for certificates that cannot
+    work (not for this address, another CA, expired: see ``tls_check.py``),
+    HandshakeError for a refused HELLO, PeerLostError when no session could
+    be opened in time, ValueError for an insecure non-loopback address.
     """
     opts = options or LinkOptions()
     check_plaintext(peer, insecure, allow_insecure_remote, tls is not None)
     _check_token(token)
     hello = hello_frame(role, session)
+    if tls is not None:
+        tls_check.check_own_certificate(tls)
     channel_options = grpc_options(opts, server=False)
     if tls is not None:
         creds = grpc.ssl_channel_credentials(
@@ -254,6 +284,7 @@ def connect(
     delay = 0.05
     name = f"link[{role}->{peer}]"
     place = None  # our place in the server's queue, once told
+    seen: set[str] = set()  # the kinds of failure already reported
     while True:
         link = _ClientLink(channel, peer, token, hello, opts, name)
         try:
@@ -268,6 +299,18 @@ def connect(
             if queued and queued.group(1) != place:
                 place = queued.group(1)
                 log.info("%s: the server is busy; queued at position %s", name, place)
+            elif not queued and str(exc) not in seen:
+                seen.add(str(exc))
+                permanent = _permanent(peer, tls, exc)
+                if permanent is not None:
+                    channel.close()
+                    raise permanent from None
+                log.warning(
+                    "%s: no session yet (%s); retrying for up to %g s",
+                    name,
+                    exc,
+                    timeout,
+                )
             if time.monotonic() + delay >= deadline:
                 channel.close()
                 raise PeerLostError(

@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from aisyn.link.base import Link
-from aisyn.link.errors import LinkError, LinkTimeoutError
+from aisyn.link.errors import CertificateError, LinkError, LinkTimeoutError
 from aisyn.link.memory import memory_pair
 from aisyn.model.families import ModelConfig, hf_folder
 from aisyn.model.segments import Partition
+from aisyn.net import join_host_port
 from aisyn.procs import ChildProcess, child_env
 from aisyn.split import protocol as proto
 from aisyn.split.compute_party import ComputeParty
@@ -161,15 +162,24 @@ def open_grpc(
 ) -> Iterator[Opened]:
     from aisyn.link.grpc_link import connect
 
-    link = connect(
-        settings.address,
-        **settings.security(),
-        role="A",
-        session=proto.encode_json(hello),
-        options=link_options(codec, recv_timeout_s),
-        timeout=connect_timeout_s,
-        data_peer=settings.data_address,
-    )
+    try:
+        link = connect(
+            settings.address,
+            **settings.security(),
+            role="A",
+            session=proto.encode_json(hello),
+            options=link_options(codec, recv_timeout_s),
+            timeout=connect_timeout_s,
+            data_peer=settings.data_address,
+        )
+    except CertificateError as e:
+        raise CertificateError(
+            f"{e}; {certificate_fix(e)}",
+            kind=e.kind,
+            hosts=e.hosts,
+            dialled=e.dialled,
+            port=e.port,
+        ) from None
     try:
         try:
             reply = proto.parse_reply(link.peer.session)
@@ -179,6 +189,25 @@ def open_grpc(
         yield Opened(link, reply)
     finally:
         link.close()
+
+
+def certificate_fix(e: CertificateError) -> str:
+    """What the user can do about a certificate that cannot work, in flags."""
+    if e.kind == "name":
+        names = [h for h in e.hosts if "*" not in h]
+        dial = f"--peer {join_host_port(names[0], e.port)}" if names else None
+        remake = f"aisyn certs --host {e.dialled}"
+        if dial:
+            return (
+                f"dial a name it is for ({dial}) or make B's certificate for "
+                f"{e.dialled} ({remake})"
+            )
+        return f"make B's certificate for {e.dialled} ({remake})"
+    if e.kind == "untrusted":
+        return "give --tls-ca the CA that signed B's certificate"
+    if e.kind == "not-yet-valid":
+        return "check this machine's clock"
+    return "issue current certificates from the CA both parties trust (aisyn certs)"
 
 
 @dataclass
