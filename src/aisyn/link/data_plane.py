@@ -19,7 +19,9 @@ Who may attach. The connection must present the same client certificate as
 the gRPC stream (its SHA-256 is compared with the session's identity) and the
 session's secret (compared in constant time), within the handshake timeout;
 anything else is closed with nothing read beyond the fixed-size preamble. One
-connection per direction is accepted per session.
+connection per direction is accepted per session. The server's side of that,
+and what it holds for connections that never authenticate, is
+``data_listener.py``; this module is the framing and the client's dial.
 
 Framing on the wire, after the preamble: an 8-byte header (length of a
 serialised ``Frame`` without tensor data, length of the raw data that follows
