@@ -481,14 +481,21 @@ def _until(predicate, timeout: float = 10.0) -> bool:
     return True
 
 
-@pytest.mark.parametrize("max_pending", [None, 64])
-def test_a_thousand_idle_connections_do_not_lock_the_client_out(pki, max_pending):
+@pytest.mark.parametrize(
+    ("max_pending", "addresses"),
+    [(None, 16), (64, 16), (64, 992)],
+    ids=["default cap", "cap 64", "cap 64, an address each"],
+)
+def test_a_thousand_idle_connections_do_not_lock_the_client_out(
+    pki, max_pending, addresses
+):
     """1 000 connections that never authenticate, held open -- 8 from the
-    session's own client address, the rest from 16 other loopback addresses
-    -- while the session's client attaches. Before, 4 from one address (or 64
-    in all) made the listener drop every later dial, the client's included.
-    The listener holds at most its cap of them (an idle one costs a socket,
-    no TLS state); past the cap the flood's own connections make room."""
+    session's own client address, the rest from other loopback addresses
+    (16, or one each) -- while the session's client attaches. Before, 4 from
+    one address (or 64 in all) made the listener drop every later dial, the
+    client's included. The listener holds at most its cap of them (an idle
+    one costs a socket, no TLS state); past the cap the flood's own
+    connections make room."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -508,7 +515,7 @@ def test_a_thousand_idle_connections_do_not_lock_the_client_out(pki, max_pending
     ) as srv:
         listener = srv._plane
         cap = listener.max_pending
-        others = [f"127.0.0.{i}" for i in range(2, 18)]
+        others = [f"127.0.{2 + i // 250}.{1 + i % 250}" for i in range(addresses)]
         held = _hold_idle(srv.data_port, 8, ["127.0.0.1"])
         held += _hold_idle(srv.data_port, 992, others)
         try:

@@ -350,6 +350,8 @@ class DataListener:
 
     def _advance(self, pending: _Pending) -> None:
         """Drive one connection as far as its bytes allow."""
+        if self._pending.get(pending.fd) is not pending:
+            return  # dropped earlier in this round of events
         try:
             problem = self._step(pending)
         except (ssl.SSLWantReadError, BlockingIOError):

@@ -59,12 +59,13 @@ def ensure_fd_headroom(wanted: int, what: str) -> int:
     if fits < wanted:
         fits = max(2, fits)
         log.warning(
-            "%s holds at most %d unauthenticated connections at once, not %d: "
-            "the open-file limit is %d (raise it with `ulimit -n`)",
-            what,
+            "the open-file limit (%d; hard limit %s) leaves room for %d of the "
+            "%d idle connections %s should withstand; raise it with `ulimit -n`",
+            soft,
+            "unlimited" if hard == resource.RLIM_INFINITY else hard,
             fits,
             wanted,
-            soft,
+            what,
         )
         return fits
     return wanted
