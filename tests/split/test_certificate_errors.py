@@ -58,3 +58,23 @@ def test_split_train_stops_at_once_on_a_certificate_for_another_name(
     ]
     assert not [r for r in caplog.records if "link[A->" in r.getMessage()]
     assert elapsed < 60  # the connect timeout is 150 s
+
+
+def test_the_fix_names_the_flag_that_chose_the_name():
+    from aisyn.link import CertificateError
+    from aisyn.split.session import certificate_fix
+
+    e = CertificateError(
+        "the certificate of 10.0.0.2:50051 is for b.example.org, not b.other.org",
+        kind="name",
+        hosts=["b.example.org"],
+        dialled="b.other.org",
+        port=50051,
+    )
+    assert "(--peer b.example.org:50051)" in certificate_fix(e)
+    # with --server-name, that flag chose the name checked, not --peer's host
+    fix = certificate_fix(e, server_name="b.other.org")
+    assert "(--server-name b.example.org)" in fix
+    assert "aisyn certs --host b.other.org" in fix
+    v6 = CertificateError("", kind="name", hosts=["::1"], dialled="127.0.0.1", port=7)
+    assert "(--peer [::1]:7)" in certificate_fix(v6)

@@ -174,7 +174,7 @@ def open_grpc(
         )
     except CertificateError as e:
         raise CertificateError(
-            f"{e}; {certificate_fix(e)}",
+            f"{e}; {certificate_fix(e, settings.server_name)}",
             kind=e.kind,
             hosts=e.hosts,
             dialled=e.dialled,
@@ -191,11 +191,17 @@ def open_grpc(
         link.close()
 
 
-def certificate_fix(e: CertificateError) -> str:
-    """What the user can do about a certificate that cannot work, in flags."""
+def certificate_fix(e: CertificateError, server_name: str | None = None) -> str:
+    """What the user can do about a certificate that cannot work, in flags
+    (``server_name``: the --server-name given, which is the name checked)."""
     if e.kind == "name":
         names = [h for h in e.hosts if "*" not in h]
-        dial = f"--peer {join_host_port(names[0], e.port)}" if names else None
+        if not names:
+            dial = None
+        elif server_name:
+            dial = f"--server-name {names[0]}"
+        else:
+            dial = f"--peer {join_host_port(names[0], e.port)}"
         remake = f"aisyn certs --host {e.dialled}"
         if dial:
             return (
