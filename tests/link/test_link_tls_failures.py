@@ -159,3 +159,25 @@ def test_a_server_not_up_yet_is_retried_with_one_line(pkis, caplog):
             )
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "retrying for up to 2 s" in lines[0], lines
+
+
+def test_an_open_session_that_fails_is_still_logged(pkis, caplog):
+    """Quiet while connecting, not after: a session lost later is news."""
+    good = pkis["good"]
+    with GrpcLinkServer(
+        "127.0.0.1:0", token=TOKEN, tls=good.server_tls(), options=FAST
+    ) as srv:
+        a = connect(
+            srv.address, token=TOKEN, tls=good.client_tls(), options=FAST, timeout=5
+        )
+        b = srv.accept(timeout=5)
+        with caplog.at_level(logging.WARNING, logger="aisyn.link"):
+            b.abort("the compute party is shutting down")
+            with pytest.raises(PeerLostError, match="shutting down"):
+                a.recv("grad", step=0, timeout=10)
+        a.close()
+        b.close()
+    assert any(
+        "link[A->" in r.getMessage() and r.levelno == logging.WARNING
+        for r in caplog.records
+    )

@@ -324,6 +324,7 @@ def connect(
             channel.close()
             raise
         break
+    link._fail_level = logging.WARNING  # open: its failures are news again
     if link._offer is not None:
         address = data_peer or join_host_port(split_host_port(peer)[0], link._offer[0])
         try:
