@@ -254,15 +254,18 @@ class DataListener:
                     else (next(iter(self._pending.values())).deadline - now)
                 )
                 for key, _events in self._selector.select(max(0.0, min(wait, 1.0))):
-                    if key.fileobj is self._sock:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        with contextlib.suppress(OSError):
-                            self._wake_r.recv(64)
-                    else:
-                        self._advance(key.data)
-        except Exception:  # a bug here must not silently close the door
-            log.exception("data plane: the listener failed")
+                    try:
+                        if key.fileobj is self._sock:
+                            self._accept()
+                        elif key.fileobj is self._wake_r:
+                            with contextlib.suppress(OSError):
+                                self._wake_r.recv(64)
+                        else:
+                            self._advance(key.data)
+                    except Exception:  # a bug must cost one connection, not the port
+                        log.exception("data plane: the listener failed on one event")
+                        if isinstance(key.data, _Pending):
+                            self._drop(key.data)
         finally:
             for pending in list(self._pending.values()):
                 self._drop(pending)

@@ -49,7 +49,6 @@ from .data_listener import MAX_PENDING, DataListener
 from .data_plane import FrameSocket, Plane, certificate_identity
 from .errors import (
     AuthError,
-    CertificateError,
     HandshakeError,
     LinkClosedError,
     LinkError,
@@ -208,30 +207,6 @@ class _ClientLink(GrpcLink):
 _QUEUED = re.compile(r"queued at position (\d+)")
 
 
-def _permanent(
-    peer: str, tls: TlsConfig | None, exc: PeerLostError
-) -> CertificateError | None:
-    """The certificate problem behind a failed attempt, if that is what it
-    was (gRPC reports it as UNAVAILABLE, as it does a server not up yet)."""
-    if tls is None:
-        return None
-    found = tls_check.diagnose(peer, tls)
-    if found is not None and found.kind == "refused":
-        # A server closing right after the handshake may also be one going
-        # down: believe it only twice in a row.
-        time.sleep(0.2)
-        found = tls_check.diagnose(peer, tls)
-    if found is None:
-        return None
-    return type(found)(
-        f"TLS with {peer} failed: {found}",
-        kind=found.kind,
-        hosts=found.hosts,
-        dialled=found.dialled,
-        port=found.port,
-    )
-
-
 def connect(
     peer: str,
     *,
@@ -301,7 +276,9 @@ def connect(
                 log.info("%s: the server is busy; queued at position %s", name, place)
             elif not queued and str(exc) not in seen:
                 seen.add(str(exc))
-                permanent = _permanent(peer, tls, exc)
+                permanent = tls_check.permanent_failure(
+                    peer, tls, deadline - time.monotonic()
+                )
                 if permanent is not None:
                     channel.close()
                     raise permanent from None

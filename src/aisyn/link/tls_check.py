@@ -16,6 +16,7 @@ import contextlib
 import datetime as dt
 import socket
 import ssl
+import time
 
 from cryptography import x509
 
@@ -25,7 +26,12 @@ from .certs import TlsConfig
 from .data_plane import tls_context
 from .errors import CertificateError
 
-__all__ = ["certificate_hosts", "check_own_certificate", "diagnose"]
+__all__ = [
+    "certificate_hosts",
+    "check_own_certificate",
+    "diagnose",
+    "permanent_failure",
+]
 
 #: what an HTTP/2 client sends first: a gRPC server answers it with SETTINGS,
 #: and only after it has accepted the client's certificate (TLS 1.3 checks
@@ -190,4 +196,31 @@ def _refused_us(exc: ssl.SSLError, address: str) -> CertificateError | None:
         f"{address} refused our certificate ({reason.lower().replace('_', ' ')}): "
         "it needs one signed by the CA the server trusts, and current",
         kind="refused",
+    )
+
+
+def permanent_failure(
+    peer: str, tls: TlsConfig | None, budget: float
+) -> CertificateError | None:
+    """The certificate problem behind a failed attempt to reach ``peer``, if
+    that is what it was (gRPC reports it as UNAVAILABLE, as it does a server
+    not up yet), as the error ``connect`` raises; ``budget``: seconds left."""
+    if tls is None:
+        return None
+    # (at most ~5 s per handshake, within what is left of connect's timeout)
+    timeout = max(0.5, min(5.0, budget / 2))
+    found = diagnose(peer, tls, timeout)
+    if found is not None and found.kind == "refused":
+        # A server closing right after the handshake may also be one going
+        # down: believe it only twice in a row.
+        time.sleep(0.2)
+        found = diagnose(peer, tls, timeout)
+    if found is None:
+        return None
+    return type(found)(
+        f"TLS with {peer} failed: {found}",
+        kind=found.kind,
+        hosts=found.hosts,
+        dialled=found.dialled,
+        port=found.port,
     )
