@@ -274,3 +274,122 @@ def test_bad_consortia_are_refused_before_anything_is_written(
     with pytest.raises(ValueError, match=message):
         run_splitfed(ft_base, {n: paths[d] for n, d in parties.items()}, out, s)
     assert not out.exists()
+
+
+def lying_party(monkeypatch, node: int, tag: str, scale: float | None) -> None:
+    """Make the ``node``-th party's link lie about every ``tag`` tensor it
+    sends (``act``: its activations, ``gout``: its gradients of the
+    backbone's output): NaN where ``scale`` is None, else scaled by it. The
+    party's credentials and everything else are as an honest one's."""
+    from aisyn.splitfed import run as run_mod
+
+    real = run_mod.memory_pair
+    made = []
+
+    def pair(*args, **kw):
+        link_a, link_b = real(*args, **kw)
+        made.append(link_a)
+        if len(made) == node:
+            send = link_a.send
+
+            def lie(t, tensor, **k):
+                if t == tag:
+                    tensor = (
+                        torch.full_like(tensor, math.nan)
+                        if scale is None
+                        else tensor * scale
+                    )
+                return send(t, tensor, **k)
+
+            link_a.send = lie
+        return link_a, link_b
+
+    monkeypatch.setattr(run_mod, "memory_pair", pair)
+
+
+@pytest.mark.parametrize(
+    ("liar", "tag", "scale", "why"),
+    [
+        pytest.param("reviews", "gout", None, "non-finite values", id="nan"),
+        pytest.param(
+            "reviews",
+            "act",
+            1e6,
+            "RMS of its activations",
+            id="x1e6-activations",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "reviews",
+            "gout",
+            1e6,
+            "RMS of its output gradients",
+            id="x1e6-gradients",
+            marks=pytest.mark.slow,
+        ),
+        # the first party to step has nothing to be compared with in round 1:
+        # caught in round 2, and its tiny gradients do not drop the honest one
+        pytest.param(
+            "news", "act", 1e6, "RMS of its activations", id="x1e6-first-party"
+        ),
+    ],
+)
+def test_a_lying_party_is_dropped_and_the_honest_one_finishes(
+    tmp_path, ft_base, ft_sft_dir, other_sft, monkeypatch, caplog, liar, tag, scale, why
+):
+    """A party with valid credentials whose cut tensors are non-finite, or
+    x1e6 the other's, is dropped from the consortium in one line naming it;
+    the run ends with its result (backbone checkpoint, result.json, merged
+    model) for the honest party, no step of the liar's lie on the backbone."""
+    node = {"news": 1, "reviews": 2}[liar]
+    honest = "reviews" if liar == "news" else "news"
+    lying_party(monkeypatch, node, tag, scale)
+    out = tmp_path / "run"
+    s = settings(2, rounds=2, local_steps=2)
+    with caplog.at_level("WARNING"):
+        summary = run_splitfed(
+            ft_base, {"news": ft_sft_dir, "reviews": other_sft}, out, s
+        )
+    drops = [
+        r.getMessage()
+        for r in caplog.records
+        if "dropped in round" in r.getMessage() and "rejected update" in r.getMessage()
+    ]
+    caught = 1 if liar == "reviews" else 2  # the round it was caught in
+    assert len(drops) == s.rounds - caught + 1  # one line a round, from then on
+    assert f"party {liar} dropped in round {caught}" in drops[0]
+    assert why in drops[0]
+    assert not any(f"party {honest}" in r.getMessage() for r in caplog.records)
+    assert list(summary["dropped"]) == [liar]
+    # the honest party's run ended with its result
+    assert json.loads((out / "result.json").read_text())["status"] == "completed"
+    assert len(step_losses(out / "parties" / honest)) == s.total_local_steps
+    rounds = [r for r in read_metrics(out / "metrics.jsonl") if "link_bytes" in r]
+    assert [r["accepted"] for r in rounds] == [1 + (caught > 1)] + [1]
+    # the backbone took the honest party's steps and the liar's honest ones
+    honest_steps = s.total_local_steps + (caught - 1) * s.local_steps
+    assert summary["backbone_steps"] == honest_steps
+    b_steps = ckpt.complete_steps(Path(summary["backbone"]) / "checkpoints")
+    assert b_steps[-1] == honest_steps
+    merged, _ = load_run_model(out / "merged")
+    assert all(bool(torch.isfinite(p).all()) for p in merged.state_dict().values())
+    assert math.isfinite(summary["final_global_valid_loss"])
+
+
+def test_the_cut_bound_is_the_federated_guards(monkeypatch):
+    """The backbone bounds a member's cut tensors by the guard's own rule
+    (``norm_bound``): k times the lower median of the members' values."""
+    from aisyn.fl.strategy import norm_bound
+    from aisyn.split.consortium import SharedBackbone
+
+    b = SharedBackbone.__new__(SharedBackbone)
+    b.cut_bound, b.cut_ratio, b.cut_rms = norm_bound, 3.0, {}
+    assert b.cut_problem("a", {"activations": 1e6}) is None  # nothing to compare
+    b.applied("a", {"activations": 1.0, "gradients": 2.0})
+    b.applied("a", {"activations": 0.5, "gradients": 4.0})  # the largest is kept
+    assert b.cut_problem("b", {"activations": 3.0, "gradients": 12.0}) is None
+    assert "activations is 3.1" in b.cut_problem("b", {"activations": 3.1})
+    assert "gradients times" in b.cut_problem("b", {"gradients": 12.5})
+    assert b.cut_problem("a", {"activations": 1e9}) is None  # not its own
+    b.cut_ratio = 0.0  # max-norm-ratio 0: no bound
+    assert b.cut_problem("b", {"activations": 1e9}) is None

@@ -108,6 +108,18 @@ def lower_median(values: list[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
+def norm_bound(norms: list[float], ratio: float) -> float | None:
+    """The largest norm accepted among ``norms``: ``ratio`` (k) times their
+    lower median; None when nothing bounds them -- nothing to compare with
+    (fewer than two), no bound (k = 0), or a median of zero (no information
+    about a normal norm's size). The guard's rule for client updates, and
+    SplitFed's for the cut tensors of a consortium's members."""
+    if len(norms) < 2 or not ratio:
+        return None
+    median = lower_median(norms)
+    return ratio * median if median > 0 else None
+
+
 class UpdateGuard:
     """Mixin placed before a Flower strategy class in the MRO."""
 
@@ -422,11 +434,9 @@ class UpdateGuard:
             for (msg, _), n in zip(updates, norms, strict=True)
         }
         entry["median_update_norm"] = median
-        # Nothing to compare with (one update), no bound, or a median of zero
-        # (no information about a normal update's size): keep them all.
-        if len(updates) < 2 or not self.max_norm_ratio or median == 0:
+        bound = norm_bound(norms, self.max_norm_ratio)
+        if bound is None:
             return updates
-        bound = self.max_norm_ratio * median
         kept = []
         for (msg, arrays), norm in zip(updates, norms, strict=True):
             if norm > bound:

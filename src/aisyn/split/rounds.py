@@ -208,7 +208,7 @@ class Rounds:
         for kind, i in schedule.make(c.micro_batches, c.window).b:
             if kind == "F":
                 x, mask = self._recv_act(r, i, c)
-                self.state.checked(x, f"the activations (micro-batch {i})")
+                self._train_input(x, "activations", i)
                 x.requires_grad_()
                 slot = None
                 if self.batcher is not None and mask is None:
@@ -229,7 +229,7 @@ class Rounds:
                 g = self.link.recv(
                     "gout", step=r, micro=i, shape=shape, dtype=torch.float32
                 )
-                self.state.checked(g, f"the gradient of the output (micro-batch {i})")
+                self._train_input(g, "gradient of the output", i)
                 x, y, slot = inflight.pop(i)
                 if slot is not None:
                     slot.backward(g.to(self.state.device), self._turn)
@@ -241,6 +241,11 @@ class Rounds:
                 )
         mine = self.state.local_sq_norm()  # NaN: this party skips the step
         self._apply_step(c, self._exchange_norms(r, mine), mine)
+
+    def _train_input(self, t: torch.Tensor, kind: str, i: int) -> None:
+        """A TRAIN round's ``kind`` of tensor from A for micro-batch ``i``,
+        noted if it is not finite (``PartyState.checked``)."""
+        self.state.checked(t, f"the {kind} (micro-batch {i})")
 
     def _exchange_norms(self, r: int, mine: float) -> float:
         """Send B's squared gradient norm; A's."""

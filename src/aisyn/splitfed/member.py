@@ -71,6 +71,8 @@ class Member:
     log_every: int = 10
     #: seconds of local training per round, and the link's bytes per round
     rounds: list[dict] = field(default_factory=list)
+    #: why this party was dropped from the consortium (None: it is in)
+    dropped: str | None = None
 
     def __post_init__(self) -> None:
         self.valid = _valid_split(self.data)
@@ -92,6 +94,12 @@ class Member:
         )
         self.trainable = dict(self.state.named)
         self.spec = {n: tuple(p.shape) for n, p in self.state.named}
+
+    def drop(self, reason: str) -> None:
+        """Leave the consortium for ``reason``: the session with the shared
+        backbone ends (B's rounds for this party end with it)."""
+        self.dropped = reason
+        self.link.close()
 
     @property
     def link(self) -> Link:

@@ -16,6 +16,14 @@ exactly what would cross a network counted. Secure aggregation does not apply
 in one process (the process that averages sees every update anyway) and is
 refused, as is chunking.
 
+A party whose step fails -- its cut tensors not finite (its step skipped on
+both sides), or out of the bound the backbone keeps on them
+(``split.consortium``: its session ended by B) -- is dropped from the
+consortium: its reply to the round is an error, which the strategy's guard
+rejects in one line naming the party, its session ends, and every later
+round it is left out the same way. The honest parties' run goes on to its
+result.
+
 Run folder::
 
     OUT/config.json, metrics.jsonl    the consortium: one line per round
@@ -41,13 +49,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.constant import ErrorCode
 
 from aisyn.fl.launch import check_client
 from aisyn.fl.records import payload_bytes, record_to_tensors, tensors_to_record
 from aisyn.fl.settings import FLSettings
-from aisyn.fl.strategy import guard_of, make_strategy
+from aisyn.fl.strategy import guard_of, make_strategy, norm_bound
 from aisyn.fl.task import plot_global, start_rounds
+from aisyn.link.errors import LinkError
 from aisyn.link.memory import memory_pair
 from aisyn.model.segments import DATA_PARTY, parse_partition
 from aisyn.split import protocol as proto
@@ -140,30 +157,45 @@ class MembersGrid:
         out = []
         for msg in sorted(messages, key=lambda m: m.metadata.dst_node_id):
             member = self.members[msg.metadata.dst_node_id]
-            arrays = msg.content.array_records["arrays"]
-            config = msg.content.config_records["config"]
-            member.load_global(_global_of(member, arrays))
-            if msg.metadata.message_type == MessageType.TRAIN:
-                metrics = member.train_round(
-                    int(config["server-round"]), _proximal_mu(config)
-                )
-                content = RecordDict(
-                    {
-                        "arrays": tensors_to_record(member.segments()),
-                        "metrics": MetricRecord(metrics),
-                    }
-                )
-            else:
-                loss = member.valid_loss()
-                content = RecordDict(
-                    {
-                        "metrics": MetricRecord(
-                            {"num-examples": member.examples, "valid-loss": loss}
-                        )
-                    }
-                )
-            out.append(Message(content, reply_to=msg))
+            server_round = int(msg.content.config_records["config"]["server-round"])
+            if member.dropped is None:
+                try:
+                    out.append(Message(_run(member, msg), reply_to=msg))
+                    continue
+                except DROPS as e:  # the party's failure, not the consortium's
+                    member.drop(
+                        f"party {member.name} dropped in round {server_round}: {e}"
+                    )
+            # an error reply: the guard rejects it in one line naming the party
+            error = Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, member.dropped)
+            out.append(Message(error, reply_to=msg))
         return out
+
+
+#: what a party's round fails with when the party, not the consortium, is at
+#: fault: a step skipped for its non-finite tensors (``SkippedStep``), B's
+#: non-finite answer to them, or its session ended by B (a link error that
+#: carries B's reason)
+DROPS = (FloatingPointError, LinkError)
+
+
+def _run(member: Member, msg: Message) -> RecordDict:
+    """``member``'s reply to ``msg``: its round, or its evaluation."""
+    arrays = msg.content.array_records["arrays"]
+    config = msg.content.config_records["config"]
+    member.load_global(_global_of(member, arrays))
+    if msg.metadata.message_type == MessageType.TRAIN:
+        metrics = member.train_round(int(config["server-round"]), _proximal_mu(config))
+        return RecordDict(
+            {
+                "arrays": tensors_to_record(member.segments()),
+                "metrics": MetricRecord(metrics),
+            }
+        )
+    loss = member.valid_loss()
+    return RecordDict(
+        {"metrics": MetricRecord({"num-examples": member.examples, "valid-loss": loss})}
+    )
 
 
 def _proximal_mu(config) -> float:
@@ -256,7 +288,8 @@ def run_splitfed(
     }
     root = RunDir(out)
     root.start(config, resume=False, tokenizer=info.path / TOKENIZER)
-    backbone = SharedBackbone(party, b_session)
+    # the federated guard's bound on updates, here on each member's cut tensors
+    backbone = SharedBackbone(party, b_session, norm_bound, settings.max_norm_ratio)
     global_run = RunDir(out / "global")
     global_run.start(
         _data_party_config(
@@ -366,7 +399,7 @@ def _member(c: Shared, name: str, node: int, data: Path) -> Iterator[Member]:
 
     def serve() -> None:
         try:
-            c.backbone.serve(link_b, session)
+            c.backbone.serve(link_b, session, name)
         except BaseException as e:  # reported to the party through the link
             errors.append(e)
             log.debug("party %s: the backbone's rounds failed", name, exc_info=True)
@@ -447,7 +480,12 @@ def _federate(
         entry = dict(guard.round_log.get(server_round, {"round": server_round}))
         t_sent = entry.pop("t_sent", None)
         entry["round_s"] = time.perf_counter() - t_sent if t_sent else None
-        rounds = [m.rounds[-1] for m in members.values() if m.rounds]
+        # the parties that took this round (not one dropped in it or before)
+        rounds = [
+            m.rounds[-1]
+            for m in members.values()
+            if m.rounds and m.rounds[-1]["round"] == server_round
+        ]
         entry.update(
             step=step,
             skipped_backbone_steps=backbone.skipped,
@@ -480,6 +518,8 @@ def _federate(
         "rounds": settings.rounds,
         "local_steps": settings.local_steps,
         "parties": {m.name: str(m.run.path) for m in members.values()},
+        # party -> why it was left out of the rounds from the one named on
+        "dropped": {m.name: m.dropped for m in members.values() if m.dropped},
         "settings": settings.to_dict(),
         "history": history,
         "final_global_valid_loss": final,
