@@ -499,12 +499,19 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except USER_ERRORS as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"aisyn: error: {msg}", file=sys.stderr)
+        # A job of several ranks prints the line once: the first rank to stop
+        # on it; the others' failures follow from it (rank_failure).
+        if not _several_ranks() or _first_to_stop():
+            print(f"aisyn: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("aisyn: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        if _several_ranks():
+            code = _rank_failure(e)
+            if code is not None:
+                return code
         # Running out of memory despite the up-front estimate is the machine's
         # limit, not a bug: one line, and what to lower.
         if not _out_of_memory(e):
@@ -517,6 +524,40 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one rank of a job of several (torchrun's)."""
+    return os.environ.get("WORLD_SIZE", "1") != "1"
+
+
+def _first_to_stop() -> bool:
+    """Whether this rank is the first of its job to stop on a one-line error
+    (a later one's may well follow from the first's: a peer gone)."""
+    from aisyn.train import distributed
+
+    return distributed.claim_stop()
+
+
+def _rank_failure(e: BaseException) -> int | None:
+    """A rank's exit status, its one line printed if any, when ``e`` is the
+    job falling apart rather than a bug of this rank: another rank stopped on
+    a one-line error (that rank printed it: this one stays quiet), or a peer
+    went away (one line naming it); None otherwise (a bug: its traceback)."""
+    from aisyn.train import distributed
+
+    if distributed.stopped_by_another():
+        log.debug("another rank stopped the job; this one's failure", exc_info=True)
+        return 2
+    if distributed.peer_lost(e):
+        first = str(e).strip().splitlines()[0]
+        print(
+            f"aisyn: error: rank {distributed.rank()}: another rank of the job went "
+            f"away ({first}); see that rank's output",
+            file=sys.stderr,
+        )
+        return 1
+    return None
 
 
 # How torch's CPU allocator (a plain RuntimeError) and numpy word a failed

@@ -84,6 +84,77 @@ def _attempt_store(world: int, timeout: timedelta | None) -> dist.Store | None:
     return dist.PrefixStore(f"aisyn/attempt_{attempt}", store)
 
 
+#: the key of this attempt's store that counts the ranks stopped on a
+#: one-line error (``claim_stop``)
+STOP_KEY = "aisyn-stopped"
+#: how long a stopping rank waits for torchrun's store
+STOP_STORE_TIMEOUT = timedelta(seconds=5)
+
+# How gloo and NCCL word an operation that failed because another rank of the
+# job went away (gloo raises a plain RuntimeError).
+_PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Connection refused",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+
+
+def _stop_store() -> dist.Store | None:
+    """The store a job's ranks report their stops in: torchrun's own (its
+    agent's, which outlives every rank), this attempt's keys; None when
+    there is none (not under torchrun, or a rendezvous without it)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=STOP_STORE_TIMEOUT,
+        )
+    except (KeyError, ValueError, RuntimeError, dist.DistError):
+        return None
+    return dist.PrefixStore(f"aisyn/attempt_{attempt}", store)
+
+
+def claim_stop() -> bool:
+    """A rank stops on a one-line error: whether it is the first of its job's
+    to (then it prints the line; the others, which stop because it did, stay
+    quiet: ``stopped_by_another``). True when no store can tell."""
+    store = _stop_store()
+    if store is None:
+        return True
+    try:
+        return store.add(STOP_KEY, 1) == 1
+    except (RuntimeError, dist.DistError):
+        return True
+
+
+def stopped_by_another() -> bool:
+    """Whether another rank of this job has stopped on a one-line error (so
+    what this rank failed with -- a peer gone, a collective broken -- is a
+    consequence, its reason already printed)."""
+    store = _stop_store()
+    if store is None:
+        return False
+    try:
+        return store.add(STOP_KEY, 0) > 0
+    except (RuntimeError, dist.DistError):
+        return False
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed because another rank went
+    away (gloo's or NCCL's words for it)."""
+    if isinstance(e, dist.DistNetworkError):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_LOST)
+
+
 def world_size() -> int:
     """Ranks torchrun started (1 when not run under torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
