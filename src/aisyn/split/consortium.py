@@ -188,7 +188,9 @@ class SharedRounds(Rounds):
 
     def _train_input(self, t: torch.Tensor, kind: str, i: int) -> None:
         super()._train_input(t, kind, i)
-        sq = torch.linalg.vector_norm(t, dtype=torch.float64).square()
+        # (the norm in the tensor's float32: float64 is not on every device;
+        # one past its range is inf, which no bound accepts)
+        sq = torch.linalg.vector_norm(t.detach().float()).double().square()
         total, count = self.cut_sq.get(kind, (0.0, 0))
         self.cut_sq[kind] = total + sq, count + t.numel()
 

@@ -492,7 +492,9 @@ def _federate(
             link_bytes=sum(
                 r["link_bytes_sent"] + r["link_bytes_received"] for r in rounds
             ),
-            train_loss=sum(r["round_loss"] for r in rounds) / max(len(rounds), 1),
+            train_loss=(
+                sum(r["round_loss"] for r in rounds) / len(rounds) if rounds else None
+            ),
             elapsed_s=time.perf_counter() - t_start,
         )
         history.append(entry)
