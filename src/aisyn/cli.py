@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         # A job of several ranks prints the line once: the first rank to stop
-        # on it; the others' failures follow from it (rank_failure).
+        # on it; the others' failures follow from it (_rank_failure).
         if not _several_ranks() or _first_to_stop():
             print(f"aisyn: error: {msg}", file=sys.stderr)
         return 2
