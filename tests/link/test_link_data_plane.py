@@ -529,3 +529,52 @@ def test_a_thousand_idle_connections_do_not_lock_the_client_out(
         finally:
             for s in held:
                 s.close()
+
+
+def test_a_connection_just_accepted_is_not_the_first_to_go(pki):
+    """At the cap, a connection that has sent nothing goes before one
+    mid-handshake -- but not one accepted a moment ago, which has had no
+    chance to speak (the honest client's ClientHello is read a loop turn
+    after its accept). Before, with the flood's connections all one byte
+    into a handshake from an address each, the very next dial pushed out the
+    newly accepted one: an honest client was locked out by a trickle of dials,
+    not by the cap's worth the listener's design assumes."""
+    from aisyn.link.data_listener import DataListener
+
+    listener = DataListener(
+        "127.0.0.1:0", pki.server_tls(), timeout=30.0, max_pending=4
+    )
+    held: list[socket.socket] = []
+
+    def dial(source: str, first_byte: bool) -> socket.socket:
+        s = socket.socket()
+        s.bind((source, 0))
+        s.connect(("127.0.0.1", listener.port))
+        if first_byte:
+            s.sendall(b"\x16")  # the first byte of a TLS record, and no more
+        held.append(s)
+        return s
+
+    def sources() -> set[str]:
+        return {p.addr[0] for p in list(listener._pending.values())}
+
+    try:
+        for i in range(4):  # the cap's worth, each one byte into a handshake
+            dial(f"127.0.3.{i + 1}", first_byte=True)
+        assert _until(
+            lambda: (
+                listener.pending() == 4
+                and all(p.started for p in list(listener._pending.values()))
+            )
+        )
+        dial("127.0.4.1", first_byte=False)  # the newcomer, not yet heard
+        assert _until(lambda: "127.0.4.1" in sources())
+        dial("127.0.3.9", first_byte=True)  # one more of the flood's
+        assert _until(lambda: "127.0.3.9" in sources())
+        assert "127.0.4.1" in sources()  # the oldest of the flood's went instead
+        assert "127.0.3.1" not in sources()
+        assert listener.pending() == 4
+    finally:
+        listener.stop()
+        for s in held:
+            s.close()

@@ -16,7 +16,8 @@ connections pending at once reach ``max_pending``, the new one is kept and
 an old one goes instead, chosen so that a flood pays first:
 
 1. from the address (an IPv6 /64: one host's share) with the most pending;
-2. among those, one that has sent nothing before one mid-handshake;
+2. among those, one that has sent nothing (for a second or more: one just
+   accepted has had no chance to) before one mid-handshake;
 3. the oldest first.
 
 An honest client dials, handshakes and sends its preamble within a few round
@@ -68,6 +69,12 @@ log = logging.getLogger(__name__)
 #: unauthenticated connections held at once, by default (an idle one costs a
 #: socket; one mid-handshake also its TLS state, tens of KiB)
 MAX_PENDING = 1024
+#: how long a new connection may stay silent before it counts as idle (and so
+#: goes before those mid-handshake): an honest client's ClientHello follows
+#: its connect within a round trip, but the loop may accept more dials before
+#: it reads that. Without it a flood of one-byte connections pushed out every
+#: newly accepted one -- the honest client's -- with a single further dial.
+IDLE_GRACE_S = 1.0
 #: how often at most a flood is reported (one line with the counts)
 _REPORT_EVERY_S = 60.0
 #: connections the kernel queues for accept(): a burst of dials waits there
@@ -94,6 +101,7 @@ class _Pending:
     """One connection that has not authenticated yet."""
 
     __slots__ = (
+        "accepted",
         "addr",
         "deadline",
         "fd",
@@ -104,11 +112,14 @@ class _Pending:
         "started",
     )
 
-    def __init__(self, sock: socket.socket, addr: object, deadline: float) -> None:
+    def __init__(
+        self, sock: socket.socket, addr: object, accepted: float, deadline: float
+    ) -> None:
         self.sock = sock  # the raw socket, then its TLS wrapper (same descriptor)
         self.fd = sock.fileno()
         self.addr = addr
         self.group = address_group(addr)
+        self.accepted = accepted
         self.deadline = deadline
         self.started = False  # it has sent something (a handshake under way)
         self.preamble: bytearray | None = None  # allocated once TLS is up
@@ -295,7 +306,8 @@ class DataListener:
                     return
                 continue  # e.g. ECONNABORTED: that one caller is gone
             conn.setblocking(False)
-            pending = _Pending(conn, addr, time.monotonic() + self._timeout)
+            now = time.monotonic()
+            pending = _Pending(conn, addr, now, now + self._timeout)
             if len(self._pending) >= self.max_pending:
                 victim = self._victim(pending.group)
                 if victim is not None:
@@ -322,7 +334,17 @@ class DataListener:
             candidates = self._pending
         else:
             candidates = self._by_group[heaviest]
-        idle = next((p for p in candidates.values() if not p.started), None)
+        # Silent past the grace: it had its chance to speak. One accepted a
+        # moment ago has not (it may be the honest client's); it goes by age.
+        silent_since = time.monotonic() - min(IDLE_GRACE_S, self._timeout / 2)
+        idle = next(
+            (
+                p
+                for p in candidates.values()
+                if not p.started and p.accepted <= silent_since
+            ),
+            None,
+        )
         return idle or next(iter(candidates.values()))
 
     def _expire(self, now: float) -> None:
