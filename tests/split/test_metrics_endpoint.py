@@ -160,3 +160,67 @@ def test_serve_refuses_half_a_metrics_tls_setup(pki, tmp_path, capsys, flags, me
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("aisyn: error: --metrics-tls-") and message in line
     assert not (tmp_path / "b").exists()
+
+
+def _endpoint_threads() -> int:
+    import threading
+
+    return sum(t.name == "tenant-metrics-conn" for t in threading.enumerate())
+
+
+def test_a_flood_of_connections_holds_a_bounded_number_of_threads(metrics):
+    """Anyone who reaches the port may connect: each connection held a thread
+    of its own (socketserver's ThreadingMixIn), so a flood of silent ones
+    held as many threads as it liked. Now at most MAX_CONNECTIONS are served;
+    past it the oldest is cut, and a scrape still gets in."""
+    import threading
+
+    cap = metrics_endpoint.MAX_CONNECTIONS
+    before = threading.active_count()
+    port = metrics.serve("127.0.0.1:0")
+    flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * cap)]
+    try:
+        # (all accepted by the time the oldest sees its end, or 5 s)
+        flood[0].settimeout(0.1)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                if flood[0].recv(1, socket.MSG_PEEK) == b"":
+                    break
+            except TimeoutError:
+                pass
+        time.sleep(0.3)
+        assert threading.active_count() - before <= cap + 4
+        assert "hospital" in _get(port, None)
+    finally:
+        for s in flood:
+            s.close()
+
+
+def test_a_connection_that_sends_slowly_is_cut_at_its_deadline(metrics, monkeypatch):
+    """A socket timeout bounds each read, not the connection: one byte of a
+    request every 0.3 s held its thread for good. It is cut
+    CONNECTION_TIMEOUT_S after it was accepted."""
+    monkeypatch.setattr(metrics_endpoint, "CONNECTION_TIMEOUT_S", 1.0)
+    port = metrics.serve("127.0.0.1:0")
+    slow = socket.create_connection(("127.0.0.1", port))
+    slow.settimeout(0.3)
+    t0 = time.monotonic()
+    cut_after = None
+    try:
+        for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n" * 2:
+            slow.sendall(bytes([byte]))
+            try:
+                if slow.recv(1) == b"":
+                    cut_after = time.monotonic() - t0
+                    break
+            except TimeoutError:
+                pass
+            except OSError:
+                cut_after = time.monotonic() - t0
+                break
+            if time.monotonic() - t0 > 6:
+                break
+    finally:
+        slow.close()
+    assert cut_after is not None and cut_after < 3.0

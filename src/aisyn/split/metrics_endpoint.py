@@ -8,19 +8,28 @@ on the one serving thread, and a single connection that never speaks stalls
 every scrape for good. Here each connection's handshake and request run on
 its own thread, under a deadline, and the listener goes on accepting.
 
+Anyone who reaches the port may connect before any certificate is shown, so
+what connections cost is bounded: at most ``MAX_CONNECTIONS`` are served at
+once (a thread each; at the cap the oldest is cut, so a new scrape still gets
+in), and each is cut ``CONNECTION_TIMEOUT_S`` after it was accepted, however
+slowly it keeps sending (a socket timeout alone bounds each read, not the
+whole: one byte every few seconds held a thread for good).
+
 The page lists every tenant's name and use, so served in the clear off
 loopback it is announced with a warning that says so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -32,6 +41,8 @@ log = logging.getLogger(__name__)
 #: seconds a scraper has for its handshake and its request; past it the
 #: connection is dropped (an idle one must not hold a thread forever)
 CONNECTION_TIMEOUT_S = 10.0
+#: connections served at once (a thread each); a new one past it cuts the oldest
+MAX_CONNECTIONS = 32
 
 #: what the page tells whoever reads it, for the warning
 EXPOSES = (
@@ -65,13 +76,73 @@ class _Handler(WSGIRequestHandler):
         """One stderr line per scrape would drown the server's own log."""
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+def _cut(watch: socket.socket) -> None:
+    """End a connection under its handler (whose reads then see its end)."""
+    with contextlib.suppress(OSError):
+        watch.shutdown(socket.SHUT_RDWR)
+
+
+class _Server(WSGIServer):
     tls: ssl.SSLContext | None = None
+    #: dials the kernel queues for accept() (socketserver's default is 5: a
+    #: burst past it waits a second for its SYN to be sent again)
+    request_queue_size = 128
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._lock = threading.Lock()
+        #: the connections being served, oldest first: key -> (deadline, a
+        #: duplicate of the socket, by which it is cut from this thread)
+        self._open: dict[int, tuple[float, socket.socket]] = {}
+        self._keys = itertools.count()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        """Serve one connection on a thread of its own, within the cap."""
+        try:
+            watch = request.dup()
+        except OSError:  # out of descriptors: this one waits for none
+            self.shutdown_request(request)
+            return
+        key = next(self._keys)
+        with self._lock:
+            while len(self._open) >= MAX_CONNECTIONS:
+                oldest = next(iter(self._open))
+                log.debug(
+                    "metrics: %d connections open; cut the oldest", MAX_CONNECTIONS
+                )
+                _cut(self._open.pop(oldest)[1])
+            self._open[key] = (time.monotonic() + CONNECTION_TIMEOUT_S, watch)
+        threading.Thread(
+            target=self._serve_one,
+            args=(request, client_address, key, watch),
+            name="tenant-metrics-conn",
+            daemon=True,
+        ).start()
+
+    def _serve_one(self, request, client_address, key: int, watch) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            with self._lock:  # (never cut once closed: its number may be reused)
+                self._open.pop(key, None)
+            watch.close()
+
+    def service_actions(self) -> None:
+        """Each turn of the serving loop (every half second at most): cut
+        the connections past their deadline."""
+        now = time.monotonic()
+        with self._lock:
+            late = [k for k, (deadline, _) in self._open.items() if deadline <= now]
+            for k in late:
+                _cut(self._open.pop(k)[1])
 
     def finish_request(self, request, client_address) -> None:
-        """On the connection's own thread: the TLS handshake (bounded by the
-        handler's timeout), then the request."""
+        """On the connection's own thread: the TLS handshake, then the
+        request (each read bounded by a timeout, the whole by the deadline
+        ``service_actions`` keeps)."""
         if self.tls is None:
             super().finish_request(request, client_address)
             return
