@@ -207,8 +207,10 @@ def test_certs_client_needs_the_cas_key(tmp_path, capsys):
     assert not (old / "hospital.pem").exists()
 
 
-@pytest.mark.parametrize("name", ["../outside", "b", "ca", ""])
+@pytest.mark.parametrize("name", ["../outside", "b", "ca", "", "CA", "B"])
 def test_certs_client_names_stay_in_the_folder(tmp_path, capsys, name):
+    """("CA", "B": on a case-insensitive file system, as macOS's by default,
+    CA.key is ca.key: --client CA --overwrite replaced the CA's key.)"""
     from aisyn.link.certs import issue_client
 
     out = tmp_path / "creds"

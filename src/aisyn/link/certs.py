@@ -300,13 +300,16 @@ def issue_client(
 
 def check_client_name(name: str) -> None:
     """A client's name is a plain file name, as a tenant's (it names its
-    files, so nothing like ``../x``), and none of the parties' or the CA's."""
+    files, so nothing like ``../x``), and none of the parties' or the CA's,
+    in any case."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", name):
         raise ValueError(
             f"client {name!r}: a name is letters, digits, _ and - (up to 64), as "
             "a tenant's"
         )
-    if name in RESERVED_CLIENT_NAMES:
+    # (in any case: on a case-insensitive file system, as macOS's by
+    # default, CA.key is ca.key)
+    if name.lower() in RESERVED_CLIENT_NAMES:
         raise ValueError(
             f"client {name!r}: {', '.join(sorted(RESERVED_CLIENT_NAMES))} name the "
             "parties' and the CA's own files; pick another name"
