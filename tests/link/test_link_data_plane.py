@@ -32,7 +32,7 @@ from aisyn.link import (
     connect,
     make_dev_certs,
 )
-from aisyn.link.data_plane import MAGIC, UP, tls_context
+from aisyn.link.data_plane import MAGIC, SECRET_BYTES, UP, tls_context
 from aisyn.link.frames import FrameKey, ReceivePool, scalar_frame
 from aisyn.link.proto import tensor_link_pb2 as pb
 
@@ -578,3 +578,22 @@ def test_a_connection_just_accepted_is_not_the_first_to_go(pki):
         listener.stop()
         for s in held:
             s.close()
+
+
+def test_refused_connections_do_not_fill_the_log(plain_server, caplog):
+    """Every connection with a whole but wrong preamble logged a warning of
+    its own: a client refused in a loop (any tenant's certificate passes the
+    TLS handshake) wrote lines as fast as it dialled. The first few are
+    logged; the rest are counted for the listener's periodic report."""
+    import logging
+
+    listener = plain_server._plane
+    with caplog.at_level(logging.WARNING, logger="aisyn.link.data_listener"):
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", plain_server.data_port)) as s:
+                s.sendall(MAGIC + UP + b"\0" * SECRET_BYTES)
+                s.settimeout(5)
+                assert s.recv(1) == b""  # refused: closed without an answer
+    refusals = [r for r in caplog.records if "refused a connection" in r.message]
+    assert 1 <= len(refusals) <= 5
+    assert listener._refused == 20  # (all of them counted for the report)

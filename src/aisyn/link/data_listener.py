@@ -77,6 +77,9 @@ MAX_PENDING = 1024
 IDLE_GRACE_S = 1.0
 #: how often at most a flood is reported (one line with the counts)
 _REPORT_EVERY_S = 60.0
+#: refused connections (a whole preamble, but wrong) logged one by one in
+#: each report's period; the rest only counted
+_LOUD_REFUSALS = 5
 #: connections the kernel queues for accept(): a burst of dials waits there
 #: rather than retrying its SYN a second later
 _BACKLOG = 1024
@@ -183,7 +186,7 @@ class DataListener:
         self._selector.register(self._sock, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         #: what a flood cost since the last report (for one line a minute)
-        self._evicted = self._timed_out = self._failed = 0
+        self._evicted = self._timed_out = self._failed = self._refused = 0
         self._peak = 0
         self._last_report = time.monotonic()
         self._stopped = False
@@ -391,8 +394,14 @@ class DataListener:
             self._drop(pending)
             return
         if problem is not None:
-            log.warning(
-                "data plane: refused a connection from %s: %s", pending.addr, problem
+            # A line each for the first few; the rest are counted in the
+            # minute's report (a client refused in a loop must not fill the log).
+            self._refused += 1
+            log.log(
+                logging.WARNING if self._refused <= _LOUD_REFUSALS else logging.DEBUG,
+                "data plane: refused a connection from %s: %s",
+                pending.addr,
+                problem,
             )
             self._drop(pending)
 
@@ -463,17 +472,19 @@ class DataListener:
     def _report(self, now: float) -> None:
         if now - self._last_report < _REPORT_EVERY_S:
             return
-        if self._evicted or self._timed_out or self._failed:
+        if self._evicted or self._timed_out or self._failed or self._refused:
             log.warning(
                 "data plane: in the last %.0f s, %d unauthenticated connections "
                 "were dropped to make room (at most %d held at once), %d did not "
-                "authenticate within %g s, %d failed their handshake",
+                "authenticate within %g s, %d failed their handshake, %d were "
+                "refused (a wrong preamble, secret or certificate)",
                 now - self._last_report,
                 self._evicted,
                 self.max_pending,
                 self._timed_out,
                 self._timeout,
                 self._failed,
+                self._refused,
             )
-        self._evicted = self._timed_out = self._failed = 0
+        self._evicted = self._timed_out = self._failed = self._refused = 0
         self._last_report = now
