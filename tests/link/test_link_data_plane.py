@@ -597,3 +597,53 @@ def test_refused_connections_do_not_fill_the_log(plain_server, caplog):
     refusals = [r for r in caplog.records if "refused a connection" in r.message]
     assert 1 <= len(refusals) <= 5
     assert listener._refused == 20  # (all of them counted for the report)
+
+
+def test_a_client_gets_in_under_a_steady_stream_of_new_dials(pki):
+    """Dials that never stop, each from a fresh address and one byte into a
+    handshake, against a cap of 16. Each newcomer at the cap pushes out one of
+    the oldest, and the listener accepted up to 64 per wake-up: more than the
+    cap arrived while the client took its few turns of handshake, and the
+    client was pushed out (7 sessions in 8 failed). It accepts an eighth of
+    the cap per wake-up now, and the client's two dials get in every time."""
+    import collections
+
+    with GrpcLinkServer(
+        "127.0.0.1:0",
+        token=TOKEN,
+        tls=pki.server_tls(),
+        options=FAST,
+        data_listen="127.0.0.1:0",
+        data_max_pending=16,
+    ) as srv:
+        stop = threading.Event()
+        dials = [0]
+
+        def flood() -> None:
+            held: collections.deque[socket.socket] = collections.deque()
+            while not stop.is_set():
+                dials[0] += 1
+                s = socket.socket()
+                try:
+                    s.bind((f"127.1.{dials[0] // 250 % 250}.{1 + dials[0] % 250}", 0))
+                    s.connect(("127.0.0.1", srv.data_port))
+                    s.sendall(b"\x16")
+                except OSError:
+                    s.close()
+                    continue
+                held.append(s)
+                while len(held) > 32:
+                    held.popleft().close()
+            for s in held:
+                s.close()
+
+        flooder = threading.Thread(target=flood, daemon=True)
+        flooder.start()
+        try:
+            assert _until(lambda: dials[0] > 100)
+            for _ in range(4):
+                _next_session_works(srv, pki)
+        finally:
+            stop.set()
+            flooder.join(10)
+        assert srv._plane.peak_pending <= 16

@@ -23,7 +23,10 @@ an old one goes instead, chosen so that a flood pays first:
 An honest client dials, handshakes and sends its preamble within a few round
 trips; to push it out, a flood would have to bring ``max_pending`` fresh
 connections to bear within that time, from more addresses than the client's
-share. Each pending connection still gets the handshake timeout in all.
+share. The loop accepts at most an eighth of the cap per turn, so that
+takes more turns than the client's few (at up to 64 a turn, a stream of new
+dials pushed the client out at a cap of 64 or less). Each pending connection
+still gets the handshake timeout in all.
 
 File descriptors are what a flood of idle connections exhausts first; the
 listener raises its process's soft limit towards the hard one so that
@@ -83,7 +86,8 @@ _LOUD_REFUSALS = 5
 #: connections the kernel queues for accept(): a burst of dials waits there
 #: rather than retrying its SYN a second later
 _BACKLOG = 1024
-#: connections accepted per wake-up before pending work is served again
+#: connections accepted per wake-up before pending work is served again (at
+#: most; an eighth of the cap where that is less)
 _ACCEPT_BATCH = 64
 #: accept() failures that mean "no descriptor or memory for one more"
 _OUT_OF_ROOM = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -173,6 +177,10 @@ class DataListener:
         self._timeout = timeout
         #: each pending connection holds one descriptor
         self.max_pending: int = ensure_fd_headroom(max_pending, "the data plane")
+        #: accepted per wake-up: an eighth of the cap at most, so that a
+        #: client's few turns of handshake see fewer newcomers than the cap
+        #: (each newcomer at the cap pushes out one of the oldest)
+        self._accept_batch = max(1, min(_ACCEPT_BATCH, self.max_pending // 8))
         self._lock = threading.Lock()
         self._expected: list[_Expected] = []
         # Event-loop state, touched by the loop thread only.
@@ -289,7 +297,7 @@ class DataListener:
             self._wake_w.close()
 
     def _accept(self) -> None:
-        for _ in range(_ACCEPT_BATCH):
+        for _ in range(self._accept_batch):
             try:
                 conn, addr = self._sock.accept()
             except BlockingIOError:
