@@ -14,7 +14,7 @@ from aisyn.link import GrpcLinkServer, LinkOptions, connect
 from aisyn.link.certs import TlsConfig, make_dev_certs
 from aisyn.link.data_plane import certificate_identity
 
-NAMES = ["a.key", "a.pem", "b.key", "b.pem", "ca.key", "ca.pem", "token"]
+NAMES = ["a.key", "a.pem", "b.key", "b.pem", "ca.pem", "token"]
 FAST = LinkOptions(handshake_timeout_s=5.0, close_timeout_s=2.0)
 
 
@@ -23,8 +23,10 @@ def test_certs_writes_the_documented_files(tmp_path, capsys):
 
     assert main(["certs", "--out", str(out), "--host", "b.example.org"]) == 0
 
+    # no ca.key: this folder is copied to both parties, and whoever holds the
+    # CA's key can sign a certificate for B's name
     assert sorted(p.name for p in out.iterdir()) == NAMES
-    for private in ("a.key", "b.key", "ca.key", "token"):
+    for private in ("a.key", "b.key", "token"):
         assert stat.S_IMODE((out / private).stat().st_mode) == 0o600
     b = x509.load_pem_x509_certificate((out / "b.pem").read_bytes())
     sans = b.extensions.get_extension_for_class(x509.SubjectAlternativeName)
@@ -145,8 +147,9 @@ def test_certs_longest_validity_ends_by_9999(tmp_path):
 
 def test_certs_client_is_signed_by_the_folders_ca(tmp_path, capsys):
     out = tmp_path / "creds"
-    main(["certs", "--out", str(out), "--host", "localhost"])
+    main(["certs", "--out", str(out), "--host", "localhost", "--keep-ca-key"])
     capsys.readouterr()
+    assert stat.S_IMODE((out / "ca.key").stat().st_mode) == 0o600
 
     assert main(["certs", "--out", str(out), "--client", "hospital"]) == 0
 
@@ -190,7 +193,7 @@ def test_certs_client_is_signed_by_the_folders_ca(tmp_path, capsys):
 
 def test_certs_client_needs_the_cas_key(tmp_path, capsys):
     old = tmp_path / "old"
-    make_dev_certs(old)  # as made before the CA's key was kept
+    main(["certs", "--out", str(old)])  # without --keep-ca-key
 
     assert main(["certs", "--out", str(old), "--client", "hospital"]) == 2
 
@@ -199,7 +202,7 @@ def test_certs_client_needs_the_cas_key(tmp_path, capsys):
     assert not (old / "hospital.pem").exists()
     # a CA key that is not ca.pem's is refused too
     other = tmp_path / "other"
-    main(["certs", "--out", str(other)])
+    main(["certs", "--out", str(other), "--keep-ca-key"])
     (old / "ca.key").write_bytes((other / "ca.key").read_bytes())
     capsys.readouterr()
     assert main(["certs", "--out", str(old), "--client", "hospital"]) == 2
@@ -214,7 +217,7 @@ def test_certs_client_names_stay_in_the_folder(tmp_path, capsys, name):
     from aisyn.link.certs import issue_client
 
     out = tmp_path / "creds"
-    main(["certs", "--out", str(out)])
+    main(["certs", "--out", str(out), "--keep-ca-key"])
     before = _contents(out)
     with pytest.raises(SystemExit) as e:
         main(["certs", "--out", str(out), "--client", name])

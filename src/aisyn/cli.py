@@ -87,7 +87,8 @@ def cmd_cloze_build(args) -> None:
 
 def cmd_certs(args) -> None:
     """Development credentials for a first run across two machines: a fresh CA
-    (ca.pem, its key ca.key), the certificate and key of party B, the compute
+    (ca.pem; its key ca.key only with --keep-ca-key), the certificate and key
+    of party B, the compute
     party or federated server (b.pem, b.key, valid for each --host), those of
     party A, the data party or a client (a.pem, a.key), and a random shared
     token (token). The names are the ones docs/split.md uses; keys and the
@@ -115,19 +116,24 @@ def cmd_certs(args) -> None:
     paths = DevCerts.for_parties(out)
     token = out / "token"
     # Every target checked before anything is generated or written.
-    check_targets([*paths.files(), paths.ca_key, token], overwrite=args.overwrite)
+    # The CA's key is written only when asked for: whoever holds it can sign a
+    # certificate for B's name or pose as any tenant, and the quick start
+    # copies this folder to both parties.
+    targets = [*paths.files(), token] + ([paths.ca_key] if args.keep_ca_key else [])
+    check_targets(targets, overwrite=args.overwrite)
     hosts = args.host or ["127.0.0.1", "localhost"]
     make_dev_certs(
         out,
         hosts,
         days=args.days,
         paths=paths,
-        keep_ca_key=True,
+        keep_ca_key=args.keep_ca_key,
         overwrite=args.overwrite,
     )
     write_token(token, overwrite=args.overwrite)
+    ca = "ca.pem + ca.key (the CA; keep ca.key here)" if args.keep_ca_key else "ca.pem"
     print(
-        f"wrote {out}/: ca.pem + ca.key (the CA; ca.key stays here), b.pem + "
+        f"wrote {out}/: {ca}, b.pem + "
         f"b.key (compute party / server, for {', '.join(hosts)}), a.pem + a.key "
         "(data party / client), token"
     )
@@ -139,7 +145,8 @@ def cmd_certs(args) -> None:
         f"A: --tls-cert {paths.client_cert} --tls-key {paths.client_key} "
         f"--tls-ca {paths.ca_cert} --token-file {token}"
     )
-    print(f"more clients (a tenant each): aisyn certs --out {out} --client NAME")
+    if args.keep_ca_key:
+        print(f"more clients (a tenant each): aisyn certs --out {out} --client NAME")
 
 
 def _issue_clients(out: Path, args) -> None:
@@ -412,12 +419,19 @@ def build_parser() -> argparse.ArgumentParser:
         "localhost)",
     )
     ce.add_argument(
+        "--keep-ca-key",
+        action="store_true",
+        help="also write the CA's key (ca.key, 0600) so that `--client` can sign "
+        "more client certificates later; keep it on the issuing machine only",
+    )
+    ce.add_argument(
         "--client",
         action="append",
         type=_client_name,
         metavar="NAME",
         help="sign one more client certificate (NAME.pem, NAME.key) with the CA "
-        "an earlier `aisyn certs` left in --out (repeat): one per tenant",
+        "an earlier `aisyn certs --keep-ca-key` left in --out (repeat): one per "
+        "tenant",
     )
 
     tr = add_command(sub, "train", cmd_train, "standalone (unsplit) training")

@@ -263,9 +263,9 @@ def issue_client(
     if not os.path.lexists(paths.ca_key):
         raise FileNotFoundError(
             f"{paths.ca_key}: no CA key here, so no more certificates can be "
-            f"signed by {paths.ca_cert} (folders made before `aisyn certs` kept "
-            "it, or copied without it); make a new CA with `aisyn certs --out "
-            "NEW_FOLDER` or sign with your own PKI"
+            f"signed by {paths.ca_cert} (`aisyn certs` keeps it only with "
+            "--keep-ca-key); make a CA that can sign more with `aisyn certs --out "
+            "NEW_FOLDER --keep-ca-key` or sign with your own PKI"
         )
     ca = _Ca.load(paths.ca_cert, paths.ca_key)
     cert_path, key_path = out / f"{name}.pem", out / f"{name}.key"
