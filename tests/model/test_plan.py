@@ -297,7 +297,7 @@ def test_cli_plan_prints_ranks_and_refuses_a_cut_that_does_not_fit(capsys):
     )
     out = capsys.readouterr().out
     # Assert
-    assert "B per rank (gpipe;" in out and "  rank 7 " in out
+    assert "B per rank (gpipe;" in out and "  ranks 1–7 h[6:34] (4 blocks each)" in out
     rc = main(
         ["split", "plan", "--model", "13B", "--party", "A:1:80GB"]
         + ["--party", "B:4:2x80GB", "--cut", "u:1,1"]

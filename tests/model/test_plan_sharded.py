@@ -210,7 +210,7 @@ def test_cli_plan_names_the_sharded_ranks(capsys):
     out = capsys.readouterr().out
     # Assert
     assert "A per rank (blocks FSDP2-sharded over 2 ranks" in out
-    assert "  rank 1   FSDP2 shard 2/2 of h[0:1] h[2:3] + embedding + ln_f" in out
+    assert "  ranks 0–1 FSDP2 shards 1–2/2 of h[0:1] h[2:3] + embedding + ln_f" in out
     assert "gathered block " in out and "micro-batch(es) of 1 row(s)" in out
     assert "B per rank" not in out and "schedule" not in out
 

@@ -69,9 +69,11 @@ a step under GPipe, ``min(m, R - k)`` at stage k under 1F1B.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 from aisyn.model.families import ModelConfig, build_model
 from aisyn.model.segments import (
@@ -81,6 +83,8 @@ from aisyn.model.segments import (
     Partition,
     Stage,
 )
+
+log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: what a training process holds besides its model's tensors: the peak RSS of
@@ -451,7 +455,7 @@ class Plan:
                     f"{name} per rank ({how}; its total mem above is the "
                     "largest rank's, its limit each device's):",
                 ]
-                lines += [_rank_line(r) for r in ld.ranks]
+                lines += [_group_line(g) for g in rank_groups(ld.ranks)]
         lines.append("")
         a, b = self.loads[DATA_PARTY], self.loads[COMPUTE_PARTY]
         lines.append(
@@ -521,10 +525,75 @@ def _breakdown(r: RankLoad) -> str:
     return ", ".join(parts)
 
 
-def _rank_line(r: RankLoad) -> str:
+def _same_load(a: RankLoad, b: RankLoad) -> bool:
+    """Whether rank ``b`` holds what rank ``a`` does, byte for byte: the same
+    figures, the same whole pieces, and as many blocks (the same blocks'
+    shards when sharded; the blocks right after ``a``'s when not, so that a
+    group's blocks read as one range)."""
+    figures = (
+        "params",
+        "shard_params",
+        "in_flight",
+        "rows",
+        "weights_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+        "cache_bytes",
+        "activation_bytes",
+        "runtime_bytes",
+        "gathered_bytes",
+    )
+    if any(getattr(a, f) != getattr(b, f) for f in figures):
+        return False
+    if a.head_pieces != b.head_pieces or len(a.blocks) != len(b.blocks):
+        return False
+    if a.shard or b.shard:
+        return (
+            bool(a.shard and b.shard)
+            and a.shard[1] == b.shard[1]
+            and a.blocks == b.blocks
+        )
+    return not a.blocks or b.blocks[0] == a.blocks[-1] + 1
+
+
+def rank_groups(ranks: list[RankLoad]) -> list[list[RankLoad]]:
+    """Consecutive ranks that hold the same (``_same_load``), one group each:
+    a 200B plan's 61 pipeline stages of one block each are one line, not 61."""
+    groups: list[list[RankLoad]] = []
+    for r in ranks:
+        if groups and _same_load(groups[-1][-1], r):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
+def _group_line(group: list[RankLoad]) -> str:
+    """One rank's line, or one line for a group of identical ranks
+    (``ranks 0–15``): what each holds, and each one's peak."""
+    first, last = group[0], group[-1]
+    if len(group) == 1:
+        label, pieces = f"rank {first.rank}", _pieces(first)
+    else:
+        label = f"ranks {first.rank}–{last.rank}"
+        if first.shard:
+            whole = _pieces(replace(first, shard=None, blocks=()))
+            shards = _pieces(first).split(" + ")[0]  # FSDP2 shard k/R of ...
+            of = shards.split(" of ", 1)[1]
+            ranks = first.shard[1]
+            pieces = (
+                f"FSDP2 shards {first.shard[0] + 1}–{last.shard[0] + 1}/{ranks} "
+                f"of {of}" + (f" + {whole}" if whole else "")
+            )
+        else:
+            blocks = tuple(i for r in group for i in r.blocks)
+            pieces = _pieces(replace(first, blocks=blocks))
+            if first.blocks:
+                n = len(first.blocks)
+                pieces += f" ({n} block{'s' if n > 1 else ''} each)"
     return (
-        f"  rank {r.rank:<4}{_pieces(r):<34}{r.params:>16,} params  peak "
-        f"{format_bytes(r.memory_bytes):>11}  ({_breakdown(r)})"
+        f"  {label:<8} {pieces:<34}{first.params:>16,} params  peak "
+        f"{format_bytes(first.memory_bytes):>11}  ({_breakdown(first)})"
     )
 
 
@@ -610,6 +679,22 @@ class ModuleSizes(dict):
 
     shapes: dict[str, tuple[tuple[int, int], ...]]
 
+    def shard_count(self, path: str, rank: int, ranks: int) -> int:
+        """``shard_params`` of ``path``, worked out once per rank: a plan
+        weighs every rank of every cut, and a 200B model's cuts ask for the
+        same few shards about a million times."""
+        cache = self.__dict__.setdefault("_shard_counts", {})
+        key = (path, rank, ranks)
+        count = cache.get(key)
+        if count is None:
+            shapes = self.shapes.get(path, ((self[path], self[path]),))
+            count = cache[key] = sum(
+                dim0_chunk(d0, rank, ranks) * (numel // d0)
+                for d0, numel in shapes
+                if d0
+            )
+        return count
+
 
 def module_sizes(model) -> ModuleSizes:
     """Parameter count (and shapes) of every submodule a partition names (a
@@ -638,10 +723,32 @@ def shard_params(sizes: dict[str, int], path: str, rank: int, ranks: int) -> int
     """Parameters rank ``rank`` of ``ranks`` keeps of module ``path`` under
     FSDP2 (``dim0_chunk`` of each; from ``ModuleSizes.shapes``, or, for a
     plain dict of counts, of the module's count as one dim)."""
+    if isinstance(sizes, ModuleSizes):
+        return sizes.shard_count(path, rank, ranks)
     shapes = getattr(sizes, "shapes", {}).get(path, ((sizes[path], sizes[path]),))
     return sum(
         dim0_chunk(d0, rank, ranks) * (numel // d0) for d0, numel in shapes if d0
     )
+
+
+def _per_block(
+    sizes: dict[str, int], lay, shard: tuple[int, int] | None = None
+) -> list[int]:
+    """Each ordinary block's parameter count, or (``shard=(k, R)``) rank k's
+    ``shard_params`` of it, indexed by block: kept with a ``ModuleSizes``
+    (a plan weighs every rank of every cut, about a million block lookups at
+    200B, so each is worked out once)."""
+    cache = getattr(sizes, "__dict__", {})
+    key = ("per_block", lay.block, lay.num_blocks, shard)
+    counts = cache.get(key)
+    if counts is None:
+        paths = [lay.block_path(i) for i in range(lay.num_blocks)]
+        if shard is None:
+            counts = [sizes[p] for p in paths]
+        else:
+            counts = [shard_params(sizes, p, *shard) for p in paths]
+        cache[key] = counts
+    return counts
 
 
 def rank_load(
@@ -670,7 +777,7 @@ def rank_load(
     lay = cfg.layout
     T, mb = w.seq_len or cfg.seq_len, w.micro_batch_size
     dt, act_dt = DTYPE_BYTES[w.dtype], DTYPE_BYTES[w.act_dtype]
-    block_paths = [lay.block_path(i) for i in blocks]
+    block_sizes = _per_block(sizes, lay)
     ends: list[str] = []
     r = RankLoad(rank, tuple(blocks), shard=shard)
     if embed:
@@ -680,17 +787,19 @@ def rank_load(
         ends += list(lay.head)
         r.head_pieces[1] = lay.head_label
     if shard is None:
+        block_paths = [lay.block_path(i) for i in blocks]
         r.params = sum(sizes[p] for p in dict.fromkeys(block_paths + ends))
         grads = r.params
     else:
         k, ranks = shard
         mb = mb // ranks + (k < mb % ranks)  # tensor_split's rows: ceil first
         whole = sum(sizes[p] for p in dict.fromkeys(ends))
-        r.shard_params = sum(shard_params(sizes, p, k, ranks) for p in block_paths)
+        shards = _per_block(sizes, lay, shard)
+        r.shard_params = sum(shards[i] for i in blocks)
         r.params = whole + r.shard_params
-        full = sum(sizes[p] for p in block_paths)
+        full = sum(block_sizes[i] for i in blocks)
         grads = r.params if sharded_grads else whole + full
-        largest = max((sizes[p] for p in block_paths), default=0)
+        largest = max((block_sizes[i] for i in blocks), default=0)
         r.gathered_bytes = largest * dt
     r.rows = mb
     r.in_flight = w.in_flight if in_flight is None else in_flight
@@ -945,6 +1054,12 @@ def candidates(cfg: ModelConfig, shape: str, min_a_blocks: int) -> list[Partitio
     raise PlanError(f"shape {shape!r}: use 'u' or 'two-way'")
 
 
+#: a plan that takes longer than this logs how far it is, then again every
+#: ``PROGRESS_EVERY_S`` (200B's 1 891 cuts take about 2 s on a quiet box)
+PROGRESS_AFTER_S = 3.0
+PROGRESS_EVERY_S = 5.0
+
+
 def plan(
     model_name: str,
     cfg: ModelConfig,
@@ -977,7 +1092,20 @@ def plan(
     best: tuple[tuple[float, int], Plan] | None = None
     smallest: dict[str, float] = {p: math.inf for p in PARTIES}
     usable = None
-    for part in candidates(cfg, shape, min_a_blocks):
+    cuts = candidates(cfg, shape, min_a_blocks)
+    started = time.monotonic()
+    next_word = started + PROGRESS_AFTER_S
+    for n, part in enumerate(cuts):
+        if time.monotonic() >= next_word:  # a slow box: say it is working
+            log.info(
+                "planning %s: weighed %d of %d %s cuts (%.0f s)",
+                model_name,
+                n,
+                len(cuts),
+                shape,
+                time.monotonic() - started,
+            )
+            next_word += PROGRESS_EVERY_S
         try:
             pl = evaluate(model_name, cfg, part, by_name, workload, sizes)
         except PlanError as e:  # more devices than this cut gives a party blocks

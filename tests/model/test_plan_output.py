@@ -1,0 +1,100 @@
+"""What ``aisyn split plan`` prints: identical ranks grouped on one line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from aisyn.model.families import load_config
+from aisyn.model.plan import PartySpec, Workload, evaluate
+from aisyn.model.segments import parse_partition
+
+
+def parties(a: str, b: str) -> dict[str, PartySpec]:
+    return {"A": PartySpec.parse(a), "B": PartySpec.parse(b)}
+
+
+def rank_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("  rank")]
+
+
+@pytest.fixture(scope="module")
+def plan_200b():
+    """The bench's 200B plan: A sharded over 16 ranks, B's 61 blocks on 61
+    pipeline stages."""
+    cfg = load_config("200B")
+    w = Workload(batch_size=128, micro_batch_size=16, dtype="bf16", schedule="window")
+    cut = parse_partition("u:1,1", cfg)
+    return evaluate("200B", cfg, cut, parties("A:1:16x80GB", "B:8:61x80GB"), w)
+
+
+def test_identical_ranks_print_as_one_line(plan_200b):
+    # Execute
+    lines = rank_lines(plan_200b.render())
+    # Assert: 16 + 61 ranks, two lines, each with the ranks' own figures
+    assert len(lines) == 2, lines
+    a_line, b_line = lines
+    assert a_line.startswith(
+        "  ranks 0–15 FSDP2 shards 1–16/16 of h[0:1] h[62:63] + embedding + ln_f"
+    )
+    assert b_line.startswith("  ranks 0–60 h[1:62] (1 block each)")
+    ranks = plan_200b.to_dict()["parties"]
+    assert {r["peak"] for r in ranks["A"]["ranks"]} == {
+        plan_200b.loads["A"].memory_bytes
+    }
+    assert "peak   72.41 GiB" in a_line and "peak   56.36 GiB" in b_line
+    assert f"{ranks['B']['ranks'][60]['params']:,} params" in b_line
+
+
+def test_ranks_that_differ_keep_their_own_lines():
+    from aisyn.model.plan import rank_groups
+
+    cfg = load_config("tiny")
+    # 3 ranks of A: hidden 128 and FFN 512 split 43/43/42 rows, and a
+    # micro-batch of 3 one row each: rank 2 holds fewer parameters
+    w = Workload(batch_size=6, micro_batch_size=3)
+    cut = parse_partition("u:1,1", cfg)
+    p = evaluate("tiny", cfg, cut, parties("A:1:3x1GB", "B:4:1GB"), w)
+    # Execute
+    groups = rank_groups(p.loads["A"].ranks)
+    lines = rank_lines(p.render())
+    # Assert
+    assert [[r.rank for r in g] for g in groups] == [[0, 1], [2]]
+    assert lines[0].startswith("  ranks 0–1 FSDP2 shards 1–2/3 of h[0:1] h[2:3]")
+    assert lines[1].startswith("  rank 2   FSDP2 shard 3/3 of h[0:1] h[2:3]")
+    a = p.loads["A"].ranks
+    assert f"{a[0].params:,} params" in lines[0] and a[0].params != a[2].params
+    assert f"{a[2].params:,} params" in lines[1]
+
+
+def test_pipeline_stages_group_only_runs_of_the_same_size():
+    cfg = load_config("13B")
+    w = Workload(batch_size=8, micro_batch_size=1, dtype="bf16")
+    cut = parse_partition("u:1,5", cfg)
+    # B's 33 blocks on 8 stages: 5 on the first, 4 on each other
+    p = evaluate("13B", cfg, cut, parties("A:1:80GB", "B:4:8x80GB"), w)
+    # Execute
+    lines = rank_lines(p.render())
+    # Assert
+    assert len(lines) == 2
+    assert lines[0].startswith("  rank 0   h[1:6] ")
+    assert lines[1].startswith("  ranks 1–7 h[6:34] (4 blocks each)")
+
+
+def test_a_slow_plan_says_how_far_it_is(monkeypatch, caplog):
+    from aisyn.model import plan as planner
+
+    # a box where every cut is slow: the first word at once
+    monkeypatch.setattr(planner, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(planner, "PROGRESS_EVERY_S", 3600.0)
+    cfg = load_config("tiny")
+    specs = list(parties("A:1:inf", "B:4:inf").values())
+    # Execute
+    with caplog.at_level(logging.INFO, logger="aisyn.model.plan"):
+        planner.plan("tiny", cfg, specs, Workload())
+    # Assert: one line, naming the model and how many cuts there are
+    n = len(planner.candidates(cfg, "u", planner.MIN_A_BLOCKS))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"planning tiny: weighed 0 of {n} u cuts (0 s)"
+    ]
