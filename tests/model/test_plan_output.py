@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import pytest
 
@@ -80,6 +82,49 @@ def test_pipeline_stages_group_only_runs_of_the_same_size():
     assert len(lines) == 2
     assert lines[0].startswith("  rank 0   h[1:6] ")
     assert lines[1].startswith("  ranks 1–7 h[6:34] (4 blocks each)")
+
+
+# --- the 2.6B plans the README and docs/split.md quote -------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def planned(argv: list[str], capsys) -> str:
+    from aisyn.cli import main
+
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def total_mem(out: str, party: str) -> str:
+    """The ``total mem`` column of ``party``'s row, e.g. ``8.45 GiB``."""
+    (row,) = [line for line in out.splitlines() if line.startswith(f"{party}  ")]
+    return " ".join(row.split()[-4:-2])
+
+
+def test_the_readme_and_docs_say_why_their_2p6b_plans_differ(capsys):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    docs = (ROOT / "docs" / "split.md").read_text(encoding="utf-8")
+    # the README's command, and the figures it quotes for it and for the docs'
+    m = re.search(
+        r"`aisyn (split plan --model 2\.6B [^`]*)` picks the cut \(([^)]*)\)", readme
+    )
+    assert m, "the README's 2.6B plan"
+    quoted = m.group(2)
+    readme_out = planned(m.group(1).split(), capsys)
+    assert "1 micro-batch(es) in flight" in readme_out
+    (console,) = re.findall(r"\$ aisyn (split plan --model 2\.6B [^\n]*)", docs)
+    docs_out = planned(console.split(), capsys)
+    assert "--pipeline 2" in console and "3 micro-batch(es) in flight" in docs_out
+    # Assert: the README names the difference and both sets of figures
+    assert "--pipeline 2" in quoted and "3 in flight" in quoted
+    for out in (readme_out, docs_out):
+        assert f"A {total_mem(out, 'A')}, B {total_mem(out, 'B')}" in quoted
+    # ... and the docs say it beside their block, with the README's figures
+    after = docs[docs.index(console) :]
+    note = after[after.index("```\n") : after.index("`--party NAME:THROUGHPUT")]
+    assert "`--pipeline 2`" in note and "3 micro-batches in flight" in note
+    assert total_mem(readme_out, "A") in note and total_mem(readme_out, "B") in note
 
 
 def test_a_slow_plan_says_how_far_it_is(monkeypatch, caplog):
