@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from aisyn.model.families import load_config
-from aisyn.model.plan import PartySpec, Workload, evaluate
+from aisyn.model.plan import PartySpec, PlanError, Workload, evaluate, plan
 from aisyn.model.segments import parse_partition
 
 
@@ -143,3 +143,75 @@ def test_a_slow_plan_says_how_far_it_is(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         f"planning tiny: weighed 0 of {n} u cuts (0 s)"
     ]
+
+
+# --- a device set on which no cut fits ------------------------------------------------
+
+
+def suggested(message: str) -> tuple[list[PartySpec], dict, str]:
+    """The ``--party`` specs, workload flags and cut the refusal suggests."""
+    m = re.search(r"the fewest devices that fit: ([^,]*), cut (\S+?)[;( ]", message)
+    assert m, message
+    words = m.group(1).split()
+    specs = [
+        PartySpec.parse(words[i + 1]) for i, w in enumerate(words) if w == "--party"
+    ]
+    flags = {
+        w[2:].replace("-", "_"): int(words[i + 1])
+        for i, w in enumerate(words)
+        if w in ("--batch-size", "--micro-batch-size")
+    }
+    return specs, flags, m.group(2)
+
+
+def refusal(model: str, specs: list[PartySpec], w: Workload) -> str:
+    with pytest.raises(PlanError) as e:
+        plan(model, load_config(model), specs, w)
+    return str(e.value)
+
+
+def with_devices(spec: PartySpec, devices: int) -> PartySpec:
+    return PartySpec(spec.name, spec.throughput, spec.memory_bytes, devices)
+
+
+def test_a_refusal_names_the_short_party_and_the_fewest_devices_that_fit():
+    w = Workload(batch_size=8, micro_batch_size=1, dtype="bf16")
+    given = [PartySpec.parse("A:1:80GB"), PartySpec.parse("B:4:2x16GB")]
+    # Execute
+    message = refusal("13B", given, w)
+    # Assert: B is short at the balanced cut, A fits there and says so
+    assert "at the balanced cut u:1,5, B needs " in message
+    assert (
+        "per device and has 2 x 14.90 GiB (A fits there, 37.72 GiB of 74.51 GiB)"
+        in (message)
+    )
+    assert "A needs" not in message and "bf16" not in message  # already bf16
+    # ... and the devices it suggests are a plan, with one fewer on B none is
+    specs, flags, _cut = suggested(message)
+    assert [s.name for s in specs] == ["A", "B"] and not flags
+    a, b = specs
+    assert (a.devices, a.memory_bytes) == (1, 80e9) and b.memory_bytes == 16e9
+    fitted = plan("13B", load_config("13B"), specs, w)  # refused if it did not fit
+    assert fitted.loads["B"].memory_bytes <= 16e9
+    refusal("13B", [a, with_devices(b, b.devices - 1)], w)
+
+
+def test_the_200b_refusal_points_to_more_devices():
+    w = Workload(batch_size=8, micro_batch_size=1, dtype="bf16")
+    given = [PartySpec.parse("A:1:32GB"), PartySpec.parse("B:4:80GB")]
+    # Execute
+    message = refusal("200B", given, w)
+    # Assert: both are short at the balanced cut; no bf16 (the run is bf16)
+    assert re.search(
+        r"A needs .* per device and has 29\.80 GiB, and B needs .* has 74\.51", message
+    )
+    assert "fits there" not in message and "bf16" not in message
+    specs, flags, _cut = suggested(message)
+    # no number of 32 GB devices holds what each rank of A keeps whole (the
+    # embedding, the top query layer, the head: 3.9e9 parameters with AdamW)
+    a, b = specs
+    assert a.memory_bytes > 32e9 and b.memory_bytes == 80e9
+    assert a.devices > 1 and flags["micro_batch_size"] >= a.devices
+    work = Workload(dtype="bf16", **flags)
+    fitted = plan("200B", load_config("200B"), specs, work)
+    assert all(fitted.loads[s.name].memory_bytes <= s.memory_bytes for s in specs)

@@ -861,25 +861,32 @@ def party_load(
     party: str,
     workload: Workload,
     devices: int = 1,
+    *,
+    peak_only: bool = False,
 ) -> PartyLoad:
     """Parameters, FLOPs, memory (per rank, in the layout ``party_layout``
     gives ``devices``) and traffic of one party for one step. PlanError if
     the layout cannot run the workload (sharded ranks with fewer rows in a
-    micro-batch than ranks)."""
+    micro-batch than ranks). ``peak_only``: only the ranks that can hold the
+    peak (the first and the last: the first holds the most rows and chunks,
+    the most blocks and micro-batches of a pipeline, and the embedding; the
+    last the head), so ``memory_bytes`` is right; its sums, parameters and
+    FLOPs are not worked out."""
     w, T = workload, workload.seq_len or cfg.seq_len
     lay = cfg.layout
     tokens = w.batch_size * T
     ld = PartyLoad(party)
-    ld.params = sum(sizes[p] for p in partition.module_paths(party))
     stages: list[Stage] = list(partition.stages_of(party))
     fwd_per_token = 0.0
-    for stage in stages:
+    for stage in [] if peak_only else stages:
         ld.pieces.append(stage.describe(lay))
         n_blocks = len(stage.blocks) + (lay.head_layers if stage.head else 0)
         fwd_per_token += n_blocks * block_forward_flops_per_token(cfg, T)
         if stage.head:
             fwd_per_token += head_forward_flops_per_token(cfg)
     ld.train_flops = 3.0 * fwd_per_token * tokens
+    if not peak_only:
+        ld.params = sum(sizes[p] for p in partition.module_paths(party))
     # The party's layers in forward order (the head's own, PanGu-α's top
     # query layer, last). Pipelined, they are spread over its ranks; the
     # embedding goes to the first rank, the rest of the head to the last (a
@@ -890,10 +897,11 @@ def party_load(
     layers = [i for st in stages for i in st.blocks]
     layers += [lay.num_blocks + j for j in range(lay.head_layers if head else 0)]
     ld.layout = party_layout(party, len(layers), devices)
+    ranks = sorted({0, devices - 1}) if peak_only else range(devices)
     if ld.layout == "sharded":
-        _shard_ranks(ld, sizes, cfg, w, layers, devices, embed=embed, head=head)
+        _shard_ranks(ld, sizes, cfg, w, layers, devices, ranks, embed=embed, head=head)
     else:
-        _stage_ranks(ld, sizes, cfg, w, layers, devices, embed=embed, head=head)
+        _stage_ranks(ld, sizes, cfg, w, layers, devices, ranks, embed=embed, head=head)
     for name in ("weights_bytes", "grads_bytes", "optimizer_bytes"):
         setattr(ld, name, sum(getattr(r, name) for r in ld.ranks))
     ld.activation_bytes = sum(r.activation_bytes for r in ld.ranks)
@@ -908,13 +916,15 @@ def _stage_ranks(
     w: Workload,
     layers: list[int],
     devices: int,
+    ranks: range | list[int],
     *,
     embed: bool,
     head: bool,
 ) -> None:
     """The ranks of a party on one device, or pipelined over ``devices``."""
     spread = pipeline_stage_blocks(len(layers), devices) if devices > 1 else None
-    for k in range(devices):
+    n_blocks = cfg.layout.num_blocks
+    for k in ranks:
         idx = [layers[i] for i in spread[k]] if spread else layers
         first, last = k == 0, k == devices - 1
         ld.ranks.append(
@@ -922,7 +932,7 @@ def _stage_ranks(
                 sizes,
                 cfg,
                 w,
-                [i for i in idx if i < cfg.layout.num_blocks],
+                [i for i in idx if i < n_blocks],
                 embed=embed and first,
                 head=head and last,
                 rank=k,
@@ -938,6 +948,7 @@ def _shard_ranks(
     w: Workload,
     layers: list[int],
     devices: int,
+    ranks: range | list[int],
     *,
     embed: bool,
     head: bool,
@@ -953,8 +964,9 @@ def _shard_ranks(
             f"micro-batch size of at least {devices}"
             + (more if ld.name == COMPUTE_PARTY else "")
         )
-    blocks = [i for i in layers if i < cfg.layout.num_blocks]
-    for k in range(devices):
+    n_blocks = cfg.layout.num_blocks
+    blocks = [i for i in layers if i < n_blocks]
+    for k in ranks:
         ld.ranks.append(
             rank_load(
                 sizes,
@@ -1090,7 +1102,7 @@ def plan(
         )
     sizes = module_sizes(build_model(cfg, device="meta"))
     best: tuple[tuple[float, int], Plan] | None = None
-    smallest: dict[str, float] = {p: math.inf for p in PARTIES}
+    needs: list[tuple[Partition, dict[str, float], tuple]] = []  # each cut's
     usable = None
     cuts = candidates(cfg, shape, min_a_blocks)
     started = time.monotonic()
@@ -1111,24 +1123,21 @@ def plan(
         except PlanError as e:  # more devices than this cut gives a party blocks
             usable = usable or e
             continue
-        for p in PARTIES:
-            smallest[p] = min(smallest[p], pl.loads[p].memory_bytes)
-        if any(pl.loads[p].memory_bytes > by_name[p].memory_bytes for p in PARTIES):
-            continue
         a_blocks = part.front + (part.back or 0)
         key = (float(f"{pl.pipelined_time:.12g}"), a_blocks)
+        needs.append((part, {p: pl.loads[p].memory_bytes for p in PARTIES}, key))
+        if any(pl.loads[p].memory_bytes > by_name[p].memory_bytes for p in PARTIES):
+            continue
         if best is None or key < best[0]:
             best = (key, pl)
-    if best is None and all(math.isinf(v) for v in smallest.values()):
+    if best is None and not needs:
         raise PlanError(f"no {shape} cut of {model_name} can use the devices: {usable}")
     if best is None:
-        need = ", ".join(
-            f"{p} needs at least {format_bytes(smallest[p])} per device, has "
-            f"{by_name[p].label}"
-            for p in PARTIES
-        )
+        from aisyn.model.plan_fit import balanced_cut, fewest_devices, no_fit_message
+
+        fit = fewest_devices(sizes, cfg, cuts, by_name, workload)
+        closest = balanced_cut(needs)
         raise PlanError(
-            f"no {shape} cut of {model_name} fits the parties' memory ({need}); add "
-            "memory, lower --micro-batch-size/--seq-len, or use bf16"
+            no_fit_message(model_name, shape, closest, by_name, workload, fit)
         )
     return best[1]
