@@ -27,6 +27,15 @@ only hide link waits and cannot add compute.
     python bench/split_efficiency.py --quick          # ~10 min on 2 cores
     python bench/split_efficiency.py                  # the docs/split.md table
     python bench/split_efficiency.py --cpus 1 --sections in-process,loopback,shaped
+
+The ``balanced`` section measures pipelining where the cut allows it: the
+model made deep enough (``--override num_layers=...`` of the shallowest depth,
+from the model's own up) that the cut the planner chooses for ``--pipeline``
+on two equal parties leaves the busier party at most ``BALANCED_FLOOR`` of the
+compute, with that cut; it prints ``pipelined xN.NNN, planner floor xN.NNN``
+in-process and over loopback mTLS (goal: pipelined <= 1.08 x the floor).
+
+    python bench/split_efficiency.py --quick --sections balanced
 """
 
 from __future__ import annotations
@@ -55,7 +64,14 @@ from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.link import ShapedProxy
 from aisyn.link.memory import memory_pair
 from aisyn.model.families import build_model, load_config
-from aisyn.model.plan import PartySpec, Workload, evaluate
+from aisyn.model.plan import (
+    PartySpec,
+    Workload,
+    block_forward_flops_per_token,
+    evaluate,
+    head_forward_flops_per_token,
+    plan,
+)
 from aisyn.model.segments import (
     COMPUTE_PARTY,
     DATA_PARTY,
@@ -64,6 +80,7 @@ from aisyn.model.segments import (
 )
 from aisyn.net import free_port
 from aisyn.split import protocol as proto
+from aisyn.split import schedule
 from aisyn.split.compute_party import ComputeParty
 from aisyn.split.data_party import DataSession
 from aisyn.split.party import PartyState
@@ -354,7 +371,12 @@ def table(rows: list[Result], base: float, tokens: int) -> str:
     return "\n".join(out)
 
 
-SECTIONS = ("in-process", "loopback", "shaped", "loss", "transport")
+SECTIONS = ("in-process", "loopback", "shaped", "loss", "transport", "balanced")
+#: the balanced section's model is deep enough that the planner's cut leaves
+#: the busier party at most this share of the compute (issue 37's goal: 0.56)
+BALANCED_FLOOR = 0.56
+#: and its pipelined step should take at most this times that floor
+BALANCED_GOAL = 1.08
 
 
 def parse_overrides(text: str | None) -> dict:
@@ -591,9 +613,153 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transport microbenchmark (one cut tensor, {list(micro_shape)} fp32):")
         print(transport_microbench(micro_shape, args.quick, args.threads))
 
+    if "balanced" in sections:
+        result["balanced"] = balanced_section(args, cfg, tcfg, data, n, log)
+
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def balanced_cut(model: str, cfg, tcfg, window: int):
+    """(config, the planner's cut, its floor): the shallowest depth, from
+    ``cfg``'s own up, at which the cut ``aisyn split plan --pipeline window``
+    chooses for two equal parties leaves the busier one at most
+    ``BALANCED_FLOOR`` of the compute."""
+    equal = [PartySpec(p, 1.0, math.inf) for p in (DATA_PARTY, COMPUTE_PARTY)]
+    work = Workload(
+        tcfg.batch_size, tcfg.micro, seq_len=cfg.seq_len, in_flight=window + 1
+    )
+    for layers in range(cfg.num_layers, cfg.num_layers + 64):
+        deep = dataclasses.replace(cfg, num_layers=layers)
+        chosen = plan(model, deep, equal, work)
+        floor = chosen.pipelined_time / chosen.lockstep_time
+        if floor <= BALANCED_FLOOR:
+            return deep, chosen.partition, floor
+    raise SystemExit(
+        f"balanced: no depth up to {cfg.num_layers + 63} layers gives a cut "
+        f"with a floor <= {BALANCED_FLOOR}"
+    )
+
+
+_NEEDS = {("b", "F"): ("a", "F"), ("a", "L"): ("b", "F"), ("b", "B"): ("a", "L")}
+_NEEDS[("a", "B")] = ("b", "B")
+
+
+def makespan(sched: schedule.Schedule, cost: dict[str, dict[str, float]]) -> float:
+    """When the last op of ``sched`` ends, each op taking ``cost[party][kind]``
+    and starting once its party is free and what it needs (``schedule``'s
+    cross-party dependencies) has ended: the step time of the schedule alone,
+    with a free link and no overhead."""
+    free = {"a": 0.0, "b": 0.0}
+    ended: dict[tuple[str, str, int], float] = {}
+    pos = {"a": 0, "b": 0}
+    ops = {"a": sched.a, "b": sched.b}
+    while pos["a"] < len(ops["a"]) or pos["b"] < len(ops["b"]):
+        moved = False
+        for p in "ab":
+            if pos[p] == len(ops[p]):
+                continue
+            kind, i = ops[p][pos[p]]
+            need = _NEEDS.get((p, kind))
+            if need and (*need, i) not in ended:
+                continue
+            start = max(free[p], ended[(*need, i)] if need else 0.0)
+            free[p] = ended[(p, kind, i)] = start + cost[p][kind]
+            pos[p] += 1
+            moved = True
+        if not moved:
+            raise RuntimeError("schedule deadlocks")
+    return max(free.values())
+
+
+def schedule_bound(cfg, part, micro_batches: int, window: int) -> float:
+    """The pipelined schedule's step time over the unsplit step's, each op
+    taking its share of the planner's FLOPs (forward 1, backward 2): what the
+    fill and drain of ``micro_batches`` micro-batches add to the floor."""
+    T = cfg.seq_len
+    block = block_forward_flops_per_token(cfg, T)
+    lay = cfg.layout
+    front = part.front * block
+    back = (part.back + lay.head_layers) * block + head_forward_flops_per_token(cfg)
+    middle = len(part.middle) * block
+    cost = {
+        "a": {"F": front, "L": 3 * back, "B": 2 * front},
+        "b": {"F": middle, "B": 2 * middle},
+    }
+    unsplit = micro_batches * 3 * (front + back + middle)
+    return makespan(schedule.pipelined(micro_batches, window), cost) / unsplit
+
+
+def balanced_section(args, cfg, tcfg, data, n, log) -> dict:
+    """The pipelined step on a model deep enough for a balanced cut, with the
+    planner's cut, in-process and over loopback mTLS, against the floor."""
+    deep, part, floor = balanced_cut(args.model, cfg, tcfg, args.window)
+    batches = fixed_batches(data, n, args.batch_size, tcfg.seed)
+    print(
+        f"\n# balanced: {args.model} with num_layers={deep.num_layers} "
+        f"({build_model(deep, device='meta').num_parameters():,} params), the "
+        f"planner's cut for --pipeline {args.window} on two equal parties "
+        f"{part.spec} ({part.describe()})",
+        flush=True,
+    )
+    print(f"# {pipelining_floor(args.model, deep, part, tcfg)}", flush=True)
+    rows = [run_in_process(deep, part, tcfg, batches, args.window, "none", args.warmup)]
+    log(rows[-1])
+    env = {"OMP_NUM_THREADS": str(args.threads)}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = spawn_compute_party(
+            Path(tmp) / "b",
+            deep,
+            part,
+            Path(tmp) / "b-runs",
+            device="cpu",
+            env=env,
+            data_listen=f"127.0.0.1:{free_port()}",
+        )
+        try:
+            rows.append(
+                run_grpc(
+                    server.settings,
+                    "split, gRPC",
+                    "loopback, mTLS",
+                    deep,
+                    part,
+                    tcfg,
+                    batches,
+                    args.window,
+                    "none",
+                    args.warmup,
+                    server.proc.pid,
+                )
+            )
+            log(rows[-1])
+        finally:
+            server.stop()
+    goal = BALANCED_GOAL * floor
+    bound = schedule_bound(deep, part, tcfg.grad_accum, args.window)
+    print(
+        f"# the schedule alone (free link, no overhead, ops timed by the "
+        f"planner's FLOPs): x{bound:.3f}, {bound / floor:.3f} x the floor: the "
+        f"fill (B waits for A's first front) and drain (A waits for B's last "
+        f"backward) of {tcfg.grad_accum} micro-batches at {args.window} in flight"
+    )
+    for r in rows:
+        met = r.ratio <= goal and floor <= BALANCED_FLOOR
+        print(
+            f"balanced cut {part.spec} of {deep.num_layers} layers, {r.link}, "
+            f"{tcfg.grad_accum} micro-batches, {args.window} in flight: pipelined "
+            f"x{r.ratio:.3f}, planner floor x{floor:.3f} (pipelined / floor "
+            f"{r.ratio / floor:.3f}; goal: pipelined <= {BALANCED_GOAL} x floor = "
+            f"x{goal:.3f}, floor <= {BALANCED_FLOOR}: {'met' if met else 'missed'})"
+        )
+    return {
+        "schedule_bound": bound,
+        "num_layers": deep.num_layers,
+        "cut": part.spec,
+        "floor": floor,
+        "rows": [r.__dict__ for r in rows],
+    }
 
 
 def pipelining_floor(model: str, cfg, part, tcfg) -> str:

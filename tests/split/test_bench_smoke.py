@@ -28,6 +28,9 @@ def test_split_efficiency_quick_runs(tmp_path, split_config):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| split, gRPC | shaped 20 ms RTT, 1000 Mbit/s | pipelined" in res.stdout
     assert "in-process lockstep: x" in res.stdout
+    # the balanced section: a deeper model, the planner's cut, both links
+    balanced = [line for line in res.stdout.splitlines() if "planner floor x" in line]
+    assert len(balanced) == 2 and all("pipelined x" in line for line in balanced)
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 10  # 2 in-process, 3+1 loopback, 4 shaped (quick)
     for row in rows:
