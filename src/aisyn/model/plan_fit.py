@@ -214,9 +214,18 @@ def fewest_devices(
     largest = replace(
         w, micro_batch_size=MAX_ROWS, batch_size=MAX_ROWS * w.micro_batches
     )
+
+    def can_fit(party: str, memory: float) -> bool:
+        """Whether any count of such devices holds the party at some cut, at
+        ``w`` or at the most rows (more rows let a sharded party spread
+        wider; fewer keep a pipeline stage's micro-batches small)."""
+        return any(
+            search.fewest(c, party, work, memory) for work in (w, largest) for c in cuts
+        )
+
     sizes_to_try: dict[str, list[float]] = {}
     for p, other in ((DATA_PARTY, COMPUTE_PARTY), (COMPUTE_PARTY, DATA_PARTY)):
-        fits_own = any(search.fewest(c, p, largest, own[p]) for c in cuts)
+        fits_own = can_fit(p, own[p])
         # the other party's device first (a consortium often has one kind),
         # then the common sizes above the party's own
         larger = [own[other]] if own[p] < own[other] < math.inf else []
@@ -227,10 +236,7 @@ def fewest_devices(
     for a_mem in sizes_to_try[DATA_PARTY]:
         for b_mem in sizes_to_try[COMPUTE_PARTY]:
             memory = {DATA_PARTY: a_mem, COMPUTE_PARTY: b_mem}
-            if not all(
-                any(search.fewest(c, p, largest, memory[p]) for c in cuts)
-                for p in PARTIES
-            ):
+            if not all(can_fit(p, memory[p]) for p in PARTIES):
                 continue
             for work in _workloads(w):
                 found = search.fit(cuts, work, memory)
