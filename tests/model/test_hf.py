@@ -384,3 +384,66 @@ def test_a_pangu_export_carries_its_sentencepiece_model(tmp_path):
 
     assert res["tokenizer"] == "vocab.model"
     assert (tmp_path / "port" / "vocab.model").read_bytes() == tok.model_bytes
+
+
+def _qwen2_folder(folder, with_tokenizer: bool):
+    """A tiny random Qwen2 with room for the data tokenizer's 8000 pieces,
+    and (``with_tokenizer``) its own 21-piece tokenizer.json."""
+    cfg = HF_CONFIGS["qwen2"]()
+    cfg.vocab_size = 8000
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    if with_tokenizer:
+        _word_level_tokenizer(folder, [f"w{i}" for i in range(18)])
+    return f"hf:{folder}"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--steps", "1"],
+        ["split", "train", "--mode", "local", "--steps", "1", "--cut", "u:1,1"],
+        ["split", "plan", "--party", "A:1:8GB", "--party", "B:1:8GB"],
+    ],
+)
+def test_data_of_another_tokenizer_than_the_hf_folders_is_refused(
+    command, tmp_path, news_data, capsys
+):
+    """Data made with the shipped 8000-piece tokenizer fits a Qwen2 folder's
+    8000 rows, but its ids mean other pieces to the folder's own tokenizer."""
+    from aisyn.cli import main
+
+    model = _qwen2_folder(tmp_path / "hf", with_tokenizer=True)
+    capsys.readouterr()  # save_pretrained's progress bar
+    out = ["--out", str(tmp_path / "run")] if "plan" not in command else []
+    argv = [*command, "--model", model, "--data", str(news_data), *out]
+    assert main([*argv, "--device", "cpu"] if "plan" not in command else argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("aisyn: error: "), err
+    assert f"but the base model {model} uses" in err[0]
+    assert f"re-run `aisyn prepare --tokenizer {model}`" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_of_the_hf_folders_own_tokenizer_passes_its_check(tmp_path):
+    from aisyn.data.tokenizer import load_tokenizer
+    from aisyn.train.models import model_config_for
+
+    model = _qwen2_folder(tmp_path / "hf", with_tokenizer=True)
+    own = load_tokenizer(model).info()  # as `aisyn prepare --tokenizer hf:DIR` records
+    assert model_config_for(model, own, 32, [tmp_path / "data"]).vocab_size == 8000
+
+
+def test_an_hf_folder_without_a_tokenizer_is_said_to_be_unchecked(
+    tmp_path, news_data, caplog
+):
+    from aisyn.data.shards import TokenShards
+    from aisyn.train.models import model_config_for
+
+    model = _qwen2_folder(tmp_path / "hf", with_tokenizer=False)
+    tok = TokenShards.open(news_data, "train").tokenizer_info
+    with caplog.at_level("WARNING", logger="aisyn.train"):
+        model_config_for(model, tok, 32, [news_data])
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1
+    assert "has no tokenizer.json" in warned[0] and str(news_data) in warned[0]

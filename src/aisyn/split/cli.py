@@ -160,7 +160,9 @@ def cmd_plan(args) -> None:
 
         # the model `aisyn train --data` builds: the data tokenizer's vocabulary
         shards = TokenShards.open(args.data, "train")
-        cfg = model_config_for(args.model, shards.tokenizer_info, shards.seq_len)
+        cfg = model_config_for(
+            args.model, shards.tokenizer_info, shards.seq_len, args.data
+        )
         args.seq_len = args.seq_len or shards.seq_len
     parties = [PartySpec.parse(p) for p in args.party]
     workload = Workload(

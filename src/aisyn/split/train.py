@@ -148,9 +148,10 @@ def split_train(
         raise ValueError(why)
     objective = (SFTObjective if sft else LMObjective)(data_dirs, cfg)
     tok = objective.tokenizer
-    mcfg = model_config_for(model_config, tok, objective.seq_len)
-    if sft and init_from is not None:
-        check_base_tokenizer(init_from, tok, data_dirs[0])
+    mcfg = model_config_for(model_config, tok, objective.seq_len, data_dirs)
+    if init_from is not None and str(init_from) != str(model_config):
+        if sft or hf_folder(init_from) is not None:  # hf:DIR as --model: checked
+            check_base_tokenizer(init_from, tok, data_dirs[0])
     partition = parse_partition(opts.cut, mcfg)
     if not partition.is_u_shape:
         raise PartitionError(

@@ -4,6 +4,7 @@ fine-tuning, federated or split run starts from (``BaseModel``)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from aisyn.data.sft import SFTData
+from aisyn.data.tokenizer import HF_TOKENIZER_FILE
 from aisyn.model.causal_lm import CausalLM
 from aisyn.model.families import (
     ModelConfig,
@@ -22,7 +24,7 @@ from aisyn.model.families import (
     load_config,
     with_vocab,
 )
-from aisyn.model.hf import read_hf_folder
+from aisyn.model.hf import HF_PREFIX, read_hf_folder
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.run import TOKENIZER, RunDir
 
@@ -30,17 +32,26 @@ log = logging.getLogger("aisyn.train")
 
 
 def model_config_for(
-    model: ModelConfig | str | Path, tokenizer: dict, data_seq_len: int
+    model: ModelConfig | str | Path,
+    tokenizer: dict,
+    data_seq_len: int,
+    data: str | Path | Sequence[str | Path] | None = None,
 ) -> ModelConfig:
     """The model config with the vocabulary of the data's tokenizer (so that
     ``aisyn train`` and ``aisyn split train`` build the same model); ValueError
     if the data's samples are longer than its positions.
 
     A pretrained model (``hf:DIR``) keeps its vocabulary: its embedding rows
-    are fixed, so the data's tokenizer must fit in them.
+    are fixed, so the data's tokenizer must fit in them, and be the folder's
+    own ``tokenizer.json`` when it has one (``check_hf_tokenizer``; ``data``:
+    the data folders, named in the refusal).
     """
     mcfg = load_config(model) if isinstance(model, str | Path) else model
-    if isinstance(model, str | Path) and hf_folder(model) is not None:
+    folder = hf_folder(model) if isinstance(model, str | Path) else None
+    if folder is not None:
+        if data is not None and not isinstance(data, str | Path):
+            data = ", ".join(map(str, data))
+        check_hf_tokenizer(folder, tokenizer, data)
         if tokenizer["vocab_size"] > mcfg.vocab_size:
             raise ValueError(
                 f"the data's tokenizer has {tokenizer['vocab_size']} pieces, the "
@@ -159,13 +170,43 @@ def check_tokenizer(
     data_dir: Path, data_sha: str, base: str | Path, base_sha: str, run: Path
 ) -> None:
     """Refuse data prepared with another tokenizer than the base model's (the
-    tokenizer of the base's run folder ``run``)."""
+    tokenizer of the base's run folder ``run``, or ``hf:DIR``'s tokenizer.json).
+
+    The one place every command that pairs a model with data checks their
+    tokenizers (``finetune``, federated runs, ``train`` and ``split train``
+    with ``--model hf:DIR`` or ``--init-from``): a mismatch trains without an
+    error on ids that mean other pieces to the model.
+    """
     if data_sha != base_sha:
+        hf = hf_folder(run) is not None
+        tokenizer = run if hf else run / TOKENIZER
+        prepare = "aisyn prepare" if hf else "aisyn prepare-sft"
         raise ValueError(
             f"{data_dir}: prepared with tokenizer {data_sha[:12]}, but the base "
-            f"model {base} uses {base_sha[:12]}; re-run `aisyn prepare-sft "
-            f"--tokenizer {run / TOKENIZER}`"
+            f"model {base} uses {base_sha[:12]}; re-run `{prepare} "
+            f"--tokenizer {tokenizer}`"
         )
+
+
+def check_hf_tokenizer(folder: Path, tokenizer: dict, data_dir=None) -> None:
+    """Refuse data whose tokenizer is not the Hugging Face folder's own
+    ``tokenizer.json`` (``check_tokenizer``); a folder without one cannot be
+    checked, and a warning says so (only the vocabulary size is then)."""
+    what = "the data" if data_dir is None else str(data_dir)
+    file = folder / HF_TOKENIZER_FILE
+    if not file.is_file():
+        log.warning(
+            "%s has no %s, so the tokenizer of %s cannot be checked against the "
+            "model's (only the vocabulary size is): make sure the data was "
+            "prepared with the model's own tokenizer",
+            folder,
+            HF_TOKENIZER_FILE,
+            what,
+        )
+        return
+    theirs = hashlib.sha256(file.read_bytes()).hexdigest()
+    name = f"{HF_PREFIX}{folder}"
+    check_tokenizer(what, tokenizer["sha256"], name, theirs, name)
 
 
 def check_data_matches(info: BaseModel, data: Sequence[SFTData]) -> None:
@@ -192,6 +233,9 @@ def check_base_tokenizer(base: str | Path, tokenizer: dict, data_dir) -> None:
     file has none, and then only the vocabulary size is checked (by the shape
     of the embedding, when the base is read).
     """
+    if (folder := hf_folder(base)) is not None:
+        check_hf_tokenizer(folder, tokenizer, data_dir)
+        return
     file = ckpt.model_file(base)
     if not file.is_file():
         return  # reading the base says so, in one line

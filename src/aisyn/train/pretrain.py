@@ -24,7 +24,11 @@ from aisyn.train.diloco import DiLoCoConfig
 from aisyn.train.engine import Engine, finished
 from aisyn.train.executor import LocalExecutor
 from aisyn.train.memory import check_fits, whole_model_bytes
-from aisyn.train.models import load_model_checkpoint, model_config_for
+from aisyn.train.models import (
+    check_base_tokenizer,
+    load_model_checkpoint,
+    model_config_for,
+)
 from aisyn.train.objective import LMObjective
 from aisyn.train.regime import Regime
 from aisyn.train.run import RunDir, run_config
@@ -61,10 +65,14 @@ def train(
         cfg, data_dirs = diloco.centre_settings(cfg, sync, world, rank, data_dirs)
         centre, centres = diloco.centre_of(rank, world, sync.ranks_per_centre)
     objective = LMObjective(data_dirs, cfg)
-    mcfg = model_config_for(model_config, objective.tokenizer, objective.seq_len)
+    mcfg = model_config_for(
+        model_config, objective.tokenizer, objective.seq_len, data_dirs
+    )
     if init_from is None and isinstance(model_config, str | Path):
         if hf_folder(model_config) is not None:
             init_from = model_config  # a pretrained folder brings its weights
+    elif init_from is not None and hf_folder(init_from) is not None:
+        check_base_tokenizer(init_from, objective.tokenizer, data_dirs[0])
     run = RunDir(out if not centre else diloco.centre_folder(out, centre))
     last = ckpt.latest(run.checkpoints) if resume else None
     timeout = None if sync_timeout_s is None else timedelta(seconds=sync_timeout_s)
