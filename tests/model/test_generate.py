@@ -106,6 +106,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     "kwargs",
     [
         dict(temperature=1e-45),  # logits / T overflowed to +-inf: NaN softmax
+        dict(temperature=1e-300),  # T rounds to 0 in float32: 0/0 is NaN
+        dict(temperature=1e-300, top_k=3, top_p=0.5),
         dict(temperature=1.0, top_p=1e-300),  # p rounds to 0 in float32
         dict(temperature=1e-45, top_p=1e-300, top_k=3),
     ],

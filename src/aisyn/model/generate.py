@@ -29,8 +29,9 @@ class Sampling:
     """How the next token is picked from the logits.
 
     ``temperature`` 0 is greedy (argmax; ``top_k``/``top_p`` then change
-    nothing). Otherwise logits are divided by the temperature, cut to the
-    ``top_k`` most likely tokens (0: no cut), then to the smallest set whose
+    nothing), as is any below float32's smallest normal number (``greedy``).
+    Otherwise logits are divided by the temperature, cut to the ``top_k``
+    most likely tokens (0: no cut), then to the smallest set whose
     probability reaches ``top_p`` (1: no cut), and sampled.
     """
 
@@ -53,7 +54,10 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Logits are divided by T in float32, where a T below its smallest
+        # normal number (1e-300 rounds to 0) gives 0/0 = NaN for the top
+        # logit: such a T leaves only the top token anyway, so pick it.
+        return self.temperature < torch.finfo(torch.float32).tiny
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
