@@ -75,3 +75,64 @@ def test_missing_or_corrupt_tokenizer(tmp_path):
     bad.write_bytes(b"\x00garbage" * 20)
     with pytest.raises(TokenizerError, match="bad.model: not a SentencePiece model"):
         PanguTokenizer(bad)
+
+
+@pytest.fixture
+def jieba_hmm_lengths(monkeypatch):
+    """The length of every run jieba's HMM decodes: its time is quadratic in
+    that length (the Viterbi path is copied at every character)."""
+    from jieba import finalseg
+
+    lengths = []
+    viterbi = finalseg.viterbi
+
+    def recording(obs, *args):
+        lengths.append(len(obs))
+        return viterbi(obs, *args)
+
+    monkeypatch.setattr(finalseg, "viterbi", recording)
+    return lengths
+
+
+def test_jieba_never_decodes_a_run_longer_than_its_bound(jieba_hmm_lengths):
+    """A long run of characters jieba has no word for (100 000 "中": 52 s,
+    2 000 000 never finished) is segmented in bounded pieces: linear time."""
+    from aisyn.data.tokenizer import JIEBA_RUN_CHARS
+
+    text = "前言，" + "中" * 3000 + "。abc" + "x" * 1000 + "后记"
+    seg = segment(text)
+    assert seg.replace(" ", "") == text
+    assert jieba_hmm_lengths and max(jieba_hmm_lengths) <= JIEBA_RUN_CHARS
+
+
+def test_text_without_long_runs_segments_as_in_one_piece(news_corpus):
+    """Cuts fall only inside runs longer than the bound: other text gives the
+    words jieba gives for it whole (cached segmentations stay valid)."""
+    import jieba
+
+    text = "\n".join(d.text for d in news_corpus.documents[:200])
+    assert len(text) > 20_000
+    whole = " ".join(w.replace(" ", "▂").replace("\n", "▃") for w in jieba.cut(text))
+    assert segment(text) == whole
+
+
+def test_preparing_one_long_line_reports_progress(
+    tmp_path, monkeypatch, caplog, jieba_hmm_lengths
+):
+    """`aisyn prepare` of a corpus that is one long line (it ran for minutes
+    with no output): bounded pieces, and a progress line while it works."""
+    from aisyn.cli import main
+    from aisyn.data import tokenizer
+    from aisyn.data.tokenizer import JIEBA_RUN_CHARS
+
+    monkeypatch.setenv("AISYN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer, "PROGRESS_EVERY_S", 0.0)
+    corpus = tmp_path / "long_line.txt"
+    corpus.write_text("中" * 5_000 + "\n", encoding="utf-8")
+    argv = ["prepare", "--corpus", str(corpus), "--out", str(tmp_path / "out")]
+    with caplog.at_level("INFO", logger="aisyn.data.tokenizer"):
+        assert main([*argv, "--seq-len", "32"]) == 0
+    lines = [r.getMessage() for r in caplog.records]
+    progress = [m for m in lines if m.startswith("segmenting with jieba: ")]
+    assert progress and "5000 of 5000 characters (100%)" in progress[-1], lines
+    assert max(jieba_hmm_lengths) <= JIEBA_RUN_CHARS

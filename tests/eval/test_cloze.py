@@ -143,3 +143,41 @@ def test_prompt_keeps_the_blank_when_truncated():
 
     assert "＿＿" in text and len(text) < 120
     assert text.count("甲") == 50 and text.count("乙") == 50
+
+
+class CountingTokenizer:
+    """A tokenizer that records how many characters it was given to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.chars = tok, 0
+        self.eod_id = tok.eod_id
+
+    def encode(self, text):
+        self.chars += len(text)
+        return self.tok.encode(text)
+
+
+def test_a_prefix_longer_than_the_context_encodes_only_its_tail(tokenizer):
+    """A 200 000-character prefix ran for minutes with no output: the model
+    sees its last tokens only, so only its end is encoded."""
+    counting = CountingTokenizer(tokenizer)
+    item = ClozeItem("甲乙丙丁，" * 40_000, ITEM.suffix, ITEM.candidates, ITEM.answer)
+
+    enc = encode_item(item, counting, 32)
+
+    assert counting.chars < 1_000
+    assert len(enc.context) + max(map(len, enc.continuations)) == 32
+
+
+def test_the_tail_of_a_long_prefix_gives_the_tokens_the_whole_gives(
+    tokenizer, news_corpus
+):
+    prefix = "".join(d.text for d in news_corpus.documents[:20])
+    assert len(prefix) > 2_000
+    item = ClozeItem(prefix, ITEM.suffix, ITEM.candidates, ITEM.answer)
+    for max_len in (16, 64, 256):
+        enc = encode_item(item, tokenizer, max_len)
+        keep = max_len - max(map(len, enc.continuations))
+        assert enc.context == [tokenizer.eod_id, *tokenizer.encode(prefix)][-keep:]
+    # a prefix the context holds whole keeps its <eod>
+    assert encode_item(ITEM, tokenizer, 256).context[0] == tokenizer.eod_id

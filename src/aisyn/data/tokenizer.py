@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -70,9 +71,68 @@ def _jieba():
     return jieba
 
 
-def segment(text: str) -> str:
-    """jieba words joined by spaces, with the text's own whitespace as ▂/▃."""
-    return " ".join(w.translate(_TO_SYMBOLS) for w in _jieba().cut(text))
+#: The longest run of word characters jieba gets in one piece. jieba's HMM
+#: (``finalseg.viterbi``) copies its path at every character, so a run of
+#: characters it has no word for costs time quadratic in the run: 52 s for
+#: 100 000 repeated "中", and a 2 000 000-character line never finished.
+#: Natural text breaks its runs at punctuation and spaces long before this.
+JIEBA_RUN_CHARS = 256
+#: Seconds between progress lines of a long segmentation.
+PROGRESS_EVERY_S = 10.0
+_long_runs: re.Pattern | None = None
+
+
+def _jieba_pieces(text: str) -> list[str]:
+    """``text`` cut inside the runs of word characters longer than
+    ``JIEBA_RUN_CHARS`` (jieba's own blocks, ``re_han_default``), every
+    ``JIEBA_RUN_CHARS`` characters: jieba segments each run on its own, so
+    every other text segments exactly as in one piece."""
+    global _long_runs
+    if _long_runs is None:
+        # jieba's block class, e.g. "([一-鿕a-zA-Z0-9+#&\._%\-]+)"
+        word = _jieba().re_han_default.pattern.removeprefix("(").removesuffix("+)")
+        # the look-behind starts a match only where a run starts: linear
+        _long_runs = re.compile(f"(?<!{word}){word}{{{JIEBA_RUN_CHARS + 1},}}")
+    pieces, start = [], 0
+    for run in _long_runs.finditer(text):
+        for cut in range(run.start() + JIEBA_RUN_CHARS, run.end(), JIEBA_RUN_CHARS):
+            pieces.append(text[start:cut])
+            start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+class _Progress:
+    """A log line every ``PROGRESS_EVERY_S`` seconds of a long segmentation."""
+
+    def __init__(self, total_chars: int) -> None:
+        self.total, self.done = total_chars, 0
+        self.next_line = time.monotonic() + PROGRESS_EVERY_S
+
+    def add(self, chars: int) -> None:
+        self.done += chars
+        if time.monotonic() >= self.next_line:
+            log.info(
+                "segmenting with jieba: %d of %d characters (%.0f%%)",
+                self.done,
+                self.total,
+                100 * self.done / max(self.total, 1),
+            )
+            self.next_line = time.monotonic() + PROGRESS_EVERY_S
+
+
+def segment(text: str, progress: _Progress | None = None) -> str:
+    """jieba words joined by spaces, with the text's own whitespace as ▂/▃.
+
+    Linear in the text's length: a run of word characters longer than
+    ``JIEBA_RUN_CHARS`` is segmented in pieces of that length."""
+    jieba = _jieba()
+    progress = progress or _Progress(len(text))
+    words = []
+    for piece in _jieba_pieces(text):
+        words.extend(w.translate(_TO_SYMBOLS) for w in jieba.cut(piece))
+        progress.add(len(piece))
+    return " ".join(words)
 
 
 def segment_many(texts: Sequence[str], cache: bool = True) -> list[str]:
@@ -93,7 +153,8 @@ def segment_many(texts: Sequence[str], cache: bool = True) -> list[str]:
             return lines
         log.warning("%s: stale segmentation cache, rebuilding", path)
     # Segmented text never holds "\n" (it is mapped to ▃), so one doc per line.
-    out = [segment(t) for t in texts]
+    progress = _Progress(sum(map(len, texts)))
+    out = [segment(t, progress) for t in texts]
     if cache:
         _atomic_write_text(path, "\n".join(out))
     return out

@@ -47,6 +47,8 @@ from aisyn.data.tokenizer import Tokenizer
 from aisyn.model.causal_lm import CausalLM
 
 REST_CHARS = 32
+#: Tokens encoded beyond the context a long prefix fills (``encode_tail``).
+TAIL_SPARE_TOKENS = 16
 _SENTENCE_END = re.compile(r"[。！？!?；;\n]")
 FORMATS = ("lm", "prompt")
 # Logits (in elements) made at once by the packed scorer: 2 MiB of float32 stays
@@ -72,13 +74,36 @@ class EncodedItem:
     label: int
 
 
+def encode_tail(text: str, tok: Tokenizer, tokens: int) -> list[int] | None:
+    """The last ``tokens`` tokens of ``text``, from the encoding of its tail
+    alone; None when all of ``text`` is no more than that.
+
+    A prefix longer than the model's context needs only its end, and
+    encoding all of it costs time in its length (a 200 000-character prefix
+    ran for minutes). The tail is doubled until it gives ``TAIL_SPARE_TOKENS``
+    more than needed: those absorb the cut, where a word may be split, so the
+    tokens kept are the ones the whole text gives (tokenisation is local).
+    """
+    chars = 2 * (tokens + TAIL_SPARE_TOKENS)
+    while chars < len(text):
+        ids = tok.encode(text[-chars:])
+        if len(ids) >= tokens + TAIL_SPARE_TOKENS:
+            return ids[len(ids) - tokens :]
+        chars *= 2
+    return None
+
+
 def encode_item(
     item: ClozeItem, tok: Tokenizer, max_len: int, fmt: str = "lm"
 ) -> EncodedItem:
     if fmt == "lm":
         rest = rest_of_sentence(item.suffix)
         conts = [tok.encode(c + rest) for c in item.candidates]
-        context = [tok.eod_id, *tok.encode(item.prefix)]
+        # what the model sees of the context (cut to ``keep`` below)
+        longest = max(len(c) for c in conts)
+        seen = max_len - (longest if longest < max_len else max_len // 2)
+        tail = encode_tail(item.prefix, tok, seen)
+        context = tail or [tok.eod_id, *tok.encode(item.prefix)]
     elif fmt == "prompt":
         conts = [[*tok.encode(c), tok.eod_id] for c in item.candidates]
         longest = max(len(c) for c in conts)
