@@ -162,7 +162,8 @@ def test_the_docs_serve_line_takes_the_docs_data_party(
     assert serve.model == "2.6B" and cfg.vocab_size == 40000
     party = ComputeParty(cfg, parse_partition(serve.cut, cfg), tmp_path / "b")
     hello = data_party_hello(
-        docs_command("split.md", "aisyn split train --mode grpc --peer"), news_data
+        docs_command("split.md", "aisyn split train --mode grpc --peer b.example"),
+        news_data,
     )
     assert hello["model"]["vocab_size"] == data_tokenizer(news_data)["vocab_size"]
     reply, session = party.negotiate(proto.encode_json(hello), IN_PROCESS)
@@ -343,3 +344,62 @@ def test_the_quick_start_grpc_line_runs_pipelined(tmp_path, news_data):
     )
     split = json.loads((out / "config.json").read_text())["split"]
     assert split["window"] == 2 and split["codec"] == "int8"
+
+
+def test_the_quick_start_localhost_pair_runs_as_written(tmp_path, news_data):
+    """docs/split.md's two commands at `tiny` on localhost, credentials from
+    its `aisyn certs` line: B in its own process (on a free port instead of
+    50051, ending after the session), A for 2 steps."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from aisyn.cli import main
+    from aisyn.model.families import load_config
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # the lines' files, relative as written
+    server = None
+    try:
+        assert main(docs_command("split.md", "aisyn certs --out creds")) == 0
+        serve = docs_command("split.md", "aisyn split serve --listen 127.0.0.1:50051")
+        assert serve[serve.index("--model") + 1] == "tiny"
+        partition = parse_partition(
+            serve[serve.index("--cut") + 1], load_config("tiny")
+        )
+        assert partition.is_u_shape
+        address = tmp_path / "address"
+        serve = with_values(serve, listen="127.0.0.1:0")
+        server = subprocess.Popen(
+            [sys.executable, "-m", "aisyn.cli", *serve, "--address-file", str(address)]
+            + ["--exit-after", "1", "--device", "cpu"],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while not address.exists():
+            assert server.poll() is None, f"B ended early ({server.returncode})"
+            assert time.monotonic() < deadline, "B never listened"
+            time.sleep(0.05)
+        port = address.read_text().strip().rsplit(":", 1)[1]
+        train = docs_command(
+            "split.md", "aisyn split train --mode grpc --peer localhost"
+        )
+        out = tmp_path / "runs" / "a"
+        train = with_values(
+            train,
+            peer=f"localhost:{port}",
+            data=str(news_data),
+            out=str(out),
+            steps="2",
+        )
+        assert main(train) == 0
+        assert (out / "checkpoints" / "step_00000002").is_dir()
+        assert server.wait(60) == 0  # B served the one session and ended
+    finally:
+        os.chdir(cwd)
+        if server is not None and server.poll() is None:
+            server.kill()
+            server.wait(10)
