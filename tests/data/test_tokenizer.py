@@ -116,6 +116,17 @@ def test_text_without_long_runs_segments_as_in_one_piece(news_corpus):
     assert segment(text) == whole
 
 
+def test_the_shipped_corpora_are_never_cut():
+    """Every document of both corpora is segmented in one piece (the bound
+    was 256 once, which cut three news documents: the demo's data changed)."""
+    from aisyn.data.corpora import load_corpora
+    from aisyn.data.tokenizer import _jieba_pieces
+
+    docs = load_corpora(["news", "reviews"]).documents
+    assert len(docs) > 36_000
+    assert [d.text for d in docs if len(_jieba_pieces(d.text)) > 1] == []
+
+
 def test_preparing_one_long_line_reports_progress(
     tmp_path, monkeypatch, caplog, jieba_hmm_lengths
 ):
