@@ -48,6 +48,7 @@ from aisyn.model.plan import (  # noqa: E402
 )
 from aisyn.model.segments import COMPUTE_PARTY, parse_partition  # noqa: E402
 from aisyn.net import free_port  # noqa: E402
+from aisyn.split.server import adapter_bytes  # noqa: E402
 from aisyn.split.session import SplitOptions  # noqa: E402
 from aisyn.split.tenant_metrics import read_status  # noqa: E402
 from aisyn.split.train import split_train  # noqa: E402
@@ -289,11 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         activation_checkpointing=t.activation_checkpointing,
     )
     (load,) = party_load(module_sizes(meta), cfg, part, COMPUTE_PARTY, work).ranks
+    adapters = adapter_bytes(cfg, part, LORA)
+    # what the compute party's planner says a session holds of its own there
+    own = load.activation_bytes + adapters
     print(
         f"# tenants: PanGu-a hidden {cfg.hidden_size}, {cfg.num_layers} layers, "
         f"seq {cfg.seq_len}, cut {CUT} (B: {b_params:,} params, "
-        f"{format_bytes(4 * b_params)} fp32; a session's activations there "
-        f"{format_bytes(load.activation_bytes)} by the planner), "
+        f"{format_bytes(4 * b_params)} fp32; a session's own there "
+        f"{format_bytes(own)} by the planner: activations "
+        f"{format_bytes(load.activation_bytes)}, adapters with their gradients "
+        f"and AdamW moments {format_bytes(adapters)}), "
         f"LoRA rank {LORA.rank} on both "
         f"parties, {steps} steps per tenant at batch {tcfg(1, 0).batch_size}"
         f"{', micro-batches batched across tenants' * args.batch_tenants}; "
@@ -358,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"memory with {n} tenants: {r['held'] / one['held']:.2f}x one tenant "
             f"(goal <= 1.25x; each more tenant adds {format_bytes(each)} of "
-            f"its own, a copy of the base per tenant would make it {copies:.2f}x)"
+            f"its own, {each / own:.2f}x the planner's {format_bytes(own)}; a "
+            f"copy of the base per tenant would make it {copies:.2f}x)"
         )
     print(
         f"throughput with 4 tenants: {throughput(four) / throughput(one):.2f}x "

@@ -512,12 +512,14 @@ def test_a_session_is_sized_by_what_it_holds_at_b(
     tmp_path, ft_config, ft_base, token_file
 ):
     """Full training holds B's weights, gradients and AdamW moments, LoRA over
-    the shared base none of its own (the base is counted once for all); each
+    the shared base its adapters' (the base is counted once for all); each
     round's activations come on top, sized from the round."""
     from test_finetune import LORA
 
     from aisyn.model.families import build_model
+    from aisyn.model.segments import COMPUTE_PARTY
     from aisyn.split.compute_party import Session
+    from aisyn.train.lora import apply_method
 
     party = ComputeParty(
         ft_config, parse_partition(CUT, ft_config), tmp_path, init_from=ft_base
@@ -530,7 +532,13 @@ def test_a_session_is_sized_by_what_it_holds_at_b(
     assert server.session_bytes(full) == 4 * weights  # weights, grads, 2 moments
     assert server.usage.resident_bytes == 0
     lora = Session("train", "r", train_cfg(), 0, lora=(LORA, {}))
-    assert server.session_bytes(lora) == 0
+    # the adapters PEFT puts on B's blocks: each, its gradient and 2 moments
+    # (fails on the old sizing, which counted a LoRA session as nothing)
+    adapted = build_model(ft_config, seed=0)
+    within = party.partition.module_paths(COMPUTE_PARTY)
+    trainable = apply_method(adapted, LORA, within=within)
+    adapters = 4.0 * sum(p.numel() for _, p in trainable)
+    assert server.session_bytes(lora) == 4 * adapters > 0
     assert server.usage.resident_bytes == weights  # the base, once
     # a round's activations: more rows, more memory; the window bounds it
     one = server.round_bytes(full, 4, 2, ft_config.seq_len, 0)

@@ -391,11 +391,14 @@ def cmd_serve(args) -> None:
     from aisyn.model.segments import parse_partition
     from aisyn.split.compute_party import ComputeParty
     from aisyn.split.pipeline import Ranks, serve_ranks
-    from aisyn.split.server import SplitServer
+    from aisyn.split.server import SplitServer, return_large_blocks_to_os
     from aisyn.train import distributed
     from aisyn.train.device import resolve_device
 
     metrics_tls = _metrics_tls(args)  # checked before anything is loaded
+    # Before any session's thread allocates: what a session frees goes back
+    # to the OS, not into its thread's arena (a centre holds many sessions).
+    return_large_blocks_to_os()
     tenants = None
     if args.tenants:  # checked before anything is loaded
         from aisyn.split.tenants import load_tenants

@@ -18,6 +18,8 @@ behind them.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import functools
 import json
@@ -46,11 +48,61 @@ from aisyn.split.transport import (
     link_options,
 )
 from aisyn.train.device import autocast_on
+from aisyn.train.lora import Method, lora_parameter_names
 
 log = logging.getLogger(__name__)
 
 #: the metrics' name for the data parties of a server without tenants
 DEFAULT_TENANT = "-"
+#: what a trainable fp32 parameter holds at B: itself, its gradient and
+#: AdamW's two moments
+TRAINABLE_BYTES_PER_PARAM = 4 * 4
+#: glibc's ``mallopt`` parameter for the size from which a block is mapped
+#: on its own, and unmapped when freed
+M_MMAP_THRESHOLD = -3
+#: blocks of this size and up go back to the OS as soon as they are freed
+#: (glibc's own default, held fixed)
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def return_large_blocks_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Make every freed block of ``threshold`` bytes or more go back to the
+    OS at once, for the rest of this process (glibc; False elsewhere).
+
+    glibc raises its mmap threshold to the size of each mapped block that is
+    freed (up to 32 MiB): once the base's tensors have been read, a session's
+    activations and temporaries (a quarter to a few MiB each) come from the
+    malloc arena of the thread that runs it, and a freed block in the middle
+    of an arena is kept, not returned. With a session per thread, each held
+    about 50 MiB of such free memory on top of the ~25 MiB its adapters and
+    activations use (``bench/tenants.py``). A fixed threshold maps those blocks
+    one by one and unmaps them when freed; the cost, a fresh mapping's page
+    faults per block, is small against the matmuls that fill them (and the
+    link's receive buffers are pooled: ``link.frames.ReceivePool``)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False  # not glibc: its allocator has its own policy
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+
+
+def adapter_bytes(cfg, partition, method: Method) -> float:
+    """What a LoRA session's adapters on B's blocks hold there: each fp32
+    parameter, its gradient and its two AdamW moments."""
+    meta = build_model(cfg, device="meta")
+    names = lora_parameter_names(
+        meta, method, within=partition.module_paths(COMPUTE_PARTY)
+    )
+    lora_numel = 0
+    for name in names:
+        if ".lora_A." in name:  # A is rank x in, B out x rank
+            linear = meta.get_submodule(name.split(".lora_A.")[0])
+            lora_numel += method.rank * (linear.in_features + linear.out_features)
+    return float(TRAINABLE_BYTES_PER_PARAM * lora_numel)
 
 
 class SplitServer:
@@ -192,16 +244,17 @@ class SplitServer:
     def session_bytes(self, session: Session) -> float:
         """What a session holds at B whatever its rounds, as the planner
         estimates it: B's weights, gradients and AdamW state. A LoRA session
-        over the base this party shares holds none of its own (its adapters
-        are too small to count); the base itself is held once
-        (``Usage.resident_bytes``, set when it is first counted). Each TRAIN
-        round's activations come on top (``round_bytes``): B learns a run's
-        batch size only from its rounds."""
+        over the base this party shares holds its adapters alone (with their
+        gradients and AdamW state: ``adapter_bytes``); the base itself is
+        held once (``Usage.resident_bytes``, set when it is first counted).
+        Each TRAIN round's activations come on top (``round_bytes``): B learns
+        a run's batch size only from its rounds."""
         (r,) = self._load(session, 1, 1, 1, 0).ranks
         if session.lora is not None:  # the shared, frozen base: see above
             if not self.usage.resident_bytes:
                 self.usage.resident_bytes = r.weights_bytes
-            return 0.0
+            cfg = session.cfg or self.party.cfg
+            return adapter_bytes(cfg, self.party.partition, session.lora[0])
         return r.weights_bytes + r.grads_bytes + r.optimizer_bytes + r.cache_bytes
 
     def round_bytes(
