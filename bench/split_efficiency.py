@@ -157,7 +157,7 @@ class Baseline:
 
     def __init__(self, cfg, tcfg) -> None:
         self.tcfg = tcfg
-        self.model = build_model(cfg, seed=tcfg.seed)
+        self.model = build_model(cfg, seed=tcfg.seed).to(tcfg.device)
         self.executor = LocalExecutor(self.model, self.model.named_parameters(), tcfg)
         self.model.train()
         self.times: list[float] = []
@@ -167,9 +167,16 @@ class Baseline:
     def step(self, batch: torch.Tensor, step: int) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
         res = self.executor.step(step, lm_step_batch(batch, self.tcfg.micro, None))
+        sync(self.tcfg.device)
         self.times.append(time.perf_counter() - t0)
         self.cpu.append(time.process_time() - c0)
         self.losses.append(res["loss"])
+
+
+def sync(device: str) -> None:
+    """A step's time includes its device work (queued kernels finish first)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -197,7 +204,7 @@ def run_session(
 ):
     """Steps the split model, each step right after a baseline step on the same
     batch (paired: load from other processes hits both alike)."""
-    state = PartyState(cfg, part, DATA_PARTY, tcfg, torch.device("cpu"))
+    state = PartyState(cfg, part, DATA_PARTY, tcfg, torch.device(tcfg.device))
     session = DataSession(state, link, eod_id=None, window=window)
     base = Baseline(cfg, tcfg) if paired else None
     times, cpu, sent, recv, losses = [], [], [], [], []
@@ -209,6 +216,7 @@ def run_session(
         step_batch = lm_step_batch(batch, tcfg.micro, None)
         res = session.train_micro_batches(step_batch.micro, step, step_batch.loss_of)
         link.flush()
+        sync(tcfg.device)
         times.append(time.perf_counter() - t0)
         cpu.append(cpu_seconds(peer_pid) - c0)
         sent.append(link.bytes_sent - s0)
@@ -249,7 +257,7 @@ def hello(cfg, part, tcfg, codec) -> dict:
 def run_in_process(
     cfg, part, tcfg, batches, window, codec, warmup, paired=True
 ) -> Result:
-    party = ComputeParty(cfg, part, None, device="cpu")
+    party = ComputeParty(cfg, part, None, device=tcfg.device)
     link_a, link_b = memory_pair(codec, options=link_options(codec))
     _, b_session = party.negotiate(
         proto.encode_json(hello(cfg, part, tcfg, codec)), link_b.peer.identity
@@ -435,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated subset of {', '.join(SECTIONS)}",
     )
     ap.add_argument("--json", default=None, help="also write results here")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="both parties' and the baseline's (cuda: bf16 autocast, as aisyn train)",
+    )
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
     if sections - set(SECTIONS):
@@ -461,9 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         lr=1e-3,
         warmup_steps=5,
         seed=1234,
-        device="cpu",
+        device=args.device,
     )
     batches = fixed_batches(data, max(n, loss_steps), args.batch_size, tcfg.seed)
+    batches = [b.to(args.device) for b in batches]
     tokens = args.batch_size * cfg.seq_len
     params = build_model(cfg, device="meta").num_parameters()
     print(
@@ -474,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         f"micro-batch {tcfg.micro}; {steps} measured steps per configuration after "
         f"{args.warmup} warm-up, each paired with an unsplit step on the same "
         f"batch; torch {torch.__version__}, {args.threads} thread(s) per process, "
-        f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs",
+        f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs, {args.device}",
         flush=True,
     )
     print(f"# {pipelining_floor(args.model, cfg, part, tcfg)}", flush=True)
@@ -512,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg,
                 part,
                 Path(tmp) / "b-runs",
-                device="cpu",
+                device=args.device,
                 env=env,
                 data_listen=f"127.0.0.1:{data_port}",
             )

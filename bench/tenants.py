@@ -16,6 +16,11 @@ process, over plaintext gRPC on loopback with its own token.
   tenant's p99 step time against its solo one x N / weight.
 
     python bench/tenants.py --quick
+    python bench/tenants.py --device cuda --tenants 1,8   # the device check
+
+On a GPU (``--device cuda``) the compute party's memory is its device memory
+as ``nvidia-smi`` reports it, sampled while the tenants train (its peak);
+``--tiny`` is a model small enough to check the plumbing in seconds.
 """
 
 from __future__ import annotations
@@ -62,11 +67,20 @@ CUT = "u:1,1"
 LORA = Method("lora", rank=8, alpha=16.0)
 
 
-def model_config(quick: bool) -> PanguConfig:
+def model_config(quick: bool, tiny: bool = False) -> PanguConfig:
     """As at the reference's sizes, B's blocks dominate what a session holds
     at micro-batch 1 (a 2.6B backbone's weights are 8 GiB, one micro-batch's
     activations at seq 1024 a few hundred MiB), so what sharing the base saves
     is what the figure shows; the header prints both for the model here."""
+    if tiny:
+        return PanguConfig(
+            vocab_size=8000,
+            hidden_size=64,
+            num_layers=4,
+            num_heads=4,
+            ffn_size=256,
+            seq_len=16,
+        )
     return PanguConfig(
         vocab_size=8000,
         hidden_size=1024,
@@ -77,7 +91,7 @@ def model_config(quick: bool) -> PanguConfig:
     )
 
 
-def tcfg(steps: int, seed: int) -> TrainConfig:
+def tcfg(steps: int, seed: int, device: str = "cpu") -> TrainConfig:
     return TrainConfig(
         steps=steps,
         batch_size=2,
@@ -86,11 +100,25 @@ def tcfg(steps: int, seed: int) -> TrainConfig:
         warmup_steps=1,
         log_every=1,
         seed=seed,
-        device="cpu",
+        device=device,
         # what a centre serving many sessions would ask of them: only each
         # block's input is kept for backward (B follows the hello)
         activation_checkpointing=True,
     )
+
+
+def gpu_bytes(pid: int) -> float:
+    """Device memory process ``pid`` holds now, as ``nvidia-smi`` reports it."""
+    query = "--query-compute-apps=pid,used_memory"
+    out = subprocess.run(
+        ["nvidia-smi", query, "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    rows = [line.split(",") for line in out.splitlines() if "," in line]
+    return sum(float(mib) * 2**20 for p, mib in rows if int(p) == pid)
 
 
 def rss(pid: int) -> tuple[float, float]:
@@ -113,8 +141,11 @@ class Centre:
         base: Path,
         weights: list[float],
         batch: bool = False,
+        device: str = "cpu",
     ) -> None:
         n = len(weights)
+        self.device = device
+        self.gpu_peak = 0.0
         root.mkdir(parents=True, exist_ok=True)
         self.tokens = []
         lines = []
@@ -137,7 +168,7 @@ class Centre:
                 "--listen", "127.0.0.1:0", "--model", str(cfg_json), "--cut", CUT,
                 "--out", str(root / "b"), "--init-from", str(base), "--insecure",
                 "--tenants", str(root / "tenants.toml"), "--max-sessions", str(n),
-                "--address-file", str(address), "--device", "cpu",
+                "--address-file", str(address), "--device", device,
                 "--metrics-listen", metrics,
                 *(["--batch-tenants"] if batch else []),
             ],
@@ -153,10 +184,20 @@ class Centre:
         self.address = address.read_text().strip()
         self.metrics = metrics
         time.sleep(0.5)  # settled: the runtime's memory is what "idle" means
-        self.idle_rss = rss(self.proc.pid)[0]
+        self.idle_rss = self.sample() if self.on_gpu else rss(self.proc.pid)[0]
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def sample(self) -> float:
+        """On a GPU: the device memory held now (its peak kept)."""
+        now = gpu_bytes(self.proc.pid)
+        self.gpu_peak = max(self.gpu_peak, now)
+        return now
 
     def peak(self) -> float:
-        return rss(self.proc.pid)[1]
+        return self.gpu_peak if self.on_gpu else rss(self.proc.pid)[1]
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -183,12 +224,13 @@ def run_tenants(
     weights: list[float],
     steps: int,
     batch: bool = False,
+    device: str = "cpu",
 ) -> dict:
     """The tenants at once: the centre's memory, each one's steps, and B's
     compute per tenant while all of them were training (``batch``: the
     centre batches their micro-batches through the base)."""
     n = len(weights)
-    centre = Centre(root, cfg_json, base, weights, batch)
+    centre = Centre(root, cfg_json, base, weights, batch, device)
     runs = [root / f"a{i}" for i in range(n)]
     errors: list[BaseException] = []
 
@@ -201,7 +243,7 @@ def run_tenants(
                 cfg,
                 [data],
                 runs[i],
-                tcfg(steps, seed=100 + i),
+                tcfg(steps, seed=100 + i, device=device),
                 SplitOptions(cut=CUT, mode="grpc", window=2, peer=peer),
                 init_from=base,
                 method=LORA,
@@ -221,6 +263,8 @@ def run_tenants(
         # stretch in which all of them competed
         while all(t.is_alive() for t in threads):
             contended = compute_seconds(centre.metrics)
+            if centre.on_gpu:
+                centre.sample()
             time.sleep(0.2)
         for t in threads:
             t.join()
@@ -272,10 +316,20 @@ def main(argv: list[str] | None = None) -> int:
         help="the centre runs the tenants' waiting micro-batches through the "
         "base together (aisyn split serve --batch-tenants)",
     )
+    ap.add_argument("--device", default="cpu", help="the compute party's and tenants'")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (the plumbing)")
+    ap.add_argument(
+        "--tenants",
+        default="1,4,8",
+        help="tenant counts, 1 first (4 among them: the shares and throughput)",
+    )
     args = ap.parse_args(argv)
+    counts = [int(n) for n in args.tenants.split(",")]
+    if counts[0] != 1 or any(n < 2 for n in counts[1:]):
+        raise SystemExit("--tenants: 1 first, then counts of 2 or more")
     steps = args.steps or (6 if args.quick else 20)
     torch.set_num_threads(1)
-    cfg = model_config(args.quick)
+    cfg = model_config(args.quick, args.tiny)
     part = parse_partition(CUT, cfg)
     meta = build_model(cfg, device="meta")
     sizes = dict(meta.named_parameters())
@@ -303,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         f"LoRA rank {LORA.rank} on both "
         f"parties, {steps} steps per tenant at batch {tcfg(1, 0).batch_size}"
         f"{', micro-batches batched across tenants' * args.batch_tenants}; "
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs",
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.device}",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="aisyn-tenants-") as tmp:
@@ -314,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         base = root / "base"
         train(cfg, [data], base, tcfg(1, seed=7), progress=False)
         results = {}
-        for n in (1, 4, 8):
+        for n in counts:
             # four tenants of different weights: their shares of B follow them
             weights = [1.0, 1.0, 2.0, 4.0] if n == 4 else [1.0] * n
             results[n] = run_tenants(
@@ -326,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 weights,
                 steps,
                 args.batch_tenants,
+                args.device,
             )
             r = results[n]
             print(
@@ -335,12 +390,37 @@ def main(argv: list[str] | None = None) -> int:
                 f"{format_bytes(4 * b_params * (n - 1))}), {r['wall']:.1f} s",
                 flush=True,
             )
-    one, four, eight = results[1], results[4], results[8]
+    one = results[1]
     solo_step = statistics.median(one["tenants"][0]["step_s"])
 
     def throughput(r: dict) -> float:
         return r["n"] * steps * tokens_per_step / r["wall"]
 
+    if 4 in results:
+        shares_and_throughput(results[4], solo_step)
+    weights = 4.0 * b_params
+    for r in (results[n] for n in counts[1:]):
+        n = r["n"]
+        each = (r["held"] - one["held"]) / (n - 1)
+        copies = (one["held"] + (n - 1) * (each + weights)) / one["held"]
+        print(
+            f"memory with {n} tenants: {r['held'] / one['held']:.2f}x one tenant "
+            f"(goal <= 1.25x; each more tenant adds {format_bytes(each)} of "
+            f"its own, {each / own:.2f}x the planner's {format_bytes(own)}; a "
+            f"copy of the base per tenant would make it {copies:.2f}x)"
+        )
+    if 4 in results:
+        print(
+            f"throughput with 4 tenants: "
+            f"{throughput(results[4]) / throughput(one):.2f}x one tenant (goal >= 1.0x)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def shares_and_throughput(four: dict, solo_step: float) -> None:
+    """B's compute shares of 4 tenants of different weights, and their p99 step."""
     used = four["contended"]
     total = sum(used.values()) or math.nan
     wsum = sum(four["weights"])
@@ -356,24 +436,6 @@ def main(argv: list[str] | None = None) -> int:
         f"(goal: within 20 %); p99 step {worst_p99:.3f} s against solo "
         f"{solo_step:.3f} s x 4 = {4 * solo_step:.3f} s (goal <= 2x that)"
     )
-    weights = 4.0 * b_params
-    for r in (four, eight):
-        n = r["n"]
-        each = (r["held"] - one["held"]) / (n - 1)
-        copies = (one["held"] + (n - 1) * (each + weights)) / one["held"]
-        print(
-            f"memory with {n} tenants: {r['held'] / one['held']:.2f}x one tenant "
-            f"(goal <= 1.25x; each more tenant adds {format_bytes(each)} of "
-            f"its own, {each / own:.2f}x the planner's {format_bytes(own)}; a "
-            f"copy of the base per tenant would make it {copies:.2f}x)"
-        )
-    print(
-        f"throughput with 4 tenants: {throughput(four) / throughput(one):.2f}x "
-        "one tenant (goal >= 1.0x)"
-    )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

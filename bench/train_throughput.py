@@ -11,7 +11,12 @@ and the median is reported, which keeps a busy machine from favouring either.
     python bench/train_throughput.py --configs small --rounds 5 --steps 30
 
 Prints tokens/s, peak training memory (CPU: growth of resident memory during
-training; CUDA: peak allocated) and the ratio ours / GPT-2 (goal >= 1.0x).
+training; CUDA: peak allocated) and the ratio ours / GPT-2 (goal >= 1.0x);
+then per config one line for scripts, with our model's MFU on a GPU (the
+planner's FLOPs per token, ``model/plan.py``, against the device's dense bf16
+peak: known for A100/H100/H200, else ``--peak-tflops``)::
+
+    train small on cuda: ours N tok/s, MFU N.N % of N TFLOPS (bf16)
 Our model does a little more work than GPT-2 at equal depth: its last layer's
 queries come from a separate position embedding (wqe), an extra (T, C) lookup.
 """
@@ -130,6 +135,32 @@ def _measure(
     )
 
 
+#: dense bf16 peak (TFLOPS) by a word of ``torch.cuda.get_device_name()``
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def peak_tflops(device: str, given: float | None) -> float | None:
+    import torch
+
+    if given is not None or not device.startswith("cuda"):
+        return given
+    name = torch.cuda.get_device_name(torch.device(device))
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def train_flops_per_token(config: str) -> float:
+    """Forward and backward (3x the forward) of every block and the head."""
+    from aisyn.model.families import load_config
+    from aisyn.model.plan import (
+        block_forward_flops_per_token,
+        head_forward_flops_per_token,
+    )
+
+    cfg = load_config(config)
+    forward = cfg.num_layers * block_forward_flops_per_token(cfg, cfg.seq_len)
+    return 3.0 * (forward + head_forward_flops_per_token(cfg))
+
+
 def measure(kind, config, args) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -163,7 +194,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's dense bf16 peak for MFU (default: known GPUs only)",
+    )
     args = ap.parse_args(argv)
+    peak_tf = peak_tflops(args.device, args.peak_tflops)
+    lines = []
 
     print(
         f"# train throughput: batch {args.batch_size}, {args.steps} timed steps, "
@@ -192,6 +231,16 @@ def main(argv=None) -> int:
             f"| {peak['gpt2']:,.0f} |"
         )
         sys.stdout.flush()
+        mfu = "MFU n/a (no known peak: --peak-tflops)"
+        if peak_tf:
+            used = med["aisyn"] * train_flops_per_token(config) / 1e12
+            mfu = f"MFU {100 * used / peak_tf:.1f} % of {peak_tf:g} TFLOPS"
+        bf16 = " (bf16)" if args.device.startswith("cuda") else " (fp32)"
+        lines.append(
+            f"train {config} on {args.device}: ours {med['aisyn']:,.0f} tok/s, "
+            f"{mfu}{bf16}"
+        )
+    print("\n".join(lines))
     return 0
 
 
