@@ -20,7 +20,11 @@ considered and not used (docs/cross_centre.md says why).
 ``DiLoCoExecutor`` wraps a centre's local executor from outside: the model
 and the local executor know nothing of it. An outer step whose averaged delta
 is not finite is skipped on every centre (each returns to the last global
-model), and ``max_skipped`` such steps in a row stop the run with one line.
+model), and ``max_skipped`` such steps in a row stop the run with one line. A
+centre whose own delta is out of bound (``train.delta_guard``: its norm
+against the others' and its own history, its direction against the run's) is
+left out of the mean by name, and ``max_skipped`` such steps in a row stop
+the run naming it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,13 @@ from aisyn.errors import RunFailedError
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import fsdp
 from aisyn.train.config import TrainConfig, per_rank_micro_batches
+from aisyn.train.delta_guard import (
+    TOLERANCE,
+    DeltaGuard,
+    Verdict,
+    consistent,
+    screen_stats,
+)
 from aisyn.train.distributed import DistContext
 from aisyn.train.objective import StepBatch
 from aisyn.train.regime import Executor
@@ -84,6 +95,11 @@ class DiLoCoConfig:
     #: trains on; the fragment is then ``mixing`` x local + the rest global
     overlap_steps: int = 0
     mixing: float = 0.5
+    #: a centre's delta whose norm is above this many times both the other
+    #: centres' median and its own recent median is left out (delta_guard)
+    delta_bound: float = 4.0
+    #: ... and one whose cosine to the run's recent direction is below this
+    delta_min_cosine: float = -0.5
 
     def __post_init__(self) -> None:
         checks = {
@@ -95,10 +111,18 @@ class DiLoCoConfig:
             "outer_lr": dict(low=0, low_open=True),
             "outer_momentum": dict(low=0, high=1, high_open=True),
             "max_skipped": dict(low=1),
+            "delta_bound": dict(low=1, low_open=True),
+            "delta_min_cosine": dict(low=-1, high=1),
         }
         for name, bounds in checks.items():
             value = getattr(self, name)
-            integer = name not in ("outer_lr", "outer_momentum", "mixing")
+            integer = name not in (
+                "outer_lr",
+                "outer_momentum",
+                "mixing",
+                "delta_bound",
+                "delta_min_cosine",
+            )
             if integer and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"--{_flag(name)} must be an integer, got {value!r}")
             if problem := number_problem(value, **bounds):
@@ -227,8 +251,37 @@ class Topology:
 
     def name(self, rank: int) -> str:
         """How a message names job rank ``rank``: its centre (and its rank)."""
-        per = self.inner.world
-        return f"centre {rank // per}" + (f" (rank {rank})" if per > 1 else "")
+        return centre_label(rank, self.inner.world)
+
+
+def centre_label(rank: int, ranks_per_centre: int) -> str:
+    """Job rank ``rank``'s centre (and, in a centre of several, its rank)."""
+    per = ranks_per_centre
+    return f"centre {rank // per}" + (f" (rank {rank})" if per > 1 else "")
+
+
+def label_logs(label: str) -> Callable[[], None]:
+    """Prefix every log line this process writes with ``label`` (its
+    centre): the centres of a job on one machine log to one terminal, in
+    either order. Returns what takes the prefix off again."""
+
+    class Label(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if getattr(record, "centre", None) is None:  # once, however many handlers
+                record.centre = label
+                record.msg = f"{label}: {record.msg}"
+            return True
+
+    label_filter = Label()
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(label_filter)
+
+    def remove() -> None:
+        for handler in handlers:
+            handler.removeFilter(label_filter)
+
+    return remove
 
 
 def centre_of(rank: int, world: int, ranks_per_centre: int) -> tuple[int, int]:
@@ -269,10 +322,15 @@ def topology(job: DistContext, ranks_per_centre: int) -> Topology:
 @dataclass
 class Exchange:
     """An outer exchange under way: its collectives (``work.wait()``), and
-    what gives the centres' mean delta once they are done."""
+    what gives the centres' mean delta once they are done; the screening's
+    verdict on the centres' deltas, the reference direction it used, and the
+    centres found to send other than they reported (``mean`` fills it)."""
 
     works: list
     mean: Callable[[], torch.Tensor]
+    verdict: Verdict | None = None
+    reference: torch.Tensor | None = None
+    liars: list[int] | None = None
 
 
 class OuterSync:
@@ -335,6 +393,9 @@ class OuterSync:
         self.steps = 0
         self.skipped_in_row = 0
         self.bytes_sent = 0
+        self.guard = DeltaGuard(centres.world, cfg.delta_bound, cfg.delta_min_cosine)
+        #: the last applied mean delta: the run's direction without momentum
+        self.last_mean: torch.Tensor | None = None
 
     def local_flat(self) -> torch.Tensor:
         """The centre's own model (of this rank's shards), flat, fp32."""
@@ -359,30 +420,70 @@ class OuterSync:
                 p.copy_(g)
             offset += n
 
+    def reference(self) -> torch.Tensor | None:
+        """The run's recent direction (this rank's part): the outer momentum,
+        or without one the last applied mean delta; None before either."""
+        buf = self.optimizer.state.get(self.global_flat, {}).get("momentum_buffer")
+        return buf if buf is not None else self.last_mean
+
+    def screen(self, delta: torch.Tensor, reference: torch.Tensor | None) -> Verdict:
+        """Every centre's delta statistics, gathered, and the verdict on them
+        (the same on every centre: the same numbers, the same rules)."""
+        stats = screen_stats(delta, reference)
+        if self.shards.enabled:  # this rank holds shards: the centre's sum
+            dist.all_reduce(stats, group=self.shards.group)
+        n = self.centres.world
+        if n == 1:
+            return self.guard.judge(stats[None])
+        parts = [torch.empty_like(stats) for _ in range(n)]
+        dist.all_gather(parts, stats, group=self.centres.group)
+        return self.guard.judge(torch.stack(parts).cpu())
+
     def start(self) -> Exchange:
-        """Start the exchange of this centre's delta (``global - local`` now);
-        the collectives run while the centre goes on training."""
+        """Start the exchange of this centre's delta (``global - local`` now),
+        once every centre has seen every centre's delta statistics: a centre
+        out of bound sends zeros and the mean is over the others. The
+        collectives run while the centre goes on training."""
         delta = self.global_flat.detach() - self.local_flat()
+        reference = self.reference()
+        verdict = self.screen(delta, reference)
+        if verdict.reasons[self.centres.rank] is not None:
+            delta = torch.zeros_like(delta)  # left out: the others' mean applies
         per = self.inner.world
         if per == 1:
-            return self._start_share(delta)
-        padded = torch.nn.functional.pad(delta, (0, self.share * per - self.numel))
-        share = self._start_share(padded.view(per, -1)[self.inner.rank])
+            exchange = self._start_share(delta, reference, verdict)
+        else:
+            size = self.share * per - self.numel
+            padded = torch.nn.functional.pad(delta, (0, size))
+            ref_share = None
+            if reference is not None:
+                ref_share = torch.nn.functional.pad(reference, (0, size))
+                ref_share = ref_share.view(per, -1)[self.inner.rank]
+            share = self._start_share(
+                padded.view(per, -1)[self.inner.rank], ref_share, verdict
+            )
 
-        def mean() -> torch.Tensor:
-            mine = share.mean()
-            parts = [torch.empty_like(mine) for _ in range(per)]
-            dist.all_gather(parts, mine, group=self.inner.group)
-            return torch.cat(parts)[: self.numel]
+            def mean() -> torch.Tensor:
+                mine = share.mean()
+                parts = [torch.empty_like(mine) for _ in range(per)]
+                dist.all_gather(parts, mine, group=self.inner.group)
+                exchange.liars = share.liars
+                return torch.cat(parts)[: self.numel]
 
-        return Exchange(share.works, mean)
+            exchange = Exchange(share.works, mean)
+        exchange.verdict, exchange.reference = verdict, reference
+        return exchange
 
-    def _start_share(self, delta: torch.Tensor) -> Exchange:
-        """Start averaging this rank's share ``delta`` over the centres (all
-        of it for a centre of one rank); counts the bytes the centre sends."""
+    def _start_share(
+        self, delta: torch.Tensor, reference: torch.Tensor | None, verdict: Verdict
+    ) -> Exchange:
+        """Start averaging this rank's share ``delta`` over the accepted
+        centres (all of it for a centre of one rank); counts the bytes the
+        centre sends."""
         n, group = self.centres.world, self.centres.group
         precision = self.cfg.precision
         op = "all_reduce" if precision == "fp32" else "all_gather"
+        count = max(1, len(verdict.accepted))
         # every rank of the centre sends its share: the centre's bytes
         self.bytes_sent += sum(
             ring_bytes_sent(encoded_bytes(size, precision), n, op)
@@ -393,55 +494,165 @@ class OuterSync:
             works = (
                 [dist.all_reduce(total, group=group, async_op=True)] if n > 1 else []
             )
-            return Exchange(works, lambda: total / n)
+            return Exchange(works, lambda: total / count, liars=[])
         payload = encode(delta, precision)
         if n == 1:
-            return Exchange([], lambda: decode(payload, precision, delta.numel()))
+            return Exchange(
+                [], lambda: decode(payload, precision, delta.numel()), liars=[]
+            )
         gathered, works = [], []
         for t in payload:
             parts = [torch.empty_like(t) for _ in range(n)]
             works.append(dist.all_gather(parts, t, group=group, async_op=True))
             gathered.append(parts)
+        exchange = Exchange(works, lambda: mean(), liars=[])
 
         def mean() -> torch.Tensor:
+            # Every accepted centre's delta as it arrived, checked against
+            # what it reported; a centre caught sending another is left out.
+            deltas = {
+                rank: decode(
+                    [parts[rank] for parts in gathered], precision, delta.numel()
+                )
+                for rank in verdict.accepted
+            }
+            stats = torch.stack(
+                [screen_stats(d, reference)[:2] for d in deltas.values()]
+            )
+            group_of_centre = self._centre_group()
+            if group_of_centre is not None:  # this rank's part of each delta
+                dist.all_reduce(stats, group=group_of_centre)
             total = torch.zeros_like(delta)
-            for rank in range(n):  # in rank order: the same sum on every centre
-                theirs = [parts[rank] for parts in gathered]
-                total += decode(theirs, precision, delta.numel())
-            return total / n
+            kept = 0
+            for (rank, d), (sq, dot) in zip(
+                deltas.items(), stats.tolist(), strict=True
+            ):
+                said = (verdict.norms[rank], verdict.dots[rank])
+                got = (math.sqrt(max(sq, 0.0)) if math.isfinite(sq) else math.nan, dot)
+                if consistent(got, said, verdict.ref_norm, TOLERANCE[precision]):
+                    total += d  # in rank order: the same sum on every centre
+                    kept += 1
+                else:
+                    exchange.liars.append(rank)
+            return total / max(kept, 1)
 
-        return Exchange(works, mean)
+        return exchange
+
+    def _centre_group(self):
+        """The group of this centre's ranks that hold parts of one delta (a
+        share each, or shards); None when this rank holds all of it."""
+        if self.shards.enabled:
+            return self.shards.group
+        return self.inner.group if self.inner.world > 1 else None
+
+    def _adds_up(self, mean: torch.Tensor, exchange: Exchange) -> tuple[bool, float]:
+        """fp32 deltas are summed on the way (all-reduce): no centre sees
+        another's. The sum must still be what the accepted centres reported:
+        no longer than their norms together, and with the dot product with
+        the reference they add up to. (whether it does, its norm)"""
+        verdict = exchange.verdict
+        accepted = verdict.accepted
+        summed = mean * len(accepted)
+        stats = screen_stats(summed, exchange.reference)
+        if self.shards.enabled:
+            dist.all_reduce(stats, group=self.shards.group)
+        norm = math.sqrt(max(float(stats[0]), 0.0))
+        said = (
+            sum(verdict.norms[c] for c in accepted),
+            sum(verdict.dots[c] for c in accepted),
+        )
+        got = (norm, float(stats[1]))
+        return consistent(got, said, verdict.ref_norm, TOLERANCE["fp32"]), norm
 
     @torch.no_grad()
     def finish(self, exchange: Exchange, mixing: float = 0.0) -> dict:
-        """Wait for ``exchange``, step the global model with the centres'
-        mean delta and put it in place (``put_global(mixing)``); returns the
-        outer step's record fields."""
+        """Wait for ``exchange``, step the global model with the accepted
+        centres' mean delta and put it in place (``put_global(mixing)``);
+        returns the outer step's record fields."""
         for work in exchange.works:
             work.wait()
         mean = exchange.mean()
         self.steps += 1
         record = {"outer_step": self.steps}
-        if not bool(torch.isfinite(mean).all()):
+        verdict = exchange.verdict
+        me, n = self.centres.rank, self.centres.world
+        liars = list(exchange.liars or [])
+        record["outer_delta_norms"] = [_json_float(x) for x in verdict.norms]
+        record["outer_delta_cosines"] = [_json_float(x) for x in verdict.cosines]
+        for c in verdict.refused:
+            log.warning(
+                "outer step %d: centre %d's delta left out: %s (a centre that "
+                "diverged or sends a wrong delta); the mean of the other %d applied",
+                self.steps,
+                c,
+                verdict.reasons[c],
+                len(verdict.accepted),
+            )
+        for c in liars:
+            log.warning(
+                "outer step %d: centre %d's delta left out: it is not the delta "
+                "it reported (its norm and direction differ from its report)",
+                self.steps,
+                c,
+            )
+        kept = [c for c in verdict.accepted if c not in liars]
+        problem = None
+        if not kept and all("not finite" in r for r in verdict.reasons):
+            problem = "the averaged delta is not finite"
+        elif not kept:
+            problem = "no centre's delta is within bounds"
+        elif not bool(torch.isfinite(mean).all()):
+            problem = "the averaged delta is not finite"
+        elif n > 1 and self.cfg.precision == "fp32":
+            fits, norm = self._adds_up(mean, exchange)
+            if not fits:
+                who = f"centre {1 - me}" if n == 2 else "a centre"
+                problem = (
+                    f"the centres' deltas add up to a norm of {norm:.4g}, more "
+                    f"than the {sum(verdict.norms[c] for c in kept):.4g} they "
+                    f"reported: {who} sends a delta other than the one it reports"
+                )
+        self.guard.record(verdict, liars if problem is None else list(range(n)))
+        if refused := [c for c in range(n) if c not in kept]:
+            record["outer_refused"] = refused
+        worst = max(range(n), key=lambda c: self.guard.refused_in_row[c])
+        if problem is None and self.guard.refused_in_row[worst] >= self.cfg.max_skipped:
+            reason = verdict.reasons[worst] or "it is not the delta it reported"
+            raise OuterStepError(
+                f"centre {worst}'s delta was out of bound at "
+                f"{self.guard.refused_in_row[worst]} outer steps in a row (now: "
+                f"{reason}); it diverged or sends wrong deltas: stop it and resume "
+                "the others without it (docs/cross_centre.md, a centre lost for "
+                "good); the last checkpoint holds the last good global model"
+            )
+        if problem is not None:
             self.skipped_in_row += 1
             self.put_global()  # the H steps are dropped, on every centre alike
             log.warning(
-                "outer step %d skipped: the averaged delta is not finite (%d in a row)",
+                "outer step %d skipped: %s (%d in a row)",
                 self.steps,
+                problem,
                 self.skipped_in_row,
             )
             if self.skipped_in_row >= self.cfg.max_skipped:
+                hint = (
+                    "a centre diverged: lower --lr or --outer-lr"
+                    if "not finite" in problem
+                    else problem
+                )
                 raise OuterStepError(
-                    f"{self.skipped_in_row} outer steps in a row had non-finite "
-                    "deltas (a centre diverged: lower --lr or --outer-lr); the "
-                    "last checkpoint holds the last good global model"
+                    f"{self.skipped_in_row} outer steps in a row were skipped "
+                    f"({hint}); the last checkpoint holds the last good global model"
                 )
             return {**record, "outer_skipped": True}
         self.skipped_in_row = 0
         self.global_flat.grad = mean
         self.optimizer.step()
         self.global_flat.grad = None
-        self.put_global(mixing)
+        if self.cfg.outer_momentum == 0:
+            self.last_mean = mean.clone()
+        # a centre left out goes on from the global model alone
+        self.put_global(0.0 if me not in kept else mixing)
         record["outer_delta_norm"] = float(mean.norm())
         return record
 
@@ -457,6 +668,8 @@ class OuterSync:
         out = {
             f"{prefix}steps": torch.tensor([self.steps], dtype=torch.int64),
             f"{prefix}bytes_sent": torch.tensor([self.bytes_sent], dtype=torch.int64),
+            # the same on every centre: what the next outer step bounds against
+            f"{prefix}delta_history": self.guard.state(),
         }
         differs = not torch.equal(self.global_flat.detach(), self.local_flat())
         if self.shards.enabled:  # whole, as every centre's: every rank gathers
@@ -499,6 +712,15 @@ class OuterSync:
                     **tensors,
                     f"{prefix}{what}": fsdp.shard_flat(t, self.params),
                 }
+        history = tensors.get(f"{prefix}delta_history")  # (absent in older ones)
+        if history is not None and history.dtype != torch.float64:
+            raise ckpt.CheckpointError(
+                f"{source}: {prefix}delta_history is not float64"
+            )
+        try:
+            self.guard.load(history)
+        except ValueError as e:
+            raise ckpt.CheckpointError(f"{source}: {prefix}{e}") from None
         glob = tensors.get(f"{prefix}global")
         self.global_flat.data.copy_(self.local_flat() if glob is None else glob)
         buf = tensors.get(f"{prefix}momentum")
@@ -629,6 +851,11 @@ class DiLoCoExecutor(Executor):
             "outer_steps": self.syncs[-1].steps,
             "outer_bytes_sent": self.bytes_sent,
         }
+
+
+def _json_float(x: float) -> float | None:
+    """A number for a metrics row (JSON has no NaN)."""
+    return x if math.isfinite(x) else None
 
 
 def fragments_of(params: list[nn.Parameter], count: int) -> list[list[nn.Parameter]]:
@@ -859,6 +1086,10 @@ def admit(
         meta = torch.tensor([sync.steps, int(buf is not None)], dtype=torch.int64)
         dist.broadcast(meta, src, group=group)
         dist.broadcast(sync.global_flat.data, src, group=group)
+        # the norms every centre's next deltas are bounded against: the same
+        history = sync.guard.history.to(sync.global_flat.device)  # (NCCL: the GPU)
+        dist.broadcast(history, src, group=group)
+        history = history.cpu()
         if int(meta[1]):
             if buf is None:
                 buf = torch.empty_like(sync.global_flat.data)
@@ -867,11 +1098,14 @@ def admit(
             if int(meta[0]) < 0 or int(meta[1]) not in (0, 1):
                 raise ValueError(f"centre {source} sent a corrupt outer state")
             sent = [sync.global_flat] + ([buf] if int(meta[1]) else [])
+            if not bool(torch.isfinite(history).all()) or bool((history < 0).any()):
+                raise ValueError(f"centre {source} sent a corrupt delta history")
             if not all(bool(torch.isfinite(t).all()) for t in sent):
                 raise ValueError(
                     f"centre {source} sent a non-finite global model or momentum"
                 )
             sync.steps = int(meta[0])
+            sync.guard.history.copy_(history)
             if int(meta[1]):
                 sync.optimizer.state[sync.global_flat] = {"momentum_buffer": buf}
             sync.put_global()

@@ -107,12 +107,19 @@ def finetune(
         base=info.to_dict(),
     )
     ctx = ranks = distributed.DistContext()
+    unlabel = None
     if sync is not None:
         config.update(sync=sync.to_dict(), centre=centre, centres=centres)
+        # each centre's log lines say whose they are
+        unlabel = diloco.label_logs(diloco.centre_label(rank, sync.ranks_per_centre))
         if sync.ranks_per_centre > 1:
             config["data_parallel"] = parallel
         timeout = None if sync_timeout_s is None else timedelta(seconds=sync_timeout_s)
-        ctx, device = distributed.setup(device, timeout)
+        try:
+            ctx, device = distributed.setup(device, timeout)
+        except BaseException:
+            unlabel()
+            raise
     try:
         last = ckpt.latest(run.checkpoints) if resume else None
         if sync is not None:
@@ -162,6 +169,8 @@ def finetune(
         result = engine.run(regime, range(start_step, cfg.steps))
     finally:
         distributed.teardown(ctx)
+        if unlabel is not None:
+            unlabel()
     summary = {
         "run": str(run.path),
         "steps": cfg.steps,

@@ -202,6 +202,20 @@ SYNC_FLAGS = (
         "after its exchange (the rest: the new global model)",
     ),
     Row(
+        "--delta-bound",
+        validate.positive_float,
+        4.0,
+        "diloco: a centre's delta is left out when its norm is above this many "
+        "times both the other centres' median and its own recent median (> 1)",
+    ),
+    Row(
+        "--delta-min-cosine",
+        float,
+        -0.5,
+        "diloco: a centre's delta is left out when its cosine to the run's "
+        "recent direction (the outer momentum) is below this (-1 to 1)",
+    ),
+    Row(
         "--sync-timeout",
         validate.positive_float,
         1800.0,
@@ -226,6 +240,8 @@ def sync_from_args(args: argparse.Namespace):
         fragments=args.fragments,
         overlap_steps=args.overlap_steps,
         mixing=args.overlap_mixing,
+        delta_bound=args.delta_bound,
+        delta_min_cosine=args.delta_min_cosine,
     )
 
 

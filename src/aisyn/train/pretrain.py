@@ -76,7 +76,15 @@ def train(
     run = RunDir(out if not centre else diloco.centre_folder(out, centre))
     last = ckpt.latest(run.checkpoints) if resume else None
     timeout = None if sync_timeout_s is None else timedelta(seconds=sync_timeout_s)
-    ctx, device = distributed.setup(resolve_device(cfg.device), timeout)
+    unlabel = None
+    if sync is not None:  # each centre's log lines say whose they are
+        unlabel = diloco.label_logs(diloco.centre_label(rank, sync.ranks_per_centre))
+    try:
+        ctx, device = distributed.setup(resolve_device(cfg.device), timeout)
+    except BaseException:
+        if unlabel is not None:
+            unlabel()
+        raise
     try:
         # DDP's ranks: the job's; a DiLoCo centre's: its own (one, or several)
         ranks = ctx
@@ -162,3 +170,5 @@ def train(
     finally:
         # Also on an error: a process group left up aborts the process at exit.
         distributed.teardown(ctx)
+        if unlabel is not None:
+            unlabel()
