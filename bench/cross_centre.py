@@ -52,7 +52,7 @@ from aisyn.data.shards import open_many, prepare  # noqa: E402
 from aisyn.data.tokenizer import PanguTokenizer  # noqa: E402
 from aisyn.model.families import ModelConfig, build_model, load_config  # noqa: E402
 from aisyn.train.config import TrainConfig  # noqa: E402
-from aisyn.train.diloco import ring_bytes_sent  # noqa: E402
+from aisyn.train.diloco import encoded_bytes, ring_bytes_sent  # noqa: E402
 from aisyn.train.models import load_run_model  # noqa: E402
 from aisyn.train.objective import evaluate_loss  # noqa: E402
 from aisyn.train.pretrain import train  # noqa: E402
@@ -74,13 +74,15 @@ def shards(name: str, seq_len: int, docs: int) -> Path:
 def torchrun(
     n: int, out: Path, model: Path, data: list[Path], args: list[str]
 ) -> float:
-    """``aisyn train`` on ``n`` ranks; returns its wall seconds."""
+    """``aisyn train`` on ``n`` ranks (one process, without torchrun, for
+    n = 1); returns its wall seconds."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+              str(n)] if n > 1 else []  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(
         [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(n), "-m", "aisyn.cli", "train", "--quiet",
+            sys.executable, *launch, "-m", "aisyn.cli", "train", "--quiet",
             "--model", str(model), "--out", str(out),
             *[a for d in data for a in ("--data", str(d))], *args,
         ],
@@ -125,7 +127,12 @@ def modelled(run: dict, compute_s: float, steps: int, n: int, bw: float) -> floa
     fragments, overlap = run.get("fragments", 1), run.get("overlap", 0)
     exchanges = steps // run["h"] * fragments
     flush = fragments - 1  # the last step's, of the fragments synced earlier
-    each = ring_latency(n, op) + run["bytes"] / (exchanges + flush) / bw
+    # + the delta screening's all-gather of 24 bytes a centre first
+    each = (
+        ring_latency(n, "all_gather")
+        + ring_latency(n, op)
+        + run["bytes"] / (exchanges + flush) / bw
+    )
     hidden = overlap * compute_s
     return steps * compute_s + exchanges * max(0.0, each - hidden) + flush * each
 
@@ -138,7 +145,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3, help="(inner) AdamW peak lr")
     ap.add_argument("--plot", default="cross_centre.png")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--long", action="store_true",
+                    help="H = 100 over 30 outer steps, 2 and 4 centres, shared "
+                    "and non-IID, against DDP, over --seeds (issue 37)")  # fmt: skip
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--seq", type=int, default=32, help="--long: sequence length")
+    ap.add_argument("--inner-steps", type=int, default=100, help="--long: H")
+    ap.add_argument("--lanes", type=int, default=3, help="--long: runs at once")
+    ap.add_argument(
+        "--summarise",
+        default=None,
+        metavar="JSON",
+        help="print --long's table from the runs a --json holds",
+    )
     args = ap.parse_args(argv)
+    if args.long or args.summarise:
+        args.steps = args.steps or 3000
+        if args.batch % 4:
+            raise SystemExit(f"--batch {args.batch}: must split over 4 centres")
+        if args.summarise:
+            saved = json.loads(Path(args.summarise).read_text())
+            compute = {int(k): v for k, v in saved["compute"].items()}
+            long_summary(saved["results"], args, saved["params"], compute)
+            return 0
+        return long_main(args)
     steps = args.steps or (300 if args.quick else 1500)
     seq = 64
     cfg = load_config("tiny" if args.quick else "small", seq_len=seq)
@@ -254,17 +284,207 @@ def main(argv: list[str] | None = None) -> int:
                 if x["outer"]:
                     extra += f" outer lr {x['outer'][0]:g} momentum {x['outer'][1]:g}"
                 print(
-                    f"diloco H={x['h']}{extra}: loss "
+                    f"diloco H={x['h']}{extra}: {n} centres, {label} data: loss "
                     f"{100 * (x['valid_loss'] / ddp_loss - 1):.1f} % above DDP, "
                     f"{ddp['bytes'] / x['bytes']:.0f} x fewer bytes, utilisation "
                     f"{100 * x['utilisation 100 Mbit/s']:.0f} % at 100 Mbit/s "
-                    f"(DDP {100 * ddp['utilisation 100 Mbit/s']:.0f} %) "
-                    f"[{n} centres, {label} data]",
+                    f"(DDP {100 * ddp['utilisation 100 Mbit/s']:.0f} %)",
                     flush=True,
                 )
     plot(curves, Path(args.plot), steps)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+# --- the long comparison (issue 37, item 17) -------------------------------------
+
+#: the long mode's runs: (centres, data label); the data folders by label
+LONG_CONFIGS = [(2, "shared"), (4, "shared"), (2, "non-IID"), (4, "non-IID")]
+
+
+def halves(name: str, seq_len: int, docs: int) -> list[Path]:
+    """A corpus's first ``docs`` documents as two folders of alternate
+    documents: two centres of one domain that do not read the same rows."""
+    from aisyn.data.corpora import Corpus
+
+    root = Path(os.environ.get("AISYN_CACHE", Path.home() / ".cache" / "aisyn"))
+    corpus = load_corpus(name)
+    out = []
+    for i in range(2):
+        folder = root / "bench" / f"{name}-{seq_len}-{docs}-half{i}"
+        if not (folder / "manifest.json").is_file():
+            half = Corpus(f"{name}-half{i}", corpus.documents[:docs][i::2],
+                          corpus.sources)  # fmt: skip
+            prepare(half, PanguTokenizer.load(), seq_len, folder,
+                    corpus_specs=[name])  # fmt: skip
+        out.append(folder)
+    return out
+
+
+def delta_stats(recs: list[dict]) -> dict:
+    """Over an honest run's outer steps: the largest ratio of a centre's
+    delta norm to the other centres' median, the smallest cosine to the
+    run's direction, and how many deltas were left out."""
+    import statistics
+
+    ratio, cosine, refused = 0.0, 1.0, 0
+    for r in recs:
+        norms = r.get("outer_delta_norms")
+        if not norms:
+            continue
+        for i, x in enumerate(norms):
+            others = [y for j, y in enumerate(norms) if j != i and y]
+            if x and others:
+                ratio = max(ratio, x / statistics.median(others))
+        cosine = min([cosine, *[c for c in r["outer_delta_cosines"] if c is not None]])
+        refused += len(r.get("outer_refused", []))
+    return {"max_norm_ratio": ratio, "min_cosine": cosine, "refused": refused}
+
+
+def long_jobs(seeds: list[int], data: dict) -> list[tuple]:
+    """Every run of the long mode, seed by seed (the first seed's whole
+    table first): DDP once per data set (a single process on the global
+    batch: what DDP's ranks compute together), DiLoCo per centre count."""
+    jobs = []
+    for seed in seeds:
+        seen = set()
+        for n, label in LONG_CONFIGS:
+            folders = data[(n, label)]
+            if tuple(folders) not in seen:  # shared data: one DDP for 2 and 4
+                seen.add(tuple(folders))
+                jobs.append(("ddp", n, label, seed))
+            jobs.append(("diloco", n, label, seed))
+    return jobs
+
+
+def run_long_job(job, args, tmp: Path, model: Path, data: dict) -> dict:
+    sync, n, label, seed = job
+    folders = data[(n, label)]
+    name = f"{sync}-{n}c-{label}-s{seed}"
+    out = tmp / name
+    common = ["--steps", str(args.steps), "--batch-size", str(args.batch),
+              "--lr", str(args.lr), "--warmup", "100", "--log-every", "10",
+              "--seed", str(seed)]  # fmt: skip
+    if sync == "diloco":
+        own = "own" if label == "non-IID" else "split"
+        common += ["--sync", "diloco", "--inner-steps", str(args.inner_steps),
+                   "--centre-data", own]  # fmt: skip
+    wall = torchrun(n if sync == "diloco" else 1, out, model, folders, common)
+    recs = read_metrics(out / "metrics.jsonl")
+    r = {"sync": sync, "centres": n, "data": label, "seed": seed,
+         "valid_loss": valid_loss(out, folders), "box_wall_s": wall,
+         "curve": [(x["step"], x["loss"]) for x in recs if "loss" in x]}  # fmt: skip
+    if sync == "diloco":
+        r["bytes"] = max(x.get("outer_bytes_sent", 0) for x in recs)
+        r.update(delta_stats(recs))
+    return r
+
+
+def long_summary(results: list[dict], args, params: int, compute: dict) -> None:
+    """The table of the long mode from whatever runs have ended."""
+    import statistics
+
+    steps, h = args.steps, args.inner_steps
+    ddp = {(r["data"], r["centres"] if r["data"] == "non-IID" else 0, r["seed"]): r
+           for r in results if r["sync"] == "ddp"}  # fmt: skip
+    for n, label in LONG_CONFIGS:
+        runs = sorted((r for r in results if r["sync"] == "diloco"
+                       and (r["centres"], r["data"]) == (n, label)),
+                      key=lambda r: r["seed"])  # fmt: skip
+        pairs = []
+        for r in runs:
+            base = ddp.get((label, n if label == "non-IID" else 0, r["seed"]))
+            if base is not None:
+                pairs.append((r, base))
+        if not pairs:
+            print(f"diloco H={h}: {n} centres, {label} data: not run", flush=True)
+            continue
+        gaps = [100 * (r["valid_loss"] / b["valid_loss"] - 1) for r, b in pairs]
+        seeds = ", ".join(f"seed {r['seed']} {g:+.2f} %" for (r, _), g in
+                          zip(pairs, gaps, strict=True))  # fmt: skip
+        ddp_bytes = ring_bytes_sent(4 * params, n, "all_reduce") * steps
+        run = {"sync": "diloco", "h": h, "precision": "fp32",
+               "bytes": statistics.mean(r["bytes"] for r, _ in pairs)}  # fmt: skip
+        ddp_run = {"sync": "ddp", "bytes_per_step": ddp_bytes / steps}
+        bw = LINKS["100 Mbit/s"]
+        util = steps * compute[n] / modelled(run, compute[n], steps, n, bw)
+        ddp_util = steps * compute[n] / modelled(ddp_run, compute[n], steps, n, bw)
+        int8 = {**run, "precision": "int8", "bytes": steps // h * ring_bytes_sent(
+            encoded_bytes(params, "int8"), n, "all_gather")}  # fmt: skip
+        util8 = steps * compute[n] / modelled(int8, compute[n], steps, n, bw)
+        spread = max(gaps) - min(gaps)
+        print(
+            f"diloco H={h}: {n} centres, {label} data: loss "
+            f"{statistics.mean(gaps):+.2f} % against DDP ({seeds}; spread "
+            f"{spread:.2f} points), {ddp_bytes / run['bytes']:.0f} x fewer bytes, "
+            f"utilisation {100 * util:.1f} % at 100 Mbit/s (DDP "
+            f"{100 * ddp_util:.1f} %; with int8 deltas {100 * util8:.1f} %, "
+            f"{ddp_bytes / int8['bytes']:.0f} x, modelled, loss not run)",
+            flush=True,
+        )
+    honest = [r for r in results if r["sync"] == "diloco"]
+    if honest:
+        print(
+            f"honest deltas over {len(honest)} DiLoCo runs: largest norm "
+            f"{max(r['max_norm_ratio'] for r in honest):.2f}x the other centres' "
+            f"median (--delta-bound 4), smallest cosine to the run's direction "
+            f"{min(r['min_cosine'] for r in honest):.3f} (--delta-min-cosine "
+            f"-0.5), {sum(r['refused'] for r in honest)} deltas left out",
+            flush=True,
+        )
+
+
+def long_main(args) -> int:
+    """``--long``: DiLoCo at H = 100 over 30 outer steps against DDP, at 2
+    and 4 centres, shared and non-IID data, over ``--seeds``; runs in
+    ``--lanes`` parallel, each result kept in ``--json`` as it ends."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    seq = args.seq
+    cfg = load_config("tiny", seq_len=seq)
+    docs = 3000
+    news, reviews = shards("news", seq, docs), shards("reviews", seq, docs)
+    (news_a, news_b), (rev_a, rev_b) = halves("news", seq, docs), halves(
+        "reviews", seq, docs)  # fmt: skip
+    data = {(2, "shared"): [news], (4, "shared"): [news],
+            (2, "non-IID"): [news, reviews],
+            (4, "non-IID"): [news_a, rev_a, news_b, rev_b]}  # fmt: skip
+    params = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+    print(
+        f"# cross-centre, long: PanGu-a tiny ({params / 1e6:.1f} M params), seq "
+        f"{seq}, global batch {args.batch}, lr {args.lr:g} (warm-up 100), "
+        f"{args.steps} steps, H = {args.inner_steps} ({args.steps // args.inner_steps}"
+        f" outer steps, OpenDiLoCo's outer lr 0.7 / momentum 0.9, fp32 deltas), "
+        f"seeds {args.seeds}; links modelled at {RTT_S * 1e3:.0f} ms RTT; torch "
+        f"{torch.__version__}, {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    compute = {n: step_compute_s(cfg, news, args.batch // n, 40) for n in (2, 4)}
+    print(f"# one centre's step alone: {compute[2] * 1e3:.1f} ms (2 centres), "
+          f"{compute[4] * 1e3:.1f} ms (4)", flush=True)  # fmt: skip
+    results: list[dict] = []
+    lock = threading.Lock()
+    with tempfile.TemporaryDirectory(prefix="aisyn-xcl-") as tmp:
+        model = Path(tmp) / "model.json"
+        model.write_text(json.dumps(cfg.to_dict()))
+
+        def one(job):
+            r = run_long_job(job, args, Path(tmp), model, data)
+            with lock:
+                results.append(r)
+                if args.json:
+                    saved = {"compute": compute, "params": params, "results": results}
+                    Path(args.json).write_text(json.dumps(saved))
+                print(f"{r['sync']} {r['centres']} centres, {r['data']} data, seed "
+                      f"{r['seed']}: valid loss {r['valid_loss']:.4f} "
+                      f"({r['box_wall_s']:.0f} s here)", flush=True)  # fmt: skip
+
+        with ThreadPoolExecutor(args.lanes) as pool:
+            for f in [pool.submit(one, j) for j in long_jobs(args.seeds, data)]:
+                f.result()
+    long_summary(results, args, params, compute)
     return 0
 
 

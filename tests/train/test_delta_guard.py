@@ -278,3 +278,76 @@ def test_the_label_names_the_rank_in_a_centre_of_several(per):
     from aisyn.train.diloco import centre_label
 
     assert centre_label(3, per) == ("centre 3" if per == 1 else "centre 1 (rank 3)")
+
+
+#: two centres (``python -c``): centre 1 moves by 1000x centre 0 and reports
+#: the numbers of a delta 1000x smaller; rank 0 writes each precision's record
+_MISREPORTING = """
+import json, logging, sys, torch, torch.distributed as dist
+from aisyn.train.diloco import DiLoCoConfig, OuterSync, topology
+from aisyn.train.distributed import DistContext
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+out = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+where = topology(DistContext(rank, 2), 1)
+seen = {}
+for precision in ("fp32", "int8"):
+    p = torch.nn.Parameter(torch.zeros(5000))
+    sync = OuterSync([p], DiLoCoConfig(precision=precision), where.across)
+    move = torch.linspace(0.5, 1.5, 5000) * (1000.0 if rank == 1 else 1.0)
+    with torch.no_grad():
+        p.sub_(0.01 * move)
+    if rank == 1:  # reports the numbers of the delta it would have had
+        sync.screen = lambda d, ref: OuterSync.screen(sync, d / 1000, ref)
+    record = sync.step()
+    seen[precision] = {"record": record, "p": p.detach()[:3].tolist()}
+if rank == 0:
+    open(out, "w").write(json.dumps(seen))
+dist.destroy_process_group()
+from aisyn.procs import exit_rank
+exit_rank(0)
+"""
+
+
+def test_a_centre_that_sends_another_delta_than_it_reports_is_caught(tmp_path):
+    """The numbers a centre reports are checked against what arrives: an
+    int8 delta (every centre receives every centre's) 1000x the reported
+    one is left out by name and the other's applied; an fp32 one (summed on
+    the way) makes the sum longer than the reports allow: the outer step is
+    skipped, naming the other centre (of two, each can tell)."""
+    port, out = free_port(), tmp_path / "seen.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MISREPORTING, str(out)],
+            env={**env, "RANK": str(r)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert [p.returncode for p in procs] == [0, 0], logs
+    import json
+
+    seen = json.loads(out.read_text())
+    int8, fp32 = seen["int8"], seen["fp32"]
+    assert (
+        int8["record"]["outer_refused"] == [1] and "outer_skipped" not in int8["record"]
+    )
+    # centre 0's own delta alone: 0.01 * move, then the Nesterov step (x 0.7 x 1.9)
+    own = 0.01 * torch.linspace(0.5, 1.5, 5000)[:3]
+    torch.testing.assert_close(
+        torch.tensor(int8["p"]), -0.7 * 1.9 * own, rtol=2e-2, atol=1e-5
+    )
+    assert "centre 1's delta left out: it is not the delta it reported" in logs[0]
+    assert fp32["record"]["outer_skipped"] and fp32["p"] == [0.0, 0.0, 0.0]
+    assert "centre 1 sends a delta other than the one it reports" in logs[0]
