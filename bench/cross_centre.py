@@ -24,12 +24,29 @@ the centres' deltas. Reported per run:
 
     python bench/cross_centre.py --quick
 
-prints, among others, ``diloco H=100: loss N.N % above DDP, N x fewer bytes,
-utilisation N % at 100 Mbit/s (DDP N %)``, and writes the loss against
+prints, among others, ``diloco H=100: N centres, shared data: loss N.N %
+above DDP, N x fewer bytes, utilisation N % at 100 Mbit/s (DDP N %)``, and
+writes the loss against
 tokens and against modelled wall time to ``--plot`` (default
 cross_centre.png). ``--steps``, ``--batch`` (global, all centres together)
 and ``--lr`` (the AdamW peak lr of DDP and of DiLoCo's inner steps) change the
 budget the runs share; the defaults are 300 / 1 500 steps, 16 and 3e-3.
+
+    nice -n 10 python bench/cross_centre.py --long --batch 8 --json long.json
+
+runs DiLoCo at H = 100 for 3 000 steps (30 outer steps; OpenDiLoCo's outer
+lr 0.7 and momentum 0.9, fp32 deltas) against DDP at ``tiny``, on 2 and 4
+centres, shared and non-IID data (2 centres: news | reviews; 4: two halves
+of each, alternating), over ``--seeds`` (1 2), ``--lanes`` runs at a time.
+DDP is one process on the global batch: what DDP's ranks compute together
+(the project's DDP matches it to 1e-5), its bytes those of the ring
+all-reduce at that many centres. It prints per centre count and data
+``diloco H=100: N centres, shared data: loss +N.NN % against DDP (seed 1
+..., seed 2 ...; spread N.NN points), N x fewer bytes, utilisation N.N % at
+100 Mbit/s (...)`` and the compute per step that 90 % needs, and the honest
+runs' largest delta norm ratio and smallest cosine (the delta guard's
+margins). ``--summarise long.json`` prints the table again from the runs
+the file holds (a run cut short keeps those that ended).
 """
 
 from __future__ import annotations
@@ -414,13 +431,18 @@ def long_summary(results: list[dict], args, params: int, compute: dict) -> None:
             encoded_bytes(params, "int8"), n, "all_gather")}  # fmt: skip
         util8 = steps * compute[n] / modelled(int8, compute[n], steps, n, bw)
         spread = max(gaps) - min(gaps)
+        # the compute per step at which the exchanges leave 90 %: wall =
+        # steps x compute + the exchanges' time (modelled at no compute)
+        need = 9 * modelled(run, 0.0, steps, n, bw) / steps
+        need8 = 9 * modelled(int8, 0.0, steps, n, bw) / steps
         print(
             f"diloco H={h}: {n} centres, {label} data: loss "
             f"{statistics.mean(gaps):+.2f} % against DDP ({seeds}; spread "
             f"{spread:.2f} points), {ddp_bytes / run['bytes']:.0f} x fewer bytes, "
             f"utilisation {100 * util:.1f} % at 100 Mbit/s (DDP "
             f"{100 * ddp_util:.1f} %; with int8 deltas {100 * util8:.1f} %, "
-            f"{ddp_bytes / int8['bytes']:.0f} x, modelled, loss not run)",
+            f"{ddp_bytes / int8['bytes']:.0f} x, modelled, loss not run); 90 % "
+            f"needs a step of >= {need * 1e3:.0f} ms ({need8 * 1e3:.0f} ms int8)",
             flush=True,
         )
     honest = [r for r in results if r["sync"] == "diloco"]
