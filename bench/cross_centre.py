@@ -430,6 +430,12 @@ def long_summary(results: list[dict], args, params: int, compute: dict) -> None:
         int8 = {**run, "precision": "int8", "bytes": steps // h * ring_bytes_sent(
             encoded_bytes(params, "int8"), n, "all_gather")}  # fmt: skip
         util8 = steps * compute[n] / modelled(int8, compute[n], steps, n, bw)
+        # Streaming DiLoCo (4 fragments, 5 steps overlapped): the same bytes a
+        # round, plus the last step's flush of the 3 earlier fragments
+        rounds = steps // h
+        stream = {**run, "fragments": 4, "overlap": 5,
+                  "bytes": run["bytes"] * (rounds + 3 / 4) / rounds}  # fmt: skip
+        util_s = steps * compute[n] / modelled(stream, compute[n], steps, n, bw)
         spread = max(gaps) - min(gaps)
         # the compute per step at which the exchanges leave 90 %: wall =
         # steps x compute + the exchanges' time (modelled at no compute)
@@ -441,7 +447,8 @@ def long_summary(results: list[dict], args, params: int, compute: dict) -> None:
             f"{spread:.2f} points), {ddp_bytes / run['bytes']:.0f} x fewer bytes, "
             f"utilisation {100 * util:.1f} % at 100 Mbit/s (DDP "
             f"{100 * ddp_util:.1f} %; with int8 deltas {100 * util8:.1f} %, "
-            f"{ddp_bytes / int8['bytes']:.0f} x, modelled, loss not run); 90 % "
+            f"{ddp_bytes / int8['bytes']:.0f} x; streaming 4 fragments, 5 steps "
+            f"overlapped {100 * util_s:.1f} %; modelled, loss not run); 90 % "
             f"needs a step of >= {need * 1e3:.0f} ms ({need8 * 1e3:.0f} ms int8)",
             flush=True,
         )
