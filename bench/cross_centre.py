@@ -398,6 +398,20 @@ def run_long_job(job, args, tmp: Path, model: Path, data: dict) -> dict:
     return r
 
 
+def compute_for(run: dict, share: float, steps: int, n: int, bw: float) -> float:
+    """The least compute per step at which ``run`` keeps ``share`` of the
+    wall time computing on a link of ``bw`` (bisection: utilisation rises
+    with compute)."""
+    low, high = 0.0, 100.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if steps * mid / modelled(run, mid, steps, n, bw) >= share:
+            high = mid
+        else:
+            low = mid
+    return high
+
+
 def long_summary(results: list[dict], args, params: int, compute: dict) -> None:
     """The table of the long mode from whatever runs have ended."""
     import statistics
@@ -437,10 +451,9 @@ def long_summary(results: list[dict], args, params: int, compute: dict) -> None:
                   "bytes": run["bytes"] * (rounds + 3 / 4) / rounds}  # fmt: skip
         util_s = steps * compute[n] / modelled(stream, compute[n], steps, n, bw)
         spread = max(gaps) - min(gaps)
-        # the compute per step at which the exchanges leave 90 %: wall =
-        # steps x compute + the exchanges' time (modelled at no compute)
-        need = 9 * modelled(run, 0.0, steps, n, bw) / steps
-        need8 = 9 * modelled(int8, 0.0, steps, n, bw) / steps
+        need, need8, need_s = (
+            compute_for(x, 0.9, steps, n, bw) for x in (run, int8, stream)
+        )
         print(
             f"diloco H={h}: {n} centres, {label} data: loss "
             f"{statistics.mean(gaps):+.2f} % against DDP ({seeds}; spread "
@@ -449,7 +462,8 @@ def long_summary(results: list[dict], args, params: int, compute: dict) -> None:
             f"{100 * ddp_util:.1f} %; with int8 deltas {100 * util8:.1f} %, "
             f"{ddp_bytes / int8['bytes']:.0f} x; streaming 4 fragments, 5 steps "
             f"overlapped {100 * util_s:.1f} %; modelled, loss not run); 90 % "
-            f"needs a step of >= {need * 1e3:.0f} ms ({need8 * 1e3:.0f} ms int8)",
+            f"needs a step of >= {need * 1e3:.0f} ms ({need8 * 1e3:.0f} ms int8, "
+            f"{need_s * 1e3:.0f} ms streaming)",
             flush=True,
         )
     honest = [r for r in results if r["sync"] == "diloco"]
