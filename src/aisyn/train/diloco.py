@@ -95,8 +95,8 @@ class DiLoCoConfig:
     #: trains on; the fragment is then ``mixing`` x local + the rest global
     overlap_steps: int = 0
     mixing: float = 0.5
-    #: a centre's delta whose norm is above this many times both the other
-    #: centres' median and its own recent median is left out (delta_guard)
+    #: a centre's delta whose norm is above this many times the other
+    #: centres' median (or its own last accepted one) is left out (delta_guard)
     delta_bound: float = 4.0
     #: ... and one whose cosine to the run's recent direction is below this
     delta_min_cosine: float = -0.5

@@ -206,7 +206,8 @@ SYNC_FLAGS = (
         validate.positive_float,
         4.0,
         "diloco: a centre's delta is left out when its norm is above this many "
-        "times both the other centres' median and its own recent median (> 1)",
+        "times the other centres' median (or, with no fair other, its own last "
+        "accepted norm) (> 1)",
     ),
     Row(
         "--delta-min-cosine",
