@@ -211,7 +211,7 @@ SYNC_FLAGS = (
     ),
     Row(
         "--delta-min-cosine",
-        float,
+        validate.number_type(float, "cosine", low=-1, high=1),
         -0.5,
         "diloco: a centre's delta is left out when its cosine to the run's "
         "recent direction (the outer momentum) is below this (-1 to 1)",
