@@ -6,7 +6,12 @@ import socket
 
 import pytest
 
-from aisyn.net import free_port, is_loopback, split_host_port
+from aisyn.net import (
+    ephemeral_ports,
+    free_port,
+    is_loopback,
+    split_host_port,
+)
 
 
 @pytest.mark.parametrize(
@@ -32,7 +37,11 @@ def test_split_host_port():
             split_host_port(bad)
 
 
-def test_free_port_can_be_bound():
+def test_free_port_can_be_bound_and_no_outgoing_connection_takes_it():
+    """Below the ephemeral range: binding port 0 handed torchrun a port an
+    outgoing connection took first (EADDRINUSE in CI)."""
     port = free_port()
+    low, high = ephemeral_ports()
+    assert not low <= port <= high, (port, low, high)
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))

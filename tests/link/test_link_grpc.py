@@ -24,6 +24,7 @@ from aisyn.link import (
 )
 from aisyn.link.proto import tensor_link_pb2 as pb
 from aisyn.link.proto import tensor_link_pb2_grpc as pb_grpc
+from aisyn.net import free_port
 
 
 def test_round_trip_is_exact_both_ways(server):
@@ -189,9 +190,7 @@ def test_second_client_waits_for_the_session_slot(server):
 
 
 def test_connect_retries_until_the_server_is_up():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = GrpcLinkServer(f"127.0.0.1:{port}", token=TOKEN, insecure=True, options=FAST)
     timer = threading.Timer(0.5, srv.start)
     timer.start()
