@@ -24,6 +24,9 @@ from aisyn.flagtable import (
 from aisyn.link.codec import CODECS
 from aisyn.model.plan import RUNTIME_BYTES, SCHEDULES, format_bytes
 from aisyn.split.cut_dp import DEFENCES, RECOMMENDED
+from aisyn.split.emulator import DEFAULT_BLOCKS as DEFAULT_EMULATOR_BLOCKS
+from aisyn.split.emulator import FRONT_VIA
+from aisyn.split.protocol import BACKBONES
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
@@ -306,6 +309,9 @@ def _train_rank0(args, ranks) -> None:
         spawn_insecure=args.insecure and args.spawn_backbone,
         connect_timeout_s=args.connect_timeout,
         recv_timeout_s=args.recv_timeout,
+        backbone=args.backbone,
+        front_via=args.front_via,
+        emulator_blocks=args.emulator_blocks,
     )
     summary = split_train(
         args.model,
@@ -320,7 +326,9 @@ def _train_rank0(args, ranks) -> None:
         tensorboard=args.tensorboard,
         method=Method(args.method, rank=args.lora_rank, alpha=args.lora_alpha),
         compute_method=Method(
-            args.compute_method or args.method,
+            # a frozen backbone trains nothing: --method is A's alone
+            args.compute_method
+            or (args.method if args.backbone == "train" else "full"),
             rank=args.lora_rank,
             alpha=args.lora_alpha,
         ),
@@ -763,6 +771,30 @@ def _add_train(ssub: argparse._SubParsersAction) -> None:
             None,
             "the compute party's blocks (default: --method); lora keeps its "
             "copy of the base unchanged and its checkpoints small",
+        ),
+        (
+            "--backbone",
+            list(BACKBONES),
+            "train",
+            "frozen: the compute party runs its blocks forward only, as the base "
+            "has them, and no gradient crosses the cut (nothing A sends depends "
+            "on its labels within a step); A trains its back blocks and head "
+            "exactly (needs --init-from or --model hf:DIR; docs/privacy.md)",
+        ),
+        (
+            "--front-via",
+            list(FRONT_VIA),
+            "emulator",
+            "with --backbone frozen, how A's front learns: through a local "
+            "emulator of B's blocks built from the public base (split/"
+            "emulator.py), or not at all (frozen)",
+        ),
+        (
+            "--emulator-blocks",
+            nonneg_int,
+            DEFAULT_EMULATOR_BLOCKS,
+            "of B's blocks in A's emulator, uniformly spaced (0: pass the "
+            "gradient straight through)",
         ),
         *LORA_FLAGS,
         (

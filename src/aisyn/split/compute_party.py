@@ -87,6 +87,8 @@ class Session:
     lease: object = None
     #: how it ended, for the operator's record ("ended", "failed: ...")
     outcome: str = ""
+    #: B's blocks run forward only, from the base (``--backbone frozen``)
+    frozen: bool = False
 
 
 class ComputeParty:
@@ -230,6 +232,9 @@ class ComputeParty:
                 "model, and this compute party has none: start it with "
                 "--init-from BASE (or --model hf:DIR)"
             )
+        frozen = purpose == "train" and h.backbone == "frozen"
+        if frozen and (why := self._cannot_freeze(lora)):
+            raise proto.ProtocolError(why)
         b_steps = shards.complete_steps(run.checkpoints) if run is not None else []
         if purpose in ("eval", "generate"):
             step = h.eval_step
@@ -295,7 +300,24 @@ class ComputeParty:
             owner=identity,
             hello=hello_text,
             tenant=tenant,
+            frozen=frozen,
         )
+
+    def _cannot_freeze(self, lora: object) -> str | None:
+        """Why this party cannot run a frozen backbone (None: it can)."""
+        if self.base is None:
+            return (
+                "a frozen backbone runs the base model's blocks, and this compute "
+                "party has none: start it with --init-from BASE (or --model hf:DIR)"
+            )
+        if lora is not None:
+            return "a frozen backbone trains nothing here: LoRA on its blocks is void"
+        if self.ranks is not None:
+            return (
+                "a frozen backbone runs on a one-process compute party (this one "
+                "runs over ranks)"
+            )
+        return None
 
     def frozen_base(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """This party's tensors of the base, read once and kept on its device
@@ -378,6 +400,8 @@ class ComputeParty:
                 else {"rank": session.lora[0].rank, "alpha": session.lora[0].alpha}
             ),
             "init_from": str(self.base.checkpoint) if self.base else None,
+            # frozen: B's blocks stayed the base's (forward only, no gradient)
+            "backbone": "frozen" if session.frozen else "train",
         }
 
     def save_checkpoint(self, session: Session, state: PartyState, step: int) -> Path:

@@ -48,12 +48,21 @@ class DataSession:
         eod_id: int | None,
         window: int = 0,
         guard: CutGuard | None = None,
+        frozen_backbone: bool = False,
+        emulator: nn.Module | None = None,
     ) -> None:
+        """``frozen_backbone``: B runs its blocks forward only and no gradient
+        crosses (``split.emulator``); A's front then learns through
+        ``emulator`` (A's stand-in for B's middle), or not at all (None)."""
+        if emulator is not None and not frozen_backbone:
+            raise ValueError("an emulator stands in for a frozen backbone only")
         self.state = state
         self.link = link
         self.eod_id = eod_id
         self.window = window
         self.guard = guard  # the defence on what A sends (split.cut_dp), if any
+        self.frozen_backbone = frozen_backbone
+        self.emulator = emulator
         self.front, self.back = state.segments
         self.hidden_size = state.cfg.hidden_size
         self.round = 0
@@ -113,7 +122,6 @@ class DataSession:
         (``split.data_ranks``) routes through its rank 0.
         """
         cfg = self.state.train_cfg
-        device = self.state.device
         mb, T = self._micro_size(micro), micro[0][0].shape[1]
         flags = proto.FLAG_EOD if self.eod_id is not None else 0
         r = self._open_round(
@@ -121,11 +129,40 @@ class DataSession:
         )
         self.state.train(True)
         shape = (mb, T, self.hidden_size)
+        if self.frozen_backbone:
+            losses = self._frozen_micro_batches(micro, r, step, shape, loss_of)
+        else:
+            losses = self._micro_batches(micro, r, step, shape, loss_of)
+        total = 0.0
+        for loss in self._step_losses([losses[i] for i in range(len(micro))]):
+            total += loss  # the baseline's summation order
+        if not math.isfinite(total) and self.state.problem is None:
+            self.state.problem = f"non-finite loss ({total}) (lower --lr?)"
+        mine = self._sq_norm()  # NaN: this party skips the step
+        if self.frozen_backbone:
+            # B trains nothing and needs no norm: only whether to skip (a
+            # gradient norm would be a number about A's labels crossing).
+            theirs = self._exchange_norms(r, 0.0 if math.isfinite(mine) else math.nan)
+            if theirs != 0.0 and math.isfinite(mine):
+                mine = math.nan  # B found a problem (NaN) or sent nonsense
+                self.state.problem = self.state.problem or (
+                    f"the compute party sent {theirs!r} for its norm (0 or NaN)"
+                )
+        else:
+            theirs = self._exchange_norms(r, mine)
+        self.last_step, self.evals_since_step = step, 0
+        norm = self.state.apply_step(step, mine, theirs)  # or raises SkippedStep
+        return {"loss": total, "lr": cfg.lr_at(step), "grad_norm": norm}
+
+    def _micro_batches(self, micro, r: int, step: int, shape, loss_of) -> dict:
+        """A step's micro-batches with B training: activations out, B's
+        output back, A's gradient for it out, the cut's gradient back."""
         # micro-batch -> (the front's output, what was sent in its place)
         fronts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # micro-batch -> (A's gradient for B's output, what was sent instead)
         gouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         losses: dict[int, float] = {}
+        cfg, device = self.state.train_cfg, self.state.device
         for kind, i in schedule.make(len(micro), self.window).a:
             inputs, targets, mask, pos = micro[i]
             if kind == "F":
@@ -160,16 +197,54 @@ class DataSession:
                     # ``_restore``) takes A's own, noiseless one instead.
                     true, noisy = gouts.pop(i)
                     torch.autograd.backward((sent, clean), (g - noisy, true))
-        total = 0.0
-        for loss in self._step_losses([losses[i] for i in range(len(micro))]):
-            total += loss  # the baseline's summation order
-        if not math.isfinite(total) and self.state.problem is None:
-            self.state.problem = f"non-finite loss ({total}) (lower --lr?)"
-        mine = self._sq_norm()  # NaN: this party skips the step
-        theirs = self._exchange_norms(r, mine)
-        self.last_step, self.evals_since_step = step, 0
-        norm = self.state.apply_step(step, mine, theirs)  # or raises SkippedStep
-        return {"loss": total, "lr": cfg.lr_at(step), "grad_norm": norm}
+        return losses
+
+    def _frozen_micro_batches(self, micro, r: int, step: int, shape, loss_of) -> dict:
+        """A step's micro-batches with B frozen: activations out, B's output
+        back, nothing else. The loss is computed on B's real output, so the
+        back blocks and the head get their exact gradient; the front's comes
+        back through the emulator at the activations sent (or the front is
+        frozen: its forward keeps no graph)."""
+        fronts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        gouts: dict[int, torch.Tensor] = {}  # A's gradient for B's output
+        losses: dict[int, float] = {}
+        cfg, device = self.state.train_cfg, self.state.device
+        learns = self.emulator is not None
+        for kind, i in schedule.make(len(micro), self.window).a:
+            inputs, targets, mask, pos = micro[i]
+            if kind == "F":
+                with torch.set_grad_enabled(learns):
+                    with autocast_for(device, cfg.autocast):
+                        clean = self.front(inputs, mask, pos)
+                        sent = self._protect(clean, step, i)
+                self._send_act(r, i, sent.detach(), inputs)
+                fronts[i] = clean, sent
+            elif kind == "L":
+                what = f"the backbone output (micro-batch {i})"
+                y = self._recv("out", r, i, shape, what).requires_grad_(learns)
+                clean, sent = fronts[i]
+                with autocast_for(device, cfg.autocast):
+                    hidden = self.back(self._restore(y, clean, sent), mask, pos)
+                    loss = loss_of(self.back.logits, hidden, targets)
+                loss.backward()
+                if learns:
+                    gouts[i] = y.grad
+                losses[i] = loss.item()
+            else:
+                clean, sent = fronts.pop(i)
+                if learns:
+                    self._front_backward(clean, sent, gouts.pop(i), mask, pos)
+        return losses
+
+    def _front_backward(self, clean, sent, g, mask, pos) -> None:
+        """The front's gradient through the emulator ``E`` for the gradient
+        ``g`` of B's output: the residual stream (``_restore``: A's own
+        ``clean``) takes ``g`` itself, what the middle adds (``E(sent) -
+        sent``) takes it through ``E``'s Jacobian. Without a defence (``sent
+        is clean``) this is ``J_E(clean)^T g``."""
+        with autocast_for(self.state.device, self.state.train_cfg.autocast):
+            added = self.emulator(sent, mask, pos) - sent
+        torch.autograd.backward((added, clean), (g.to(added.dtype), g))
 
     # --- what crosses, and what the step sums (one process: all of it here)
 

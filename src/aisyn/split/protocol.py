@@ -71,6 +71,8 @@ OPS = {
 }
 GEN_OPS = (GEN_START, GEN_STEP, GEN_END)
 PURPOSES = ("train", "eval", "generate")
+#: what the compute party does with its blocks in a training run
+BACKBONES = ("train", "frozen")
 FLAG_EOD = 1
 
 #: generous bounds a compute party accepts from a data party
@@ -311,9 +313,12 @@ def hello(
     eval_step: int | None = None,
     codec: str = "none",
     init: str | None = None,
+    backbone: str = "train",
 ) -> dict:
     """The data party's hello: everything the compute party is told about
-    the run (docs/split.md#security lists it). ``init_seeds``: per-parameter
+    the run (docs/split.md#security lists it). ``backbone`` "frozen": the
+    compute party runs its blocks forward only for the whole run, from the
+    base, and no gradient crosses the cut. ``init_seeds``: per-parameter
     seeds of the compute party's own parameters, for a fresh run from random
     init; the run's seed itself never leaves the data party. ``eval_step``:
     the checkpoint an ``eval`` or ``generate`` session runs from."""
@@ -331,6 +336,7 @@ def hello(
         "eval_step": eval_step,
         "codec": codec,
         "init": init,  # fingerprint of the base a fresh run starts from
+        "backbone": backbone,
     }
 
 
@@ -354,6 +360,7 @@ class Hello:
     eval_step: object  # as sent: it must be one of the compute party's checkpoints
     codec: str
     init: str | None  # fingerprint of the base a fresh run starts from
+    backbone: str = "train"  # or "frozen": forward only, no gradient crosses
 
 
 def parse_hello(text: str) -> Hello:
@@ -375,6 +382,9 @@ def parse_hello(text: str) -> Hello:
         isinstance(init, str) and re.fullmatch(r"[0-9a-f]{64}", init)
     ):
         raise ProtocolError("hello: init must be a sha256 hex digest")
+    backbone = h.get("backbone", "train")  # a data party from before it: train
+    if backbone not in BACKBONES:
+        raise ProtocolError(f"hello: unknown backbone {str(backbone)[:20]!r}")
     return Hello(
         purpose,
         run_id,
@@ -388,6 +398,7 @@ def parse_hello(text: str) -> Hello:
         h.get("eval_step"),
         codec,
         init,
+        backbone,
     )
 
 

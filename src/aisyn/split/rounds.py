@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -202,6 +203,9 @@ class Rounds:
                 if report is not None:
                     report(getattr(e, "quota", "steps_per_hour"))
                 raise
+        if self.session.frozen:
+            self._train_frozen(r, c)
+            return
         self.state.train(True)
         inflight: dict[int, tuple] = {}
         shape = (c.micro_size, c.seq_len, self.hidden)
@@ -241,6 +245,31 @@ class Rounds:
                 )
         mine = self.state.local_sq_norm()  # NaN: this party skips the step
         self._apply_step(c, self._exchange_norms(r, mine), mine)
+
+    @torch.no_grad()
+    def _train_frozen(self, r: int, c: proto.Control) -> None:
+        """A TRAIN round of a frozen backbone: each micro-batch forward only
+        (no graph kept, no dropout), in the order A sends them; no gradient
+        comes or goes. The norms exchanged are only A's go/skip (0 or NaN)
+        and B's 0, so both parties keep the same steps."""
+        self.state.train(False)
+        for i in range(c.micro_batches):
+            x, mask = self._recv_act(r, i, c)
+            self._train_input(x, "activations", i)
+            with self._turn(), self.state.autocast():
+                y = self.middle(x, mask)
+            self.link.send("out", y, step=r, micro=i, codec=self.session.codec)
+        mine = 0.0 if self.state.problem is None else math.nan
+        theirs = self._exchange_norms(r, mine)
+        problem, self.state.problem = self.state.problem, None
+        if problem is not None or not theirs == 0.0:
+            if self.speaks:
+                why = problem or f"the data party skips step {c.step}"
+                log.warning(
+                    "run %s: step %d skipped: %s", self.session.run_id, c.step, why
+                )
+            return
+        self.next_step = c.step + 1
 
     def _train_input(self, t: torch.Tensor, kind: str, i: int) -> None:
         """A TRAIN round's ``kind`` of tensor from A for micro-batch ``i``,

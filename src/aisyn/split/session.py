@@ -32,6 +32,7 @@ from aisyn.net import join_host_port
 from aisyn.procs import ChildProcess, child_env
 from aisyn.split import protocol as proto
 from aisyn.split.compute_party import ComputeParty
+from aisyn.split.emulator import DEFAULT_BLOCKS, FRONT_VIA
 from aisyn.split.transport import (
     DATA_PARTY_CONNECT_TIMEOUT_S,
     DATA_PARTY_RECV_TIMEOUT_S,
@@ -70,6 +71,13 @@ class SplitOptions:
     spawn_insecure: bool = False
     connect_timeout_s: float = DATA_PARTY_CONNECT_TIMEOUT_S
     recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S  # None: forever
+    #: "frozen": B runs its blocks forward only and no gradient crosses the
+    #: cut (``split.emulator``); "train": B's blocks train too
+    backbone: str = "train"
+    #: with a frozen backbone, how A's front blocks learn: through a local
+    #: ``emulator`` of B's middle, or not at all (``frozen``)
+    front_via: str = "emulator"
+    emulator_blocks: int = DEFAULT_BLOCKS  # of B's middle blocks in the emulator
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,6 +88,21 @@ class SplitOptions:
             raise ValueError("--mode grpc needs --peer HOST:PORT or --spawn-backbone")
         if self.mode == "local" and (self.peer is not None or self.spawn_backbone):
             raise ValueError("--peer/--spawn-backbone need --mode grpc")
+        if self.backbone not in proto.BACKBONES:
+            raise ValueError(
+                f"--backbone {self.backbone!r}: use one of {list(proto.BACKBONES)}"
+            )
+        if self.front_via not in FRONT_VIA:
+            raise ValueError(
+                f"--front-via {self.front_via!r}: use one of {list(FRONT_VIA)}"
+            )
+        if self.emulator_blocks < 0:
+            raise ValueError(f"--emulator-blocks {self.emulator_blocks}: must be >= 0")
+
+    @property
+    def frozen(self) -> bool:
+        """No gradient crosses the cut (B's blocks frozen for the run)."""
+        return self.backbone == "frozen"
 
     def record(self) -> dict:
         d = asdict(self)

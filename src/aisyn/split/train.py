@@ -40,6 +40,7 @@ from aisyn.split.data_ranks import (
     start_words,
 )
 from aisyn.split.defence import calibrated_defence, recorded_defence
+from aisyn.split.emulator import Emulator
 from aisyn.split.executor import SplitExecutor
 from aisyn.split.party import (
     PartyState,
@@ -132,8 +133,10 @@ def split_train(
     check_pipeline(opts.window, cfg)
     method, compute_method = method or Method(), compute_method or Method()
     lora = method.name == "lora" or compute_method.name == "lora"
-    if lora and resume and init_from is None and (Path(out) / "config.json").is_file():
-        init_from = RunDir(out).read_config().get("init_from")  # LoRA's base
+    recorded = resume and (Path(out) / "config.json").is_file()
+    if (lora or opts.frozen) and recorded and init_from is None:
+        # LoRA's base, or the frozen backbone's (A's emulator reads it)
+        init_from = RunDir(out).read_config().get("init_from")
     if lora and init_from is None:
         raise ValueError(
             "LoRA trains adapters on a base model: give --init-from BASE (or "
@@ -146,6 +149,8 @@ def split_train(
         )
     if ranks is not None and (why := ranks.problem_with(cfg.micro, method)):
         raise ValueError(why)
+    if opts.frozen:
+        check_frozen_backbone(opts, init_from, compute_method, defence, ranks, resume)
     objective = (SFTObjective if sft else LMObjective)(data_dirs, cfg)
     tok = objective.tokenizer
     mcfg = model_config_for(model_config, tok, objective.seq_len, data_dirs)
@@ -232,6 +237,13 @@ def split_train(
                 "resume it with the same defence flags (its privacy budget "
                 "is accounted over the whole run)"
             )
+        was_split = old.get("split", {})
+        for key, flag in FROZEN_FLAGS.items():
+            was = was_split.get(key, SplitOptions.__dataclass_fields__[key].default)
+            if was != getattr(opts, key):
+                raise ValueError(
+                    f"{run.path}: trained with {flag} {was}; resume it with that"
+                )
         if run_methods(old) != (method, compute_method):
             raise ValueError(
                 f"{run.path}: trained with method {run_methods(old)[0].name} / "
@@ -297,8 +309,20 @@ def split_train(
             a_steps=a_steps,
             codec=opts.codec,
             init=base.fingerprint if base else None,
+            backbone=opts.backbone,
         )
         b_init = base.checkpoint if base else None
+        emulator = None
+        if opts.frozen and opts.front_via == "emulator":
+            assert base is not None  # check_frozen_backbone
+            emulator = Emulator.from_base(
+                str(base.checkpoint), mcfg, partition, opts.emulator_blocks, device
+            )
+            log.info(
+                "frozen backbone: the front learns through an emulator of B's "
+                "blocks %s (split/emulator.py)",
+                emulator.indices,
+            )
         session = contextlib.ExitStack()
         opened = session.enter_context(
             open_session(run, mcfg, partition, hello, opts, cfg.device, b_init)
@@ -323,6 +347,7 @@ def split_train(
             # knows it could subtract the noise, or rebuild A's init).
             dp.CutGuard(defence, cfg.seed) if defence.active else None,
             ranks,
+            emulator,
         )
 
 
@@ -378,6 +403,49 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+#: the options of a frozen backbone a resumed run must keep (key -> flag)
+FROZEN_FLAGS = {
+    "backbone": "--backbone",
+    "front_via": "--front-via",
+    "emulator_blocks": "--emulator-blocks",
+}
+
+
+def check_frozen_backbone(
+    opts: SplitOptions,
+    init_from: str | Path | None,
+    compute_method: Method,
+    defence: object,
+    ranks: DataRanks | None,
+    resume: bool,
+) -> None:
+    """Refuse, in one line, what cannot go with ``--backbone frozen``."""
+    if init_from is None and not resume:
+        raise ValueError(
+            "--backbone frozen runs the compute party's blocks as a base model has "
+            "them: give --init-from BASE (or --model hf:DIR); both parties start "
+            "from it"
+        )
+    if compute_method.name == "lora":
+        raise ValueError(
+            "--backbone frozen: the compute party trains nothing, so "
+            "--compute-method lora has nothing to adapt; leave it out"
+        )
+    if isinstance(defence, dp.Recommended) or (
+        isinstance(defence, dp.CutDefence) and defence.backward is not None
+    ):
+        raise ValueError(
+            "--backbone frozen: no gradient crosses the cut, so there is none to "
+            "clip or noise; leave out --dp-backward-* and --defence recommended "
+            "(--dp-forward-* still apply)"
+        )
+    if ranks is not None:
+        raise ValueError(
+            "--backbone frozen runs with a data party of one process (this one "
+            "runs over ranks)"
+        )
+
+
 def check_pipeline(window: int, cfg: TrainConfig) -> None:
     """Refuse ``--pipeline`` where a step has one micro-batch: there would be
     nothing to overlap, and the run would silently be lockstep."""
@@ -411,10 +479,17 @@ def _train_loop(
     tensorboard: bool = False,
     guard: dp.CutGuard | None = None,
     ranks: DataRanks | None = None,
+    emulator: Emulator | None = None,
 ) -> dict:
     kw = dict(eod_id=objective.eod_id, window=opts.window, guard=guard)
     if ranks is None:
-        session = DataSession(state, opened.link, **kw)
+        session = DataSession(
+            state,
+            opened.link,
+            **kw,
+            frozen_backbone=opts.frozen,
+            emulator=emulator,
+        )
         executor = SplitExecutor(session, run.read_config()["run_id"], objective, base)
     else:
         session = RankedDataSession(state, opened.link, ranks, **kw)
