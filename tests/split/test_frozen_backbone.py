@@ -275,3 +275,72 @@ def test_over_grpc_a_compute_party_runs_it_as_in_process_and_one_without_a_base_
     with start_server(split_config, tmp_path / "b2", settings) as s:
         with pytest.raises(HandshakeError, match="frozen backbone runs the base"):
             run(s, "refused")
+
+
+def first_activations(monkeypatch, run) -> torch.Tensor:
+    """The first activations A sends B in ``run()``."""
+    seen: list[torch.Tensor] = []
+    send = memory_link.MemoryLink.send
+
+    def spy(self, tag, t, **kw):
+        if self._name == "memory[A]" and tag == "act" and not seen:
+            seen.append(t.detach().clone())
+        return send(self, tag, t, **kw)
+
+    monkeypatch.setattr(memory_link.MemoryLink, "send", spy)
+    run()
+    monkeypatch.undo()
+    return seen[0]
+
+
+@pytest.mark.parametrize("backbone", ["frozen", "train"])
+def test_a_private_warm_up_moves_the_front_before_anything_crosses(
+    tmp_path, monkeypatch, news_data, split_config, base, backbone
+):
+    """The first activations B sees are no longer the base's on A's text, the
+    run starts lower, and none of A's weights is on B's side."""
+    opts = dict(cut=CUT, mode="local", backbone=backbone)
+
+    def run(name, warmup):
+        return lambda: split_train(
+            split_config, [news_data], tmp_path / name, train_cfg(steps=2),
+            SplitOptions(**opts, private_warmup=warmup), init_from=base,
+            progress=False,
+        )  # fmt: skip
+
+    cold = first_activations(monkeypatch, run("cold", 0))
+    warm = first_activations(monkeypatch, run("warm", 30))
+    assert not torch.allclose(cold, warm, atol=1e-3)
+    record = json.loads((tmp_path / "warm" / "warmup.json").read_text())
+    assert record["steps"] == 30 and record["loss_last"] < record["loss_first"]
+    assert losses(tmp_path / "warm")[0] < losses(tmp_path / "cold")[0]
+    a = ckpt.read_tensors(
+        ckpt.latest(tmp_path / "warm" / "checkpoints") / ckpt.MODEL_FILE
+    )
+    for f in (tmp_path / "warm" / COMPUTE_DIR).rglob("*.safetensors"):
+        b = ckpt.read_tensors(f)
+        assert not set(a) & set(b), f
+        assert not any(
+            t.shape == u.shape and torch.equal(t, u)
+            for t in b.values()
+            for u in a.values()
+        )
+
+
+def test_a_warm_up_is_refused_where_it_cannot_run(
+    tmp_path, news_data, split_config, base
+):
+    for kw, match in [
+        (dict(init_from=None), "--private-warmup trains through an emulator"),
+        (
+            dict(init_from=base, method=Method("lora")),
+            "with --method lora leave it out",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            split_train(
+                split_config, [news_data], tmp_path / "run", train_cfg(steps=1),
+                SplitOptions(cut=CUT, mode="local", private_warmup=3), progress=False,
+                **kw,
+            )  # fmt: skip
+        assert not (tmp_path / "run").exists()

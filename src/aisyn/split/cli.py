@@ -312,6 +312,7 @@ def _train_rank0(args, ranks) -> None:
         backbone=args.backbone,
         front_via=args.front_via,
         emulator_blocks=args.emulator_blocks,
+        private_warmup=args.private_warmup,
     )
     summary = split_train(
         args.model,
@@ -795,6 +796,14 @@ def _add_train(ssub: argparse._SubParsersAction) -> None:
             DEFAULT_EMULATOR_BLOCKS,
             "of B's blocks in A's emulator, uniformly spaced (0: pass the "
             "gradient straight through)",
+        ),
+        (
+            "--private-warmup",
+            nonneg_int,
+            0,
+            "train A's blocks and head alone on its own data for this many steps, "
+            "through the emulator, before any activation leaves A: the front B "
+            "then sees has drifted from the public base (needs --init-from)",
         ),
         *LORA_FLAGS,
         (

@@ -99,7 +99,13 @@ class SplitExecutor(Executor):
             keep=keep,
         )
 
+    #: A's weights are in place from a private warm-up (``split.warmup``): a
+    #: fresh start keeps them instead of the base's
+    warmed = False
+
     def load(self, folder: Path | None) -> dict | None:
+        if folder is None and self.warmed:
+            return None
         return place_weights(self.state, self.base, folder, fresh_train=True)
 
     # --- the privacy budget of a cut defence -----------------------------------

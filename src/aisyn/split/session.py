@@ -78,6 +78,9 @@ class SplitOptions:
     #: ``emulator`` of B's middle, or not at all (``frozen``)
     front_via: str = "emulator"
     emulator_blocks: int = DEFAULT_BLOCKS  # of B's middle blocks in the emulator
+    #: steps A trains alone on its data, through the emulator, before any
+    #: activation leaves it (``split.warmup``)
+    private_warmup: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -96,6 +99,8 @@ class SplitOptions:
             raise ValueError(
                 f"--front-via {self.front_via!r}: use one of {list(FRONT_VIA)}"
             )
+        if self.private_warmup < 0:
+            raise ValueError(f"--private-warmup {self.private_warmup}: must be >= 0")
         if self.emulator_blocks < 0:
             raise ValueError(f"--emulator-blocks {self.emulator_blocks}: must be >= 0")
 

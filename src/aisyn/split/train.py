@@ -46,9 +46,11 @@ from aisyn.split.party import (
     PartyState,
     compute_lora_hello,
     open_base,
+    place_weights,
     run_methods,
 )
 from aisyn.split.session import SPAWN_DIR, SplitOptions, open_session
+from aisyn.split.warmup import private_warmup
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import autocast_on, resolve_device
@@ -134,7 +136,8 @@ def split_train(
     method, compute_method = method or Method(), compute_method or Method()
     lora = method.name == "lora" or compute_method.name == "lora"
     recorded = resume and (Path(out) / "config.json").is_file()
-    if (lora or opts.frozen) and recorded and init_from is None:
+    needs_base = lora or opts.frozen or opts.private_warmup
+    if needs_base and recorded and init_from is None:
         # LoRA's base, or the frozen backbone's (A's emulator reads it)
         init_from = RunDir(out).read_config().get("init_from")
     if lora and init_from is None:
@@ -151,6 +154,8 @@ def split_train(
         raise ValueError(why)
     if opts.frozen:
         check_frozen_backbone(opts, init_from, compute_method, defence, ranks, resume)
+    if opts.private_warmup:
+        check_warmup(opts, init_from, method, ranks, resume)
     objective = (SFTObjective if sft else LMObjective)(data_dirs, cfg)
     tok = objective.tokenizer
     mcfg = model_config_for(model_config, tok, objective.seq_len, data_dirs)
@@ -292,6 +297,28 @@ def split_train(
                 init_from=str(base.checkpoint) if base else None,
             )
         objective.start(device)
+        emulator = None
+        if (opts.frozen and opts.front_via == "emulator") or opts.private_warmup:
+            assert base is not None  # check_frozen_backbone, check_warmup
+            emulator = Emulator.from_base(
+                str(base.checkpoint), mcfg, partition, opts.emulator_blocks, device
+            )
+            log.info(
+                "an emulator of B's blocks %s stands in for them at this party "
+                "(split/emulator.py)",
+                emulator.indices,
+            )
+        warmed = opts.private_warmup > 0 and not a_steps
+        if warmed:
+            # Before B is even dialled: the front it will see has drifted.
+            place_weights(state, base, None, fresh_train=True)
+            record = private_warmup(
+                state,
+                emulator,
+                lambda c: (SFTObjective if sft else LMObjective)(data_dirs, c),
+                opts.private_warmup,
+            )
+            write_json_atomic(run.path / "warmup.json", record)
         hello = proto.hello(
             purpose="train",
             run_id=run_id,
@@ -312,17 +339,6 @@ def split_train(
             backbone=opts.backbone,
         )
         b_init = base.checkpoint if base else None
-        emulator = None
-        if opts.frozen and opts.front_via == "emulator":
-            assert base is not None  # check_frozen_backbone
-            emulator = Emulator.from_base(
-                str(base.checkpoint), mcfg, partition, opts.emulator_blocks, device
-            )
-            log.info(
-                "frozen backbone: the front learns through an emulator of B's "
-                "blocks %s (split/emulator.py)",
-                emulator.indices,
-            )
         session = contextlib.ExitStack()
         opened = session.enter_context(
             open_session(run, mcfg, partition, hello, opts, cfg.device, b_init)
@@ -347,7 +363,8 @@ def split_train(
             # knows it could subtract the noise, or rebuild A's init).
             dp.CutGuard(defence, cfg.seed) if defence.active else None,
             ranks,
-            emulator,
+            emulator if opts.frozen and opts.front_via == "emulator" else None,
+            warmed,
         )
 
 
@@ -446,6 +463,31 @@ def check_frozen_backbone(
         )
 
 
+def check_warmup(
+    opts: SplitOptions,
+    init_from: str | Path | None,
+    method: Method,
+    ranks: DataRanks | None,
+    resume: bool,
+) -> None:
+    """Refuse, in one line, what cannot go with ``--private-warmup``."""
+    if init_from is None and not resume:
+        raise ValueError(
+            "--private-warmup trains through an emulator of B's blocks built from "
+            "the public base: give --init-from BASE (or --model hf:DIR)"
+        )
+    if method.name == "lora":
+        raise ValueError(
+            "--private-warmup trains this party's blocks themselves; with "
+            "--method lora leave it out"
+        )
+    if ranks is not None:
+        raise ValueError(
+            "--private-warmup runs on a data party of one process (this one runs "
+            "over ranks)"
+        )
+
+
 def check_pipeline(window: int, cfg: TrainConfig) -> None:
     """Refuse ``--pipeline`` where a step has one micro-batch: there would be
     nothing to overlap, and the run would silently be lockstep."""
@@ -480,6 +522,7 @@ def _train_loop(
     guard: dp.CutGuard | None = None,
     ranks: DataRanks | None = None,
     emulator: Emulator | None = None,
+    warmed: bool = False,
 ) -> dict:
     kw = dict(eod_id=objective.eod_id, window=opts.window, guard=guard)
     if ranks is None:
@@ -496,6 +539,8 @@ def _train_loop(
         executor = RankedSplitExecutor(
             session, run.read_config()["run_id"], objective, base
         )
+    # A's weights came from a private warm-up: a fresh start keeps them
+    executor.warmed = warmed
     regime = Regime(objective, executor, cfg, run)
     engine = Engine.for_config(
         run,
