@@ -24,6 +24,7 @@ def cmd_audit(args) -> None:
 
     if args.preset:
         from aisyn.privacy.presets import run_preset
+        from aisyn.privacy.yardstick import summary_line
 
         # The preset brings its own base, data, cuts and sizes: a flag it would
         # silently ignore is refused instead.
@@ -42,6 +43,10 @@ def cmd_audit(args) -> None:
             f"the undefended audit of every cut: {Path(args.out) / 'cuts' / 'audit.md'}"
         )
         print(f"done in {report['elapsed_s']:.0f} s")
+        if report["default"] is None:
+            print("default defence: not among the preset's configurations")
+        else:  # the last line: scripts read it
+            print(summary_line(report["default"]))
         return
     missing = [f for f in ("base", "data", "public") if getattr(args, f) is None]
     if missing:

@@ -25,20 +25,34 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from aisyn.data.sft import SFTData
 from aisyn.data.shards import TokenShards
 from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.eval.cloze import encode_items
+from aisyn.model.families import preset_fields
 from aisyn.privacy.audit import AuditSettings, audit
-from aisyn.privacy.frontier import Point, frontier, recommended
-from aisyn.testbed.inputs import cached_base, cached_shards
+from aisyn.privacy.yardstick import (
+    UNDEFENDED,
+    Config,
+    Inputs,
+    best_trade,
+    is_default,
+    measure,
+    score,
+    summarise,
+    write,
+)
+from aisyn.split.calibration import calibrate
+from aisyn.split.cut_dp import RECOMMENDED
+from aisyn.testbed.inputs import cached_base, cached_sft, cached_shards
 from aisyn.testbed.presets import get_preset
 from aisyn.train.config import TrainConfig
 from aisyn.train.models import load_run_model
-from aisyn.train.objective import evaluate_loss
 from aisyn.validate import MAX_SEED
 
 log = logging.getLogger(__name__)
@@ -49,21 +63,29 @@ MAX_LOSS_COST = 0.05  # nats, after the same number of steps
 
 @dataclass(frozen=True)
 class AuditPreset:
-    experiments: str  # the comparison preset whose base and data are used
+    experiments: str  # the comparison preset whose data (and sizes) are used
     samples: int  # rows of A's test text attacked
     public_samples: int  # public rows B fits decoders on (and clips calibrate on)
     attack_steps: int  # optimisation steps of each white-box attack
-    train_steps: int  # steps of each frontier run
+    train_steps: int  # steps of each split fine-tuning run
     batch_size: int
     lr: float
     warmup: int
-    eval_batches: int  # test batches scored per frontier run
+    eval_batches: int  # test batches scored per run
     cuts: tuple[str, ...]  # the undefended audit's cuts
-    points: tuple[Point, ...] = field(default_factory=tuple)
+    cut: str  # where every configuration's run cuts
+    configs: tuple[Config, ...]
+    seeds: tuple[int, ...]  # of the default's, the undefended and the candidate's
+    #: the configuration proposed as the default, run over every seed too
+    candidate: str | None = None
+    model: str | None = None  # a model size instead of the comparison's
+    pretrain_steps: int | None = None  # of the public-only base
+    seq_len: int | None = None  # instead of the comparison's
+    cloze_items: int | None = None  # A's cloze test items scored (None: all)
 
 
-def _gaussian(forward: float, backward: float, cut: str = "u:1,1") -> Point:
-    return Point("gaussian", cut=cut, forward=forward, backward=backward)
+def _noise(name: str, forward: float, backward: float, **kw) -> Config:
+    return Config(name, forward=forward, backward=backward, **kw)
 
 
 AUDIT_PRESETS = {
@@ -79,45 +101,64 @@ AUDIT_PRESETS = {
         eval_batches=2,
         # the ci model has two ordinary blocks: cuts keep B one of them
         cuts=("u:0,0", "u:1,0"),
-        points=(
-            Point("none", cut="u:0,1"),
-            _gaussian(0.1, 0.1, cut="u:0,1"),
-            Point("embedding-dp", cut="u:0,1", embedding_eps=5.0),
-            Point("blocks", cut="u:1,0"),
+        cut="u:1,0",
+        configs=(
+            UNDEFENDED,
+            _noise("noise", RECOMMENDED.forward, RECOMMENDED.backward),
+            Config("frozen backbone", backbone="frozen"),
+            Config("frozen + warm-up", backbone="frozen", private_warmup=3),
         ),
+        seeds=(0, 1),
+        candidate="frozen + warm-up",
+        cloze_items=16,
     ),
     "full": AuditPreset(
         experiments="full",
         samples=8,
         public_samples=256,
         attack_steps=100,
-        train_steps=300,
-        batch_size=16,
+        train_steps=1000,
+        batch_size=8,
         lr=3e-4,
         warmup=30,
         eval_batches=20,
-        # u:1,1 with B knowing the base is in the frontier ("none"); the cut
-        # audit adds no block on A, and B knowing nothing
+        # u:1,1 with B knowing the base is in the table ("undefended"); the
+        # cut audit adds no block on A, and B knowing nothing
         cuts=("u:0,0", "u:1,1"),
-        # Forward noise costs little because A puts its own residual stream
-        # back into B's answer (split.data_party): it degrades only what B's
-        # blocks add, and only while the noise is on.
-        points=(
-            Point("none"),
-            _gaussian(0, 0.1),
-            _gaussian(0, 0.3),
-            _gaussian(0.1, 0.1),
-            _gaussian(0.1, 0.3),
-            _gaussian(0.3, 0.3),
-            _gaussian(1, 1),
-            Point("blocks", cut="u:2,0"),
-            Point("embedding-dp", embedding_eps=5.0),
+        cut="u:1,1",
+        # the reference and the candidate first (the table is written after
+        # each configuration), then each mechanism alone and combined
+        configs=(
+            UNDEFENDED,
+            Config("frozen + warm-up", backbone="frozen", private_warmup=200),
+            Config("frozen backbone", backbone="frozen"),
+            Config(
+                "frozen backbone, front frozen", backbone="frozen", front_via="frozen"
+            ),
+            Config("warm-up", private_warmup=200),
+            _noise("noise (recommended σ)", RECOMMENDED.forward, RECOMMENDED.backward),
+            _noise(
+                "frozen + warm-up + forward noise",
+                0.1,
+                0.0,
+                backbone="frozen",
+                private_warmup=200,
+            ),
         ),
+        seeds=(0, 1),
+        candidate="frozen + warm-up",
+        model="small",
+        seq_len=64,
+        pretrain_steps=1500,
+        cloze_items=256,
     ),
 }
 
 
 def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
+    """The yardstick (``privacy.yardstick``) of every configuration of the
+    preset, on a base pretrained on public text only, then the undefended
+    audit of every cut on that base."""
     if name not in AUDIT_PRESETS:
         raise ValueError(
             f"unknown preset {name!r}; expected one of {list(AUDIT_PRESETS)}"
@@ -127,11 +168,16 @@ def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty; choose another --out")
     t0 = time.perf_counter()
-    experiments = get_preset(p.experiments)
+    experiments = get_preset(p.experiments).with_overrides(
+        model=preset_fields(p.model) if p.model else None,
+        pretrain_steps=p.pretrain_steps,
+        seq_len=p.seq_len,
+    )
     tok = PanguTokenizer.load()
     news = cached_shards("news", tok, experiments)
     reviews = cached_shards("reviews", tok, experiments)
-    base = cached_base(experiments, [news, reviews], tok, "cpu")
+    # The base never sees A's domain: what fine-tuning gains is then real.
+    base = cached_base(experiments, [reviews], tok, "cpu")
     g = torch.Generator().manual_seed(seed)
     private = TokenShards.open(news, "test", tokenizer_sha256=tok.sha256)
     public = TokenShards.open(reviews, "train", tokenizer_sha256=tok.sha256)
@@ -145,52 +191,69 @@ def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
         lr=p.lr,
         warmup_steps=p.warmup,
         log_every=max(1, p.train_steps // 20),
-        seed=(seed + 1) % (MAX_SEED + 1),  # another stream; --seed MAX_SEED too
         device="cpu",
     )
-    results = frontier(
-        list(p.points),
+    base_model, _ = load_run_model(base)
+    base_model.eval().requires_grad_(False)
+    items = SFTData.open(cached_sft("news", tok, experiments), "train").test_items()
+    inputs = Inputs(
+        mcfg=base_model.config,
         base=base,
         data=news,
-        public_rows=public_rows,
+        cloze=encode_items(
+            items[: p.cloze_items], tok, base_model.config.seq_len, "lm"
+        ),
+        pad_id=tok.pad_id,
         rows=rows,
-        out=out / "runs",
-        cfg=cfg,
+        public_rows=public_rows,
+        cut=p.cut,
         eval_batches=p.eval_batches,
         attack_steps=p.attack_steps,
     )
-    choice = recommended(results, max_recovery=MAX_RECOVERY, max_cost=MAX_LOSS_COST)
-    # What the base itself scores: how much of fine-tuning's gain a defence
-    # leaves (its cost is against the undefended run, not against the base).
-    base_model, _ = load_run_model(base)
-    test = TokenShards.open(news, "test", tokenizer_sha256=tok.sha256)
-    base_loss = evaluate_loss(
-        base_model, test, batch_size=p.batch_size, max_batches=p.eval_batches
-    )
+    clips = calibrate(base_model, public_rows, p.cut, p.batch_size)
+    base_scores = score(base_model, inputs, p.batch_size)
+    # another stream than the data's; --seed MAX_SEED too
+    seeds = [(seed + 1 + s) % (MAX_SEED + 1) for s in p.seeds]
+    results: dict[str, list[dict]] = {}
     report = {
         "preset": name,
         "settings": {
-            **{k: v for k, v in p.__dict__.items() if k != "points"},
-            "points": [pt.label for pt in p.points],
+            **{k: v for k, v in p.__dict__.items() if k != "configs"},
+            "configs": [c.__dict__ for c in p.configs],
         },
         "train": cfg.to_dict(),
-        "base": str(base),
-        "recommended": choice,
-        "base_test_loss": base_loss,
-        "targets": {"max_recovery": MAX_RECOVERY, "max_loss_cost": MAX_LOSS_COST},
-        "frontier": results,
-        "frontier_elapsed_s": time.perf_counter() - t0,
+        "base": base_scores,
+        "base_model": str(base),
+        "seeds": seeds,
+        "runs": results,
     }
-    write_frontier(out, report)  # the frontier stands even if the rest fails
+    for n, c in enumerate(p.configs):
+        every = c == UNDEFENDED or is_default(c) or c.name == p.candidate
+        for s in seeds if every else seeds[:1]:
+            log.info(
+                "configuration %d/%d: %s, seed %d", n + 1, len(p.configs), c.name, s
+            )
+            r = measure(c, s, inputs, clips, cfg, out / "runs" / f"{n:02d}-{s}")
+            results.setdefault(c.name, []).append({"seed": s, **r})
+            log.info("%s", {k: v for k, v in r.items() if k != "attacks"})
+        # the table so far: a long preset's first rows are readable at once
+        rows_out = summarise(results, list(p.configs), base_scores)
+        report.update(
+            rows=rows_out,
+            choice=best_trade(rows_out),
+            default=next((r for r in rows_out if r["default"]), None),
+            frontier_elapsed_s=time.perf_counter() - t0,
+        )
+        write(out, report)
     # The undefended audit of every cut, late = A's weights after the
-    # undefended frontier run.
+    # undefended run of the first seed.
     cuts = audit(
         base,
         news,
         reviews,
         out / "cuts",
         list(p.cuts),
-        trained=out / "runs" / "point-00" / "merged",
+        trained=out / "runs" / f"00-{seeds[0]}" / "merged",
         settings=AuditSettings(
             samples=p.samples,
             public_samples=p.public_samples,
@@ -200,7 +263,7 @@ def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
     )
     report["cuts_elapsed_s"] = cuts["elapsed_s"]
     report["elapsed_s"] = time.perf_counter() - t0
-    write_frontier(out, report)
+    write(out, report)
     return report
 
 

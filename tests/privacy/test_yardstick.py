@@ -1,0 +1,147 @@
+"""The yardstick's arithmetic: the share of the gain a defence keeps, VFLAIR's
+DCS, the goal, the choice of the best trade, the summary line scripts read,
+and which configuration is ``aisyn split train``'s default."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from aisyn.privacy.yardstick import (
+    UNDEFENDED,
+    Config,
+    best_trade,
+    dcs,
+    is_default,
+    kept,
+    meets_goal,
+    summarise,
+    summary_line,
+    worst,
+)
+from aisyn.split.session import SplitOptions
+
+LINE = re.compile(
+    r"default defence: attacks max \d+\.\d % \(guess \d+\.\d %\), inverter \d+\.\d %, "
+    r"gain kept \d+ % \(loss\) / \d+ % \(cloze\), step x\d\.\d\d"
+)
+
+
+def test_kept_is_the_share_of_the_undefended_gain_either_way_round():
+    assert kept(5.0, 4.5, 4.0, higher_better=False) == pytest.approx(0.5)
+    assert kept(0.2, 0.5, 0.6, higher_better=True) == pytest.approx(0.75)
+    assert kept(5.0, 5.2, 4.0, higher_better=False) == pytest.approx(-0.2)
+    assert kept(5.0, 4.0, 5.0, higher_better=False) is None  # nothing to keep
+
+
+def test_dcs_is_one_at_the_ideal_and_falls_with_distance():
+    assert dcs(0.0, 0.6, 0.6) == 1.0
+    assert dcs(0.5, 0.6, 0.6) == pytest.approx(1 / (1 + (0.5 * 0.25) ** 0.5))
+    assert dcs(0.9, 0.6, 0.6) < dcs(0.1, 0.6, 0.6) < dcs(0.1, 0.6, 0.6 + 1e-9) + 1e-6
+
+
+def attacks(fwd: float, bwd: float | None, inverter: float | None = None):
+    rows = [
+        {
+            "direction": "forward",
+            "frequent_token": 0.1,
+            "recovery_learned": fwd,
+            **({} if inverter is None else {"recovery_sequence inverter": inverter}),
+        },
+        {"direction": "backward", "frequent_token": 0.12, "recovery_learned": bwd},
+    ]
+    return rows
+
+
+def test_worst_splits_the_trained_inverters_from_the_rest_and_skips_nothing_crossed():
+    assert worst(attacks(0.3, 0.9, 0.5), trained=False) == (0.9, 0.12)
+    assert worst(attacks(0.3, 0.9, 0.5), trained=True) == (0.5, 0.12)
+    assert worst(attacks(0.3, None), trained=False) == (0.3, 0.12)
+    assert worst(attacks(0.3, None), trained=True) == (None, 0.12)
+
+
+def run(seed, loss, cloze, fwd, bwd, inverter, step):
+    return {
+        "seed": seed,
+        "loss": loss,
+        "cloze": cloze,
+        "attacks": attacks(fwd, bwd, inverter),
+        "step_time_s": step,
+        "dp_epsilon": None,
+        "bytes_per_step": 1,
+    }
+
+
+def test_summarise_keeps_per_seed_against_the_same_seeds_undefended_run():
+    frozen = Config("frozen", backbone="frozen")
+    results = {
+        UNDEFENDED.name: [
+            run(1, 4.0, 0.6, 0.7, 0.96, 0.9, 1.0),
+            run(2, 4.2, 0.5, 0.7, 0.96, 0.9, 1.0),
+        ],
+        frozen.name: [
+            run(1, 4.2, 0.5, 0.11, None, 0.14, 1.1),
+            run(2, 4.4, 0.45, 0.13, None, 0.16, 1.1),
+        ],
+    }
+    base = {"loss": 5.0, "cloze": 0.2}
+    rows = {r["config"]: r for r in summarise(results, [UNDEFENDED, frozen], base)}
+    f = rows["frozen"]
+    # seed 1: 0.8/1.0 of the loss gain, 0.3/0.4 of the cloze gain;
+    # seed 2: 0.6/0.8 and 0.25/0.3
+    assert f["kept_loss"] == pytest.approx((0.8 + 0.75) / 2)
+    assert f["kept_cloze"] == pytest.approx((0.75 + 0.25 / 0.3) / 2)
+    assert f["kept_loss_spread"] == pytest.approx(0.05)
+    assert f["attack"] == pytest.approx(0.12) and f["inverter"] == pytest.approx(0.15)
+    assert f["step_ratio"] == pytest.approx(1.1)
+    assert f["meets_goal"]  # 12 % <= 12 + 2, 15 % <= 12 + 5, kept >= 70 %
+    assert not rows["undefended"]["meets_goal"]
+    assert best_trade(list(rows.values()))["config"] == "frozen"
+    line = summary_line(f)
+    assert LINE.fullmatch(line), line
+    assert line == (
+        "default defence: attacks max 12.0 % (guess 12.0 %), inverter 15.0 %, "
+        "gain kept 77 % (loss) / 79 % (cloze), step x1.10"
+    )
+
+
+def test_the_goal_fails_on_each_of_its_terms():
+    ok = dict(
+        attack=0.13,
+        guess=0.12,
+        inverter=0.16,
+        kept_loss=0.8,
+        kept_cloze=0.9,
+        step_ratio=1.1,
+    )
+    assert meets_goal(ok)
+    for key, bad in [
+        ("attack", 0.15),
+        ("inverter", 0.18),
+        ("kept_loss", 0.69),
+        ("kept_cloze", None),
+        ("step_ratio", 1.25),
+    ]:
+        assert not meets_goal({**ok, key: bad}), key
+
+
+def test_with_none_passing_the_best_trade_is_the_highest_dcs():
+    rows = [
+        {"config": "a", "meets_goal": False, "dcs": 0.6},
+        {"config": "b", "meets_goal": False, "dcs": 0.8},
+    ]
+    assert best_trade(rows)["config"] == "b"
+
+
+def test_the_default_is_what_split_train_runs_without_flags():
+    assert is_default(Config("x", **{
+        k: getattr(SplitOptions(), k)
+        for k in ("backbone", "front_via", "emulator_blocks", "private_warmup")
+    }))  # fmt: skip
+    assert not is_default(Config("y", forward=0.1))
+    assert Config("r", forward=0.1, backward=0.3).flags == "--defence recommended"
+    assert Config("w", backbone="frozen", private_warmup=5).flags == (
+        "--backbone frozen --private-warmup 5"
+    )
+    assert UNDEFENDED.flags == "--defence none"
