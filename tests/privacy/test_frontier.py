@@ -94,12 +94,24 @@ def test_audit_without_a_preset_or_inputs_says_what_is_missing(tmp_path, capsys)
 
 
 @pytest.mark.slow
-def test_ci_preset_measures_every_piece(tmp_path):
+def test_ci_preset_measures_every_piece(tmp_path, capsys):
+    """Every piece, ending with the summary line scripts read; --resume then
+    reuses every trained run and ends with the same line."""
+    from test_yardstick import LINE
+
     out = tmp_path / "audit"
-    assert main(["privacy", "audit", "--preset", "ci", "--out", str(out)]) in (0, None)
+    argv = ["privacy", "audit", "--preset", "ci", "--out", str(out)]
+    assert main(argv) in (0, None)
     for name in ("frontier.md", "frontier.csv", "frontier.json", "frontier.png"):
         assert (out / name).is_file(), name
     assert (out / "cuts" / "audit.md").is_file()
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert LINE.fullmatch(last), last
+    report = json.loads((out / "frontier.json").read_text())
+    assert report["base"]["loss"] > report["rows"][0]["loss"]  # fine-tuning gains
+    assert main([*argv, "--resume"]) in (0, None)
+    kept = json.loads((out / "frontier.json").read_text())["rows"][0]["kept_loss"]
+    assert kept == report["rows"][0]["kept_loss"]
 
 
 def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):

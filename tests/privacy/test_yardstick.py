@@ -145,3 +145,62 @@ def test_the_default_is_what_split_train_runs_without_flags():
         "--backbone frozen --private-warmup 5"
     )
     assert UNDEFENDED.flags == "--defence none"
+
+
+def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_run(
+    tmp_path, base, news_data, reviews_data, tokenizer
+):
+    """Real split runs of two configurations on the tiny base: scores on A's
+    domain, the attacks (a frozen backbone's backward ones with nothing to
+    read, a warmed-up run attacked only late), and a second call reusing the
+    trained run (only the attacks run again)."""
+    import torch
+
+    from aisyn.data.cloze import ClozeItem
+    from aisyn.data.shards import TokenShards
+    from aisyn.eval.cloze import encode_items
+    from aisyn.privacy.yardstick import Inputs, measure
+    from aisyn.split.calibration import calibrate
+    from aisyn.train.config import TrainConfig
+    from aisyn.train.models import load_run_model
+
+    base_model, _ = load_run_model(base)
+    rows = TokenShards.open(news_data, "test").batch(torch.arange(2))
+    public = TokenShards.open(reviews_data, "train").batch(torch.arange(16))
+    items = [ClozeItem("今天的新闻", "。", ("很好", "不好"), "很好")] * 4
+    inputs = Inputs(
+        mcfg=base_model.config,
+        base=base,
+        data=news_data,
+        cloze=encode_items(items, tokenizer, 32, "lm"),
+        pad_id=tokenizer.pad_id,
+        rows=rows,
+        public_rows=public,
+        cut="u:1,1",
+        eval_batches=1,
+        attack_steps=2,
+    )
+    clips = calibrate(base_model, public, "u:1,1", 4)
+    cfg = TrainConfig(steps=2, batch_size=4, lr=1e-3, warmup_steps=1, device="cpu")
+    warm = Config("frozen + warm-up", backbone="frozen", private_warmup=2)
+    got = {
+        c.name: measure(c, 7, inputs, clips, cfg, tmp_path / c.name)
+        for c in (UNDEFENDED, warm)
+    }
+    for r in got.values():
+        assert r["loss"] > 0 and 0 <= r["cloze"] <= 1 and r["step_time_s"] > 0
+    undefended = {
+        (a["A_weights"], a["direction"]) for a in got["undefended"]["attacks"]
+    }
+    assert ("base (early)", "backward") in undefended
+    frozen = got["frozen + warm-up"]["attacks"]
+    assert {a["A_weights"] for a in frozen} == {"trained (late)"}
+    back = [a for a in frozen if a["direction"] == "backward"]
+    assert back and all(
+        a["recovery"] is None and a["best_attack"] == "nothing crossed" for a in back
+    )
+    scored = tmp_path / "undefended" / "scores.json"
+    before = scored.stat().st_mtime_ns
+    again = measure(UNDEFENDED, 7, inputs, clips, cfg, tmp_path / "undefended")
+    assert scored.stat().st_mtime_ns == before
+    assert again["loss"] == got["undefended"]["loss"]

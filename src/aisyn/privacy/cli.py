@@ -37,7 +37,7 @@ def cmd_audit(args) -> None:
                 + " (or --preset, to audit your own)"
             )
 
-        report = run_preset(args.preset, args.out, seed=args.seed)
+        report = run_preset(args.preset, args.out, seed=args.seed, resume=args.resume)
         print((Path(args.out) / "frontier.md").read_text())
         print(
             f"the undefended audit of every cut: {Path(args.out) / 'cuts' / 'audit.md'}"
@@ -149,7 +149,7 @@ def register(sub) -> None:
             ["ci", "full"],
             None,
             "measure everything on the comparison's inputs (instead of --base, "
-            "--data, --public): ci in minutes, full about an hour",
+            "--data, --public): ci in minutes, full a few hours on a 2-core CPU",
         ),
         ("--base", None, None, "the public base model (run folder) B knows"),
         ("--data", None, None, "A's private data (prepared shards; test split)"),
@@ -176,6 +176,13 @@ def register(sub) -> None:
             f"optimisation steps per white-box attack (default {AuditSettings.steps})",
         ),
         ("--seed", seed, 0, "seed of the rows and attacks"),
+        (
+            "--resume",
+            "store_true",
+            False,
+            "with --preset: go on in --out, reusing every run already trained "
+            "and scored there (the attacks are run again on each)",
+        ),
     )
     c = add_command(
         psub, "calibrate", cmd_calibrate, "clipping bounds for the cut's DP defence"

@@ -24,6 +24,7 @@ import csv
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,7 +156,9 @@ AUDIT_PRESETS = {
 }
 
 
-def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
+def run_preset(
+    name: str, out: str | Path, *, seed: int = 0, resume: bool = False
+) -> dict:
     """The yardstick (``privacy.yardstick``) of every configuration of the
     preset, on a base pretrained on public text only, then the undefended
     audit of every cut on that base."""
@@ -165,8 +168,12 @@ def run_preset(name: str, out: str | Path, *, seed: int = 0) -> dict:
         )
     p = AUDIT_PRESETS[name]
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out}: exists and is not empty; choose another --out")
+    if out.exists() and any(out.iterdir()) and not resume:
+        raise FileExistsError(
+            f"{out}: exists and is not empty; choose another --out (or --resume)"
+        )
+    if resume and (out / "cuts").exists():
+        shutil.rmtree(out / "cuts")  # the cut audit runs again at the end
     t0 = time.perf_counter()
     experiments = get_preset(p.experiments).with_overrides(
         model=preset_fields(p.model) if p.model else None,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from aisyn.split.train import split_train
 from aisyn.train.config import TrainConfig
 from aisyn.train.models import load_run_model
 from aisyn.train.objective import evaluate_loss
-from aisyn.train.run import read_metrics
+from aisyn.train.run import read_metrics, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -183,21 +184,36 @@ def measure(
     out: Path,
 ) -> dict:
     """One split run of ``config``: its scores, its step time and what B's
-    attacks recover from it."""
+    attacks recover from it. A run already trained and scored in ``out``
+    (``scores.json``) is reused; the attacks always run."""
     point = config.point(inputs.cut)
     defence = defence_for(point, clips)
-    run = out / "run"
-    summary = split_train(
-        inputs.mcfg,
-        [inputs.data],
-        run,
-        TrainConfig(**{**cfg.to_dict(), "seed": seed}),
-        config.options(inputs.cut),
-        init_from=inputs.base,
-        progress=False,
-        defence=defence,
-    )
-    merge(run, run / COMPUTE_DIR, out / "merged")
+    scored = out / "scores.json"
+    if not scored.is_file():  # else trained and scored before (--resume)
+        shutil.rmtree(out, ignore_errors=True)  # an interrupted attempt's
+        run = out / "run"
+        summary = split_train(
+            inputs.mcfg,
+            [inputs.data],
+            run,
+            TrainConfig(**{**cfg.to_dict(), "seed": seed}),
+            config.options(inputs.cut),
+            init_from=inputs.base,
+            progress=False,
+            defence=defence,
+        )
+        merge(run, run / COMPUTE_DIR, out / "merged")
+        model, _ = load_run_model(out / "merged")
+        privacy = summary.get("privacy", {})
+        scores = {
+            **score(model, inputs, cfg.batch_size),
+            "step_time_s": step_time(run),
+            "bytes_per_step": summary["bytes_sent_per_step"]
+            + summary["bytes_received_per_step"],
+            "dp_epsilon": privacy.get("dp_epsilon"),
+        }
+        write_json_atomic(scored, scores)
+    scores = json.loads(scored.read_text())
     model, _ = load_run_model(out / "merged")
     model.eval().requires_grad_(False)
     base_model, _ = load_run_model(inputs.base)
@@ -223,15 +239,7 @@ def measure(
                     if k.startswith("recovery"):
                         a[k] = None
                 a["best_attack"] = "nothing crossed"
-    privacy = summary.get("privacy", {})
-    return {
-        **score(model, inputs, cfg.batch_size),
-        "step_time_s": step_time(run),
-        "bytes_per_step": summary["bytes_sent_per_step"]
-        + summary["bytes_received_per_step"],
-        "dp_epsilon": privacy.get("dp_epsilon"),
-        "attacks": attacks,
-    }
+    return {**scores, "attacks": attacks}
 
 
 def worst(attacks: list[dict], trained: bool) -> tuple[float | None, float]:
