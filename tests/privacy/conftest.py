@@ -49,3 +49,21 @@ def base(tmp_path_factory, news_data, reviews_data):
     )
     train(cfg, [news_data, reviews_data], out, tc, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_inverter():
+    """B's sequence inverter and known-plaintext bound at their smallest: the
+    audit's pieces run, in a second or so."""
+    from aisyn.privacy.inverters import InverterSettings
+
+    return InverterSettings(
+        width=32,
+        layers=1,
+        heads=2,
+        steps=20,
+        lr=3e-3,
+        batch=4,
+        known_pairs=8,
+        known_steps=10,
+    )

@@ -13,7 +13,7 @@ from aisyn.privacy.audit import AuditSettings, audit, recovery_figure
 
 
 def test_an_embedding_only_cut_gives_the_text_away(
-    tmp_path, base, news_data, reviews_data
+    tmp_path, base, news_data, reviews_data, tiny_inverter
 ):
     """With no block before the cut, B knowing the base recovers A's tokens
     from the activations; knowing nothing, it does no better than guessing;
@@ -24,10 +24,14 @@ def test_an_embedding_only_cut_gives_the_text_away(
         reviews_data,
         tmp_path / "out",
         ["u:0,0"],
-        settings=AuditSettings(samples=2, public_samples=32, steps=60),
+        settings=AuditSettings(
+            samples=2, public_samples=32, steps=60, inverter=tiny_inverter
+        ),
     )
     rows = {(r["B_knows"], r["attack"], r["direction"]): r for r in report["rows"]}
-    assert len(report["rows"]) == 7
+    # white-box x B's knowledge x direction, 4 learned forward, 2 backward,
+    # and the known-plaintext bound
+    assert len(report["rows"]) == 11
     known = rows[("base", "white-box", "forward")]
     assert known["recovery"] >= 0.9
     stranger = rows[("nothing", "white-box", "forward")]
@@ -49,7 +53,7 @@ def test_an_embedding_only_cut_gives_the_text_away(
     finally:
         plt.close(fig)
     table = list(csv.DictReader((tmp_path / "out" / "audit.csv").open()))
-    assert len(table) == 7 and table[0]["cut"] == "u:0,0"
+    assert len(table) == 11 and table[0]["cut"] == "u:0,0"
     assert json.loads((tmp_path / "out" / "audit.json").read_text())["rows"]
 
 

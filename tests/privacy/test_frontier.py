@@ -17,7 +17,7 @@ from aisyn.train.config import TrainConfig
 
 
 def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
-    tmp_path, base, news_data, reviews_data
+    tmp_path, base, news_data, reviews_data, tiny_inverter
 ):
     # Prepare: B's public rows and A's private rows
     public = TokenShards.open(reviews_data, "train").batch(torch.arange(32))
@@ -36,6 +36,8 @@ def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
         cfg=cfg,
         eval_batches=2,
         attack_steps=20,
+        inverter=tiny_inverter,
+        known_rows=TokenShards.open(news_data, "train").batch(torch.arange(8)),
     )
     # Assert: one row per point x A's weights x direction
     got = {(r["family"], r["A_weights"], r["direction"]): r for r in results}

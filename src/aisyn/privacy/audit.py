@@ -6,10 +6,13 @@ For each cut, A's model (the base, or a run fine-tuned from it: "early" and
 rows of A's private data: the front cut's activations, B's output and the
 gradient A returns for it. B then attacks with the weights it knows — the
 public base's ("base known") or, for comparison, another model of the same
-shape ("base unknown") — using each attack of ``attacks.py``. Recovery is the
-share of positions whose token (forward: A's input; backward: A's label, the
-next token) is guessed exactly, beside what always guessing the most frequent
-token gets.
+shape ("base unknown") — using each attack of ``attacks.py`` and the trained
+ones of ``inverters.py`` (a sequence inverter, its known-plaintext bound
+fitted further on rows of A's *train* split, and similarity inference).
+Recovery is the share of positions whose token (forward: A's input;
+backward: A's label, the next token) is guessed exactly, beside what always
+guessing the most frequent token gets; None where nothing crossed in that
+direction.
 
 Writes ``audit.md``, ``audit.csv``, ``audit.json`` and ``recovery.png``
 (recovery against the blocks A keeps on that side of B) to ``--out``.
@@ -21,7 +24,7 @@ import csv
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -38,6 +41,12 @@ from aisyn.privacy.attacks import (
     invert_activations,
     recovery,
 )
+from aisyn.privacy.inverters import (
+    InverterSettings,
+    SequenceInverter,
+    SimilarityInference,
+    known_plaintext,
+)
 from aisyn.split.calibration import blocks_of, cut_traffic
 from aisyn.train.models import load_run_model
 
@@ -50,6 +59,9 @@ class AuditSettings:
     public_samples: int = 256  # rows of public text B trains its decoders on
     steps: int = 200  # optimisation steps of the white-box attacks
     seed: int = 0
+    # B's sequence inverter and the known-plaintext bound (A's own pairs, from
+    # the train split of A's data: never the rows attacked)
+    inverter: InverterSettings = field(default_factory=InverterSettings)
 
 
 @dataclass
@@ -58,9 +70,11 @@ class Crossing:
 
     inputs: torch.Tensor  # (B, T) A's tokens
     labels: torch.Tensor  # (B, T) the next tokens
-    acts: torch.Tensor  # (B, T, C) front cut activations (A -> B)
-    out: torch.Tensor  # (B, T, C) B's output
-    grad: torch.Tensor  # (B, T, C) gradient of the loss w.r.t. ``out`` (A -> B)
+    # None where nothing crosses in that direction (a mode in which A returns
+    # no gradient): the attacks on it then report nothing, and no error
+    acts: torch.Tensor | None  # (B, T, C) front cut activations (A -> B)
+    out: torch.Tensor | None  # (B, T, C) B's output
+    grad: torch.Tensor | None  # (B, T, C) gradient of the loss w.r.t. ``out``
 
 
 def crossing(model: CausalLM, rows: torch.Tensor, partition: Partition) -> Crossing:
@@ -74,33 +88,146 @@ def public_crossing(
 ) -> Crossing:
     """B's training material for the learned decoders: public rows run through
     the model B knows, as A's would be, ``batch`` rows at a time."""
-    parts = [
-        crossing(model, rows[i : i + batch], partition)
-        for i in range(0, len(rows), batch)
-    ]
-    return Crossing(
-        *(torch.cat([getattr(c, f.name) for c in parts]) for f in fields(Crossing))
+    return concat(
+        [
+            crossing(model, rows[i : i + batch], partition)
+            for i in range(0, len(rows), batch)
+        ]
     )
 
 
+def concat(parts: list[Crossing]) -> Crossing:
+    """The rows of ``parts``, one after another (None stays None)."""
+    return Crossing(
+        *(
+            None
+            if getattr(parts[0], f.name) is None
+            else torch.cat([getattr(c, f.name) for c in parts])
+            for f in fields(Crossing)
+        )
+    )
+
+
+#: what an attack reports for a direction in which nothing crossed
+NOTHING_CROSSED = "nothing crossed"
+
+
+def feature(c: Crossing, direction: str) -> torch.Tensor | None:
+    """What B attacks in ``direction``: the activations (forward) or the
+    returned gradient (backward); None where nothing crossed."""
+    return c.acts if direction == "forward" else c.grad
+
+
+def truth(c: Crossing, direction: str) -> torch.Tensor:
+    """What B tries to recover in ``direction``: A's inputs or its labels."""
+    return c.inputs if direction == "forward" else c.labels
+
+
 def learned_decoders(
-    public: Crossing, vocab: int
-) -> dict[tuple[str, str], LearnedDecoder]:
-    """B's learned attacks, by (attack, direction), fitted on what ``public``
+    public: Crossing,
+    vocab: int,
+    inverter: InverterSettings | None = None,
+    *,
+    seed: int = 0,
+    more_public: Crossing | None = None,
+) -> dict[tuple[str, str], object | None]:
+    """B's trained attacks, by (attack, direction), fitted on what ``public``
     rows send: each ``predict``s tokens from the activations (forward) or
-    the gradient (backward) it is given."""
-    dim = public.acts.shape[-1]
-    return {
-        ("learned", "forward"): LearnedDecoder(dim, vocab).fit(
-            public.acts, public.inputs
-        ),
-        ("learned in context", "forward"): context_decoder(
-            public.acts, public.inputs, vocab
-        ),
-        ("learned", "backward"): LearnedDecoder(dim, vocab, normalise=True).fit(
-            public.grad, public.labels
-        ),
+    the gradient (backward) it is given. An attack whose direction sent
+    nothing is None. ``inverter``: the sequence inverter's size and steps;
+    ``more_public``: further public rows that only the sequence inverter and
+    the similarity references read (cheap per row, unlike the others)."""
+    s = inverter or InverterSettings()
+    every = public if more_public is None else concat([public, more_public])
+
+    def sequence_inverter(feats, tokens, normalise=False):
+        return SequenceInverter(
+            feats.shape[-1],
+            vocab,
+            feats.shape[1],
+            width=s.width,
+            layers=s.layers,
+            heads=s.heads,
+            normalise=normalise,
+            seed=seed,
+        ).fit(feats, tokens, steps=s.steps, lr=s.lr, batch=s.batch, seed=seed)
+
+    def dim(x):
+        return x.shape[-1]
+
+    builders = {
+        ("learned", "forward"): lambda x, y: LearnedDecoder(dim(x), vocab).fit(x, y),
+        ("learned in context", "forward"): lambda x, y: context_decoder(x, y, vocab),
+        ("sequence inverter", "forward"): sequence_inverter,
+        ("similarity", "forward"): lambda x, y: SimilarityInference(vocab).fit(x, y),
+        ("learned", "backward"): lambda x, y: LearnedDecoder(
+            dim(x), vocab, normalise=True
+        ).fit(x, y),
+        ("similarity", "backward"): lambda x, y: SimilarityInference(
+            vocab, normalise=True
+        ).fit(x, y),
     }
+    decoders: dict[tuple[str, str], object | None] = {}
+    for (attack, direction), build in builders.items():
+        material = every if attack in ("sequence inverter", "similarity") else public
+        x = feature(material, direction)
+        decoders[attack, direction] = (
+            None if x is None else build(x, truth(material, direction))
+        )
+    return decoders
+
+
+def known_plaintext_decoder(
+    learned: dict[tuple[str, str], object | None],
+    own: Crossing | None,
+    inverter: InverterSettings | None = None,
+    *,
+    seed: int = 0,
+) -> dict[tuple[str, str], object | None]:
+    """The known-plaintext bound: B's public sequence inverter fine-tuned on
+    ``own``, A's own (text, activation) pairs through the same mechanism
+    (rows other than those attacked). Nothing when ``own`` is None."""
+    if own is None:
+        return {}
+    s = inverter or InverterSettings()
+    public_only = learned.get(("sequence inverter", "forward"))
+    tuned = None
+    if public_only is not None and own.acts is not None:
+        tuned = known_plaintext(
+            public_only,
+            own.acts,
+            own.inputs,
+            steps=s.known_steps,
+            lr=s.lr,
+            batch=s.batch,
+            seed=seed,
+        )
+    return {("known plaintext", "forward"): tuned}
+
+
+def decoded(
+    decoders: dict[tuple[str, str], object | None], seen: Crossing
+) -> dict[tuple[str, str], torch.Tensor | None]:
+    """Each decoder's guesses on ``seen``; None where the decoder or what it
+    reads is missing (nothing crossed in its direction)."""
+    out = {}
+    for (attack, direction), decoder in decoders.items():
+        x = feature(seen, direction)
+        out[attack, direction] = (
+            None if decoder is None or x is None else decoder.predict(x)
+        )
+    return out
+
+
+def own_rows(
+    data: str | Path, sha: str, n: int, g: torch.Generator
+) -> torch.Tensor | None:
+    """Up to ``n`` rows of A's *train* split (never the test rows attacked):
+    the pairs the known-plaintext attacker holds; None for ``n`` = 0."""
+    if n == 0:
+        return None
+    train = TokenShards.open(data, "train", tokenizer_sha256=sha)
+    return train.batch(torch.randperm(len(train), generator=g)[:n])
 
 
 def audit(
@@ -128,7 +255,12 @@ def audit(
     pub = TokenShards.open(public, "train", tokenizer_sha256=sha)
     g = torch.Generator().manual_seed(s.seed)
     rows = private.batch(torch.randperm(len(private), generator=g)[: s.samples])
-    pub_rows = pub.batch(torch.randperm(len(pub), generator=g)[: s.public_samples])
+    drawn = torch.randperm(len(pub), generator=g)
+    pub_rows = pub.batch(drawn[: s.public_samples])
+    # further public rows, for the inverter and the similarity references only
+    more_pub = drawn[s.public_samples : s.inverter.public_rows]
+    more_pub_rows = pub.batch(more_pub) if len(more_pub) else None
+    known_rows = own_rows(data, sha, s.inverter.known_pairs, g)
     # "base unknown": B's guess of the weights is another model of this shape.
     stranger = build_model(cfg, seed=s.seed + 1).eval()
     victims = {"base (early)": base_model}
@@ -139,7 +271,8 @@ def audit(
 
     results = []
 
-    def add(cut, weights, knows, attack, direction, guess, truth):
+    def add(cut, weights, knows, attack, direction, guess, seen):
+        truth_ = truth(seen, direction)
         results.append(
             {
                 "cut": cut.spec,
@@ -149,8 +282,9 @@ def audit(
                 "B_knows": knows,
                 "attack": attack,
                 "direction": direction,
-                "recovery": recovery(guess, truth),
-                "frequent_token": frequent_token_rate(truth),
+                # None: nothing crossed in that direction to attack
+                "recovery": None if guess is None else recovery(guess, truth_),
+                "frequent_token": frequent_token_rate(truth_),
             }
         )
         log.info("%s", json.dumps(results[-1]))
@@ -162,17 +296,38 @@ def audit(
             seen = crossing(victim, rows, cut)
             for knows, attacker in (("base", base_model), ("nothing", stranger)):
                 guess = invert_activations(attacker, seen.acts, first, steps=s.steps)
-                add(cut, weights, knows, "white-box", "forward", guess, seen.inputs)
-                guess = infer_labels(attacker, seen.out, seen.grad, back, steps=s.steps)
-                add(cut, weights, knows, "white-box", "backward", guess, seen.labels)
+                add(cut, weights, knows, "white-box", "forward", guess, seen)
+                guess = None
+                if seen.grad is not None:
+                    guess = infer_labels(
+                        attacker, seen.out, seen.grad, back, steps=s.steps
+                    )
+                add(cut, weights, knows, "white-box", "backward", guess, seen)
             if learned is None:  # B's decoders, fitted once per cut on public text
-                public_seen = public_crossing(base_model, pub_rows, cut)
-                learned = learned_decoders(public_seen, cfg.vocab_size)
-            for (attack, direction), decoder in learned.items():
-                forward = direction == "forward"
-                guess = decoder.predict(seen.acts if forward else seen.grad)
-                truth = seen.inputs if forward else seen.labels
-                add(cut, weights, "base", attack, direction, guess, truth)
+                public_seen = public_crossing(base_model, pub_rows, cut, len(rows))
+                more = (
+                    None
+                    if more_pub_rows is None
+                    else public_crossing(base_model, more_pub_rows, cut, len(rows))
+                )
+                learned = learned_decoders(
+                    public_seen,
+                    cfg.vocab_size,
+                    s.inverter,
+                    seed=s.seed,
+                    more_public=more,
+                )
+            # the known-plaintext bound: pairs from this victim (A's own map)
+            own = (
+                None
+                if known_rows is None
+                else public_crossing(victim, known_rows, cut, len(rows))
+            )
+            known = known_plaintext_decoder(learned, own, s.inverter, seed=s.seed)
+            for (attack, direction), guess in decoded(
+                {**learned, **known}, seen
+            ).items():
+                add(cut, weights, "base", attack, direction, guess, seen)
     report = {
         "base": str(base),
         "data": str(data),
@@ -198,6 +353,10 @@ HEADER = [
 ]
 
 
+def _percent(v: float | None) -> str:
+    return NOTHING_CROSSED if v is None else f"{100 * v:.1f} %"
+
+
 def write_report(out: Path, report: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = report["rows"]
@@ -208,15 +367,19 @@ def write_report(out: Path, report: dict) -> None:
     for r in rows:
         lines.append(
             f"| {r['cut']} | {r['A_weights']} | {r['B_knows']} | {r['attack']} | "
-            f"{r['direction']} | {100 * r['recovery']:.1f} % | "
+            f"{r['direction']} | {_percent(r['recovery'])} | "
             f"{100 * r['frequent_token']:.1f} % |"
         )
     s = report["settings"]
+    inv = s["inverter"]
     (out / "audit.md").write_text(
         "# What the compute party recovers\n\n"
         f"{s['samples']} rows of {report['data']} (test split), attacks with "
         f"{s['steps']} optimisation steps, decoders fitted on {s['public_samples']} "
-        f"rows of {report['public']}.\n\n" + "\n".join(lines) + "\n",
+        f"rows of {report['public']} (the sequence inverter: {inv['layers']} "
+        f"layers of width {inv['width']}, {inv['steps']} steps; the known-plaintext "
+        f"bound adds {inv['known_pairs']} rows of A's train split, "
+        f"{inv['known_steps']} steps).\n\n" + "\n".join(lines) + "\n",
         encoding="utf-8",
     )
     with (out / "audit.csv").open("w", newline="", encoding="utf-8") as f:
@@ -251,7 +414,7 @@ def recovery_figure(rows: list[dict]):
     ):
         series: dict[str, list[dict]] = {}
         for r in rows:
-            if r["direction"] == direction:
+            if r["direction"] == direction and r["recovery"] is not None:
                 series.setdefault(series_name(r), []).append(r)
         for name, rs in sorted(series.items()):
             rs.sort(key=lambda r: r[key])

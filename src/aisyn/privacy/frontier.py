@@ -10,8 +10,10 @@ base's weights (B's best knowledge at the start) and with the run's own
 (late in training, what a B that knew A's weights exactly would have). The
 attacks are ``attacks.py``'s, made *adaptive*: B is assumed to know the
 mechanism and its strength (not the noise it draws), so its learned decoders
-(a linear one and an MLP over five positions) are fitted on public text sent
-through the same mechanism. Per point: both losses and their cost against no
+(a linear one, an MLP over five positions, a transformer over the sequence
+and similarity to per-token references, ``inverters.py``) are fitted on
+public text sent through the same mechanism; the known-plaintext bound also
+holds some of A's own pairs. Per point: both losses and their cost against no
 defence, ε (``split.cut_dp``, from the run's own accounting), bytes on the link
 per step, and the best recovery of each direction beside the frequent-token
 rate.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +39,16 @@ from aisyn.privacy.attacks import (
     invert_activations,
     recovery,
 )
-from aisyn.privacy.audit import Crossing, crossing, learned_decoders
+from aisyn.privacy.audit import (
+    NOTHING_CROSSED,
+    Crossing,
+    crossing,
+    decoded,
+    known_plaintext_decoder,
+    learned_decoders,
+    public_crossing,
+)
+from aisyn.privacy.inverters import InverterSettings
 from aisyn.split import cut_dp as dp
 from aisyn.split.calibration import Clips, blocks_of, calibrate
 from aisyn.split.evaluate import open_split_model
@@ -154,16 +165,17 @@ def train_point(
 
 
 def protected(c: Crossing, defence: dp.CutDefence) -> Crossing:
-    """What B receives of ``c`` under ``defence`` (noise B does not know)."""
+    """What B receives of ``c`` under ``defence`` (noise B does not know);
+    a direction in which nothing crossed stays None."""
     if not defence.active:
         return c
     guard = dp.CutGuard(defence, secrets.randbits(63))
     return Crossing(
         c.inputs,
         c.labels,
-        guard.activations(c.acts, "audit"),
+        None if c.acts is None else guard.activations(c.acts, "audit"),
         c.out,
-        guard.gradient(c.grad, "audit"),
+        None if c.grad is None else guard.gradient(c.grad, "audit"),
     )
 
 
@@ -175,39 +187,74 @@ def attack_point(
     rows: torch.Tensor,
     public: torch.Tensor,
     steps: int,
+    *,
+    inverter: InverterSettings | None = None,
+    known_rows: torch.Tensor | None = None,
+    more_public: torch.Tensor | None = None,
+    gradient_crosses: bool = True,
 ) -> list[dict]:
     """Best recovery per direction, for each of A's weights in ``victims``,
-    by a B that knows the base's weights and the mechanism."""
+    by a B that knows the base's weights and the mechanism. ``inverter``:
+    the sequence inverter's size and steps; ``known_rows``: rows of A's
+    train split (never ``rows``) whose pairs, from each victim through the
+    same mechanism, the known-plaintext bound is fine-tuned on (None: no
+    such bound); ``more_public``: further public rows for the inverter and
+    the similarity references only. A direction in which nothing crossed
+    reports recovery None, by "nothing crossed": with ``gradient_crosses``
+    False (``split train --backbone frozen``), the backward one."""
     partition = parse_partition(point.cut, base_model.config)
     first, _, back = blocks_of(partition)
-    # B's decoders, fitted on public text sent through the same mechanism.
-    pub = protected(crossing(base_model, public, partition), defence)
-    learned = learned_decoders(pub, base_model.config.vocab_size)
+    # B's decoders, fitted on public text sent through the same mechanism, in
+    # steps of as many rows as the attacked step (the gradient's scale, which
+    # clipping and noise act on, is 1 / the tokens of a step).
+    step = len(rows)
+
+    def sent(c: Crossing) -> Crossing:
+        """What B receives of ``c``: through the mechanism, and no gradient
+        at all where none crosses."""
+        c = protected(c, defence)
+        return c if gradient_crosses else replace(c, grad=None)
+
+    pub = sent(public_crossing(base_model, public, partition, step))
+    more = (
+        None
+        if more_public is None
+        else sent(public_crossing(base_model, more_public, partition, step))
+    )
+    learned = learned_decoders(
+        pub, base_model.config.vocab_size, inverter, more_public=more
+    )
     out = []
     for weights, victim in victims.items():
-        seen = protected(crossing(victim, rows, partition), defence)
+        seen = sent(crossing(victim, rows, partition))
+        own = (
+            None
+            if known_rows is None
+            else sent(public_crossing(victim, known_rows, partition, step))
+        )
+        known = known_plaintext_decoder(learned, own, inverter)
         got = {
-            ("forward", "white-box"): invert_activations(
-                base_model, seen.acts, first, steps=steps
-            ),
-            ("backward", "white-box"): infer_labels(
-                base_model, seen.out, seen.grad, back, steps=steps
-            ),
-            **{
-                (d, a): decoder.predict(seen.acts if d == "forward" else seen.grad)
-                for (a, d), decoder in learned.items()
-            },
+            ("white-box", "forward"): None
+            if seen.acts is None
+            else invert_activations(base_model, seen.acts, first, steps=steps),
+            ("white-box", "backward"): None
+            if seen.grad is None
+            else infer_labels(base_model, seen.out, seen.grad, back, steps=steps),
+            **decoded({**learned, **known}, seen),
         }
         for direction, truth in (("forward", seen.inputs), ("backward", seen.labels)):
             rates = {
-                a: recovery(g, truth) for (d, a), g in got.items() if d == direction
+                a: None if g is None else recovery(g, truth)
+                for (a, d), g in got.items()
+                if d == direction
             }
-            best = max(rates, key=rates.get)
+            measured = {a: r for a, r in rates.items() if r is not None}
+            best = max(measured, key=measured.get) if measured else NOTHING_CROSSED
             out.append(
                 {
                     "A_weights": weights,
                     "direction": direction,
-                    "recovery": rates[best],
+                    "recovery": measured.get(best),
                     "best_attack": best,
                     **{f"recovery_{a}": r for a, r in rates.items()},
                     "frequent_token": frequent_token_rate(truth),
@@ -227,8 +274,12 @@ def frontier(
     cfg: TrainConfig,
     eval_batches: int,
     attack_steps: int,
+    inverter: InverterSettings | None = None,
+    known_rows: torch.Tensor | None = None,
+    more_public: torch.Tensor | None = None,
 ) -> list[dict]:
-    """Every point: its cost (a real split run) and what B recovers."""
+    """Every point: its cost (a real split run) and what B recovers
+    (``attack_point``'s ``inverter``, ``known_rows`` and ``more_public``)."""
     base_model, _ = load_run_model(base)
     base_model.eval().requires_grad_(False)
     clips: dict[str, Clips] = {}
@@ -262,6 +313,9 @@ def frontier(
             rows,
             public_rows,
             attack_steps,
+            inverter=inverter,
+            known_rows=known_rows,
+            more_public=more_public,
         )
         for a in attacked:
             results.append(
@@ -297,6 +351,9 @@ def recommended(results: list[dict], *, max_recovery: float, max_cost: float):
         cost = rs[0]["loss_cost"]
         if cost is None or cost > max_cost:
             continue
-        if all(r["recovery"] <= max(max_recovery, r["frequent_token"]) for r in rs):
+        # None: nothing crossed in that direction, so nothing is recovered
+        if all(
+            (r["recovery"] or 0.0) <= max(max_recovery, r["frequent_token"]) for r in rs
+        ):
             ok.append((cost, label))
     return min(ok)[1] if ok else None

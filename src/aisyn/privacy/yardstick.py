@@ -37,6 +37,7 @@ from aisyn.data.shards import TokenShards
 from aisyn.eval.cloze import encoded_accuracy
 from aisyn.model.families import ModelConfig
 from aisyn.privacy.frontier import Point, attack_point, defence_for
+from aisyn.privacy.inverters import InverterSettings
 from aisyn.split.calibration import Clips
 from aisyn.split.cut_dp import RECOMMENDED
 from aisyn.split.merge import merge
@@ -148,6 +149,9 @@ class Inputs:
     cut: str
     eval_batches: int
     attack_steps: int
+    inverter: InverterSettings | None = None  # B's sequence inverter
+    known_rows: torch.Tensor | None = None  # A's train rows (known plaintext)
+    more_public: torch.Tensor | None = None  # more public rows, inverter only
 
 
 def score(model, inputs: Inputs, batch_size: int) -> dict:
@@ -231,14 +235,11 @@ def measure(
         inputs.rows,
         inputs.public_rows,
         inputs.attack_steps,
+        inverter=inputs.inverter,
+        known_rows=inputs.known_rows,
+        more_public=inputs.more_public,
+        gradient_crosses=not config.frozen,
     )
-    if config.frozen:  # no gradient crossed: the backward attacks read nothing
-        for a in attacks:
-            if a["direction"] == "backward":
-                for k in list(a):
-                    if k.startswith("recovery"):
-                        a[k] = None
-                a["best_attack"] = "nothing crossed"
     return {**scores, "attacks": attacks}
 
 
