@@ -344,3 +344,24 @@ def test_a_warm_up_is_refused_where_it_cannot_run(
                 **kw,
             )  # fmt: skip
         assert not (tmp_path / "run").exists()
+
+
+def test_the_command_line_runs_it_and_says_which_channel_is_open(
+    tmp_path, news_data, split_config, base, caplog
+):
+    from aisyn.cli import main
+
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(split_config.to_dict()))
+    argv = ["split", "train", "--model", str(model), "--data", str(news_data)]
+    argv += ["--out", str(tmp_path / "run"), "--cut", CUT, "--quiet", "--steps", "2"]
+    argv += ["--batch-size", "4", "--micro-batch-size", "2", "--seed", "1234567"]
+    argv += ["--init-from", str(base), "--backbone", "frozen", "--private-warmup", "2"]
+    assert main(argv) in (0, None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    [line] = [w for w in warnings if w.startswith("no cut defence")]
+    assert "from them" in line and "no gradient crosses" in line
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["split"]["backbone"] == "frozen"
+    assert config["split"]["private_warmup"] == 2
+    assert (tmp_path / "run" / "warmup.json").is_file()

@@ -297,7 +297,7 @@ def _train_rank0(args, ranks) -> None:
         named=args.defence,
     )
     if not defence.active:
-        log.warning("%s", undefended_warning())
+        log.warning("%s", undefended_warning(args.backbone == "frozen"))
     peer = _settings(args, args.peer) if args.peer else None
     opts = SplitOptions(
         cut=args.cut,

@@ -163,8 +163,18 @@ def recommended_defence(
     )
 
 
-def undefended_warning() -> str:
-    """The one line an undefended split run starts with."""
+def undefended_warning(frozen_backbone: bool = False) -> str:
+    """The one line an undefended split run starts with (``frozen_backbone``:
+    no gradient crosses, so only the activations' channel is open)."""
+    if frozen_backbone:
+        return (
+            "no cut defence on the activations: in docs/privacy.md's audit a "
+            "compute party that knows the base recovers "
+            f"{UNDEFENDED_INPUTS_RECOVERED:.0%} of the input tokens from them "
+            "(--private-warmup moves A's front away from the base first); no "
+            "gradient crosses (--backbone frozen), so none of the labels leak "
+            "through one"
+        )
     return (
         "no cut defence: in docs/privacy.md's audit a compute party that knows "
         f"the base recovers {UNDEFENDED_INPUTS_RECOVERED:.0%} of the input tokens "
