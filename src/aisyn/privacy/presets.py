@@ -276,15 +276,21 @@ def run_preset(
         "seeds": seeds,
         "runs": results,
     }
-    for n, c in enumerate(p.configs):
-        every = c == UNDEFENDED or is_default(c) or c.name == p.candidate
-        for s in seeds if every else seeds[:1]:
-            log.info(
-                "configuration %d/%d: %s, seed %d", n + 1, len(p.configs), c.name, s
-            )
-            r = measure(c, s, inputs, clips, cfg, out / "runs" / f"{n:02d}-{s}")
-            results.setdefault(c.name, []).append({"seed": s, **r})
-            log.info("%s", {k: v for k, v in r.items() if k != "attacks"})
+    # every configuration over the first seed, then the further seeds of the
+    # undefended run, the default and the candidate: a long preset's first
+    # table already holds every configuration
+    order = [(n, c, seeds[0]) for n, c in enumerate(p.configs)]
+    order += [
+        (n, c, s)
+        for s in seeds[1:]
+        for n, c in enumerate(p.configs)
+        if c == UNDEFENDED or is_default(c) or c.name == p.candidate
+    ]
+    for n, c, s in order:
+        log.info("configuration %d/%d: %s, seed %d", n + 1, len(p.configs), c.name, s)
+        r = measure(c, s, inputs, clips, cfg, out / "runs" / f"{n:02d}-{s}")
+        results.setdefault(c.name, []).append({"seed": s, **r})
+        log.info("%s", {k: v for k, v in r.items() if k != "attacks"})
         # the table so far: a long preset's first rows are readable at once
         rows_out = summarise(results, list(p.configs), base_scores)
         report.update(
