@@ -66,6 +66,22 @@ def test_the_sequence_inverter_reads_what_the_linear_decoder_reads_and_more(
     assert got >= recovery(linear.predict(seen.acts), seen.inputs)
 
 
+def test_the_sequence_inverter_reads_labels_from_gradients(material):
+    """On gradients (each position's scaled to unit length: their scale is
+    A's loss normalisation) it names the labels."""
+    public, seen = material["public"], material["attacked"]
+    inverter = SequenceInverter(
+        public.grad.shape[-1],
+        8000,
+        public.grad.shape[1],
+        width=64,
+        layers=1,
+        normalise=True,
+    ).fit(public.grad, public.labels, **FIT)
+    got = recovery(inverter.predict(seen.grad), seen.labels)
+    assert got > frequent_token_rate(seen.labels) + 0.15, got
+
+
 def test_the_sequence_inverter_is_deterministic_under_its_seed(material):
     public = material["public"]
     fit = dict(FIT, steps=5)

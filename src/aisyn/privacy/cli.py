@@ -12,7 +12,10 @@ def cmd_audit(args) -> None:
     a split run of --base (or of --trained, fine-tuned from it) sends on rows
     of --data, then recover A's input tokens from the activations and its
     labels from the gradients (white-box with the base's weights or without,
-    and learned on --public text), beside the frequent-token baseline. Writes
+    and learned on --public text: linear, in context, a sequence inverter,
+    similarity to per-token references, and the known-plaintext bound, which
+    also holds rows of --data's train split), beside the frequent-token
+    baseline. Writes
     audit.md, audit.csv, audit.json and recovery.png to --out. --preset ci|full
     instead measures everything on the comparison's base and data: every cut
     undefended, and each defence of `aisyn split train` at several strengths
