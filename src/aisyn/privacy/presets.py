@@ -300,13 +300,18 @@ def write_frontier(out: Path, report: dict) -> None:
         f"(≤ {100 * t['max_recovery']:.0f} % recovery, ≤ {t['max_loss_cost']} nats)."
     )
     s = report["settings"]
+    inv = s["inverter"]
     (out / "frontier.md").write_text(
         f"# The privacy frontier (preset {report['preset']})\n\n"
         f"Each point: a split run of {report['train']['steps']} steps from the "
         f"base, merged and scored on {s['eval_batches']} test batches; attacks on "
         f"{s['samples']} rows of A's test text with {s['attack_steps']} steps, "
         f"decoders fitted on {s['public_samples']} public rows through the same "
-        f"mechanism. ε at δ = 1e-5 per training row (∞: a direction crosses "
+        f"mechanism (the sequence inverter, depth {inv['layers']}, width "
+        f"{inv['width']}, {inv['steps']} steps, and the similarity references "
+        f"on {max(s['public_samples'], inv['public_rows'])}; the known-plaintext "
+        f"bound also holds {inv['known_pairs']} rows of A's train text). "
+        f"ε at δ = 1e-5 per training row (∞: a direction crosses "
         f"without noise). Loss cost: the merged model, run whole and in the "
         f"clear; served split: the split run served with its defence still on "
         f"(fresh noise), both against no defence. The base itself, before "
