@@ -4,6 +4,7 @@ what the audit reports where nothing crossed."""
 
 from __future__ import annotations
 
+import matplotlib.pyplot as plt
 import pytest
 import torch
 
@@ -64,6 +65,22 @@ def test_the_sequence_inverter_reads_what_the_linear_decoder_reads_and_more(
     guess = frequent_token_rate(seen.inputs)
     assert got > guess + 0.15, (got, guess)
     assert got >= recovery(linear.predict(seen.acts), seen.inputs)
+
+
+def test_the_sequence_inverter_reads_labels_from_gradients(material):
+    """On gradients (each position's scaled to unit length: their scale is
+    A's loss normalisation) it names the labels."""
+    public, seen = material["public"], material["attacked"]
+    inverter = SequenceInverter(
+        public.grad.shape[-1],
+        8000,
+        public.grad.shape[1],
+        width=64,
+        layers=1,
+        normalise=True,
+    ).fit(public.grad, public.labels, **FIT)
+    got = recovery(inverter.predict(seen.grad), seen.labels)
+    assert got > frequent_token_rate(seen.labels) + 0.15, got
 
 
 def test_the_sequence_inverter_is_deterministic_under_its_seed(material):
@@ -132,6 +149,7 @@ def test_nothing_crossed_backward_is_reported_as_such(
     recommendation counts None as nothing recovered."""
     import aisyn.privacy.frontier as frontier
     from aisyn.privacy.frontier import Point, attack_point, recommended
+    from aisyn.privacy.presets import frontier_figure
     from aisyn.split import cut_dp as dp
     from aisyn.train.models import load_run_model
 
@@ -173,9 +191,20 @@ def test_nothing_crossed_backward_is_reported_as_such(
     front = next(r for r in got if r["direction"] == "forward")
     assert front["recovery"] is not None and front["best_attack"] != "nothing crossed"
     assert {"recovery_sequence inverter", "recovery_known plaintext"} <= set(front)
-    rows_of = [dict(r, defence="no gradient", loss_cost=0.0) for r in got]
+    rows_of = [
+        dict(r, defence="no gradient", loss_cost=0.0, served_split_cost=0.0)
+        for r in got
+    ]
     ceiling = front["recovery"]
     assert recommended(rows_of, max_recovery=ceiling, max_cost=0.05) == "no gradient"
+    # the frontier plot draws the forward point and nothing backward
+    fig = frontier_figure([dict(r, forward=0.0, backward=0.0) for r in rows_of])
+    try:
+        forward_panel, backward_panel = fig.axes[:2]
+        assert len(forward_panel.collections) == 1
+        assert len(backward_panel.collections) == 0
+    finally:
+        plt.close(fig)
 
 
 def test_bad_inverter_settings_are_one_line():
@@ -195,3 +224,38 @@ def test_bad_inverter_settings_are_one_line():
         ValueError, match="^5 positions: this inverter reads at most 4$"
     ):
         inverter.predict(torch.zeros(1, 5, 8))
+
+
+def test_the_audit_reports_nothing_crossed_where_no_gradient_does(
+    tmp_path, base, news_data, reviews_data, tiny_inverter, monkeypatch
+):
+    """The audit's own report (table, csv and plot) where A returns no
+    gradient: every backward row says "nothing crossed", none crashes."""
+    import aisyn.privacy.audit as audit_module
+    from aisyn.privacy.audit import AuditSettings, audit
+
+    real = audit_module.crossing
+
+    def no_gradient(model, rows, partition):
+        c = real(model, rows, partition)
+        return Crossing(c.inputs, c.labels, c.acts, c.out, None)
+
+    monkeypatch.setattr(audit_module, "crossing", no_gradient)
+    report = audit(
+        base,
+        news_data,
+        reviews_data,
+        tmp_path / "out",
+        [CUT],
+        settings=AuditSettings(
+            samples=2, public_samples=8, steps=2, inverter=tiny_inverter
+        ),
+    )
+    back = [r for r in report["rows"] if r["direction"] == "backward"]
+    assert len(back) == 4  # white-box x B's knowledge, learned, similarity
+    assert all(r["recovery"] is None for r in back)
+    front = [r for r in report["rows"] if r["direction"] == "forward"]
+    assert all(r["recovery"] is not None for r in front)
+    table = (tmp_path / "out" / "audit.md").read_text()
+    assert table.count("| backward | nothing crossed |") == 4
+    assert (tmp_path / "out" / "recovery.png").is_file()

@@ -12,12 +12,17 @@ def cmd_audit(args) -> None:
     a split run of --base (or of --trained, fine-tuned from it) sends on rows
     of --data, then recover A's input tokens from the activations and its
     labels from the gradients (white-box with the base's weights or without,
-    and learned on --public text), beside the frequent-token baseline. Writes
+    and learned on --public text: linear, in context, a sequence inverter,
+    similarity to per-token references, and the known-plaintext bound, which
+    also holds rows of --data's train split), beside the frequent-token
+    baseline. Writes
     audit.md, audit.csv, audit.json and recovery.png to --out. --preset ci|full
-    instead measures everything on the comparison's base and data: every cut
-    undefended, and each defence of `aisyn split train` at several strengths
-    (recovery, loss cost, epsilon: frontier.md/.csv/.png, with the
-    recommended default), and refuses the flags that would choose other
+    instead measures everything on the comparison's data and a base pretrained
+    on public text only: each configuration of `aisyn split train` (noise,
+    frozen backbone, private warm-up, combined) fine-tuned on A's text, by the
+    share of fine-tuning's gain it keeps and what B's attacks still recover
+    (frontier.md/.csv/.json/.png), then every cut undefended; it ends with the
+    default's summary line, and refuses the flags that would choose other
     inputs or sizes."""
 
     from aisyn.privacy.audit import AuditSettings, audit

@@ -148,13 +148,15 @@ class SequenceInverter(nn.Module):
         new = new[~torch.isin(new, self.vocabulary)]
         if not new.numel():
             return
+        # the head's draws come from the seed, and leave the global generator
+        # as they found it
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + 1)
+            head = nn.Linear(self.width, len(self.vocabulary) + len(new))
         if self.head is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.seed + 1)
-                self.head = nn.Linear(self.width, len(new))
+            self.head = head
         else:
-            old = self.head
-            self.head = nn.Linear(self.width, len(self.vocabulary) + len(new))
+            old, self.head = self.head, head
             with torch.no_grad():
                 self.head.weight.zero_()
                 self.head.weight[: len(self.vocabulary)] = old.weight
