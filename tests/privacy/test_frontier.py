@@ -12,79 +12,68 @@ import torch
 
 from aisyn.cli import main
 from aisyn.data.shards import TokenShards
-from aisyn.privacy.frontier import Point, frontier, recommended
+from aisyn.privacy.frontier import Point
 from aisyn.train.config import TrainConfig
 
 
 def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
-    tmp_path, base, news_data, reviews_data, tiny_inverter
+    tmp_path, base, news_data, reviews_data, tokenizer, tiny_inverter
 ):
+    """Two real split runs of the yardstick: undefended, B reads the labels
+    from the gradient early and late; under σ = 1 both ways it is down to
+    guessing, with a finite ε and the same bytes on the link."""
+    from aisyn.data.cloze import ClozeItem
+    from aisyn.eval.cloze import encode_items
+    from aisyn.privacy.yardstick import UNDEFENDED, Config, Inputs, measure
+    from aisyn.split.calibration import calibrate
+    from aisyn.train.models import load_run_model
+
     # Prepare: B's public rows and A's private rows
+    base_model, _ = load_run_model(base)
     public = TokenShards.open(reviews_data, "train").batch(torch.arange(32))
-    rows = TokenShards.open(news_data, "test").batch(torch.arange(2))
-    cfg = TrainConfig(
-        steps=4, batch_size=8, lr=1e-3, warmup_steps=1, seed=5, device="cpu"
-    )
-    # Execute
-    results = frontier(
-        [Point("none"), Point("gaussian", forward=1.0, backward=1.0)],
+    inputs = Inputs(
+        mcfg=base_model.config,
         base=base,
         data=news_data,
+        cloze=encode_items(
+            [ClozeItem("今天的新闻", "。", ("很好", "不好"), "很好")], tokenizer, 32
+        ),
+        pad_id=tokenizer.pad_id,
+        rows=TokenShards.open(news_data, "test").batch(torch.arange(2)),
         public_rows=public,
-        rows=rows,
-        out=tmp_path,
-        cfg=cfg,
+        cut="u:1,1",
         eval_batches=2,
         attack_steps=20,
         inverter=tiny_inverter,
         known_rows=TokenShards.open(news_data, "train").batch(torch.arange(8)),
     )
-    # Assert: one row per point x A's weights x direction
-    got = {(r["family"], r["A_weights"], r["direction"]): r for r in results}
-    assert len(results) == 8
-    for weights in ("base (early)", "trained (late)"):
-        open_labels = got[("none", weights, "backward")]
-        assert open_labels["recovery"] > open_labels["frequent_token"] + 0.2
-        hidden = got[("gaussian", weights, "backward")]
-        assert hidden["recovery"] <= hidden["frequent_token"] + 0.05
-    none, noisy = (
-        got[("none", "base (early)", "forward")],
-        got[("gaussian", "base (early)", "forward")],
+    clips = calibrate(base_model, public, "u:1,1", 8)
+    cfg = TrainConfig(
+        steps=4, batch_size=8, lr=1e-3, warmup_steps=1, seed=5, device="cpu"
     )
-    # The cost side comes from real runs: the undefended one is the reference.
-    assert none["loss_cost"] == 0.0 and none["dp_epsilon"] is None
-    assert none["served_split_cost"] == 0.0
-    assert math.isfinite(noisy["test_loss"]) and noisy["loss_cost"] is not None
-    # served split, the noise is still on and costs more than it did merged
-    assert noisy["served_split_cost"] > noisy["loss_cost"]
-    assert noisy["dp_epsilon"] is not None and noisy["dp_epsilon"] > 0
-    assert noisy["bytes_per_step"] == none["bytes_per_step"]
-    assert noisy["clip_forward"] > 0 and noisy["clip_backward"] > 0
-    assert (tmp_path / "point-01" / "run" / "privacy.json").is_file()
-
-
-def _rows(label, cost, recoveries, frequent=0.1):
-    return [
-        {
-            "defence": label,
-            "loss_cost": cost,
-            "recovery": r,
-            "frequent_token": frequent,
-        }
-        for r in recoveries
-    ]
-
-
-def test_recommended_is_the_cheapest_point_that_meets_both_targets():
-    results = [
-        *_rows("none", 0.0, [0.9, 1.0]),
-        *_rows("weak", 0.01, [0.05, 0.3]),  # the labels still leak
-        *_rows("strong", 0.2, [0.0, 0.0]),  # too expensive
-        *_rows("ok", 0.04, [0.12, 0.02], frequent=0.15),  # at the guessing rate
-        *_rows("ok but dearer", 0.045, [0.01, 0.01]),
-    ]
-    assert recommended(results, max_recovery=0.1, max_cost=0.05) == "ok"
-    assert recommended(results[:6], max_recovery=0.1, max_cost=0.05) is None
+    # Execute
+    noise = Config("noise", forward=1.0, backward=1.0)
+    got = {
+        c.name: measure(c, 5, inputs, clips, cfg, tmp_path / c.name)
+        for c in (UNDEFENDED, noise)
+    }
+    # Assert: per configuration, A's weights x direction
+    rows = {
+        (name, a["A_weights"], a["direction"]): a
+        for name, r in got.items()
+        for a in r["attacks"]
+    }
+    assert len(rows) == 8
+    for weights in ("base (early)", "trained (late)"):
+        open_labels = rows[("undefended", weights, "backward")]
+        assert open_labels["recovery"] > open_labels["frequent_token"] + 0.2
+        hidden = rows[("noise", weights, "backward")]
+        assert hidden["recovery"] <= hidden["frequent_token"] + 0.05
+    assert got["undefended"]["dp_epsilon"] is None
+    assert got["noise"]["dp_epsilon"] is not None and got["noise"]["dp_epsilon"] > 0
+    assert got["noise"]["bytes_per_step"] == got["undefended"]["bytes_per_step"]
+    assert math.isfinite(got["noise"]["loss"])
+    assert (tmp_path / "noise" / "run" / "privacy.json").is_file()
 
 
 def test_audit_without_a_preset_or_inputs_says_what_is_missing(tmp_path, capsys):
@@ -117,7 +106,7 @@ def test_ci_preset_measures_every_piece(tmp_path, capsys):
 
 
 def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):
-    from aisyn.privacy.frontier import calibrate
+    from aisyn.split.calibration import calibrate
     from aisyn.split.cut_dp import defence_from_flags
     from aisyn.train.models import load_run_model
 
@@ -151,7 +140,8 @@ def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):
 
 
 def test_a_point_names_and_builds_its_defence():
-    from aisyn.privacy.frontier import Clips, defence_for
+    from aisyn.privacy.frontier import defence_for
+    from aisyn.split.calibration import Clips
 
     clips = Clips(forward=600.0, backward=0.001)
     both = Point("gaussian", forward=0.1, backward=0.1)
@@ -198,8 +188,7 @@ def test_calibrate_without_public_shards_reads_the_built_in_public_text(base, ca
     """The same rows `split train --defence recommended` calibrates on, and
     the bounds printed exactly (the flags then give that run)."""
     from aisyn.data.tokenizer import open_tokenizer
-    from aisyn.privacy.frontier import calibrate
-    from aisyn.split.calibration import public_rows
+    from aisyn.split.calibration import calibrate, public_rows
     from aisyn.train.models import load_run_model
     from aisyn.train.run import TOKENIZER, RunDir
 

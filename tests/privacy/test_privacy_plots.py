@@ -11,11 +11,9 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pytest
-from matplotlib.collections import PathCollection
-from matplotlib.container import BarContainer
 
 from aisyn.privacy.audit import recovery_figure, series_name
-from aisyn.privacy.presets import NO_NOISE_X, frontier_figure
+from aisyn.privacy.yardstick import figure
 
 RESULTS = Path(__file__).parents[2] / "docs" / "privacy_results"
 TEXT = {"cut", "A_weights", "B_knows", "attack", "direction", "defence", "family"}
@@ -74,43 +72,29 @@ def check_recovery_figure(fig, rows: list[dict]) -> None:
     assert len(set(colours.values())) == len(colours)
 
 
-def check_frontier_figure(fig, rows: list[dict]) -> None:
-    forward, backward, cost = fig.axes
-    for ax, direction in ((forward, "forward"), (backward, "backward")):
-        mine = {
-            (r["defence"], r["A_weights"]): r
-            for r in rows
-            if r["direction"] == direction
-        }
-        plotted = set()
-        for c in ax.collections:
-            assert isinstance(c, PathCollection)
-            label = c.get_label()
-            late = label.startswith("_")
-            defence = label.removeprefix("_").removesuffix(" (late)")
-            r = mine[(defence, "trained (late)" if late else "base (early)")]
-            ((x, y),) = c.get_offsets()
-            sigma = r[direction]
-            assert x == (sigma if sigma else NO_NOISE_X), label
-            assert y == pytest.approx(100 * r["recovery"]), label
-            plotted.add((defence, r["A_weights"]))
-        assert plotted == set(mine)  # every row, once
-        legend = _legend(ax)
-        defences = list(dict.fromkeys(r["defence"] for r in rows))
-        assert legend == [*defences, "frequent token", "target"]
-        # σ = 0 is drawn at a tick of its own that says so
-        labels = [t.get_text() for t in ax.get_xticklabels()]
-        ticks = dict(zip(ax.get_xticks(), labels, strict=True))
-        assert ticks[NO_NOISE_X] == "0"
-        assert "0: no Gaussian noise" in ax.get_xlabel()
-    bars = [c for c in cost.containers if isinstance(c, BarContainer)]
-    assert [b.get_label() for b in bars] == ["merged", "served split"]
-    names = [t.get_text() for t in cost.get_yticklabels()]
-    by_defence = {r["defence"]: r for r in rows}
-    assert names == [d for d in by_defence if by_defence[d]["loss_cost"] is not None]
-    for bar, field in zip(bars, ("loss_cost", "served_split_cost"), strict=True):
-        widths = [p.get_width() for p in bar.patches]
-        assert widths == pytest.approx([by_defence[n][field] for n in names])
+def test_the_yardstick_plot_says_what_its_table_says():
+    """Each configuration once in the legend, at its strongest attack, its
+    loss marker at the share it keeps and its cloze marker in the same
+    colour; one with no cloze gain has no triangle."""
+    rows = [
+        dict(config="undefended", attack=0.7, inverter=0.9, guess=0.1,
+             kept_loss=1.0, kept_cloze=1.0),
+        dict(config="frozen", attack=0.2, inverter=None, guess=0.12,
+             kept_loss=0.8, kept_cloze=None),
+    ]  # fmt: skip
+    fig = figure(rows)
+    try:
+        (ax,) = fig.axes
+        assert _legend(ax) == ["goal: kept", "guessing", "undefended", "frozen"]
+        points = {c.get_label(): c for c in ax.collections if c.get_offsets().size}
+        assert set(points) == {"undefended", "_undefended", "frozen"}
+        assert [tuple(p) for p in points["undefended"].get_offsets()] == [(90, 100)]
+        assert [tuple(p) for p in points["frozen"].get_offsets()] == [(20, 80)]
+        assert tuple(points["undefended"].get_facecolor()[0]) == tuple(
+            points["_undefended"].get_facecolor()[0]
+        )
+    finally:
+        plt.close(fig)
 
 
 def test_the_audit_plot_of_the_measured_cuts_matches_its_table():
@@ -118,14 +102,5 @@ def test_the_audit_plot_of_the_measured_cuts_matches_its_table():
     fig = recovery_figure(rows)
     try:
         check_recovery_figure(fig, rows)
-    finally:
-        plt.close(fig)
-
-
-def test_the_frontier_plot_of_the_measured_frontier_matches_its_table():
-    rows = _read("frontier.csv")
-    fig = frontier_figure(rows)
-    try:
-        check_frontier_figure(fig, rows)
     finally:
         plt.close(fig)

@@ -148,7 +148,7 @@ def test_the_default_is_what_split_train_runs_without_flags():
 
 
 def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_run(
-    tmp_path, base, news_data, reviews_data, tokenizer
+    tmp_path, base, news_data, reviews_data, tokenizer, tiny_inverter
 ):
     """Real split runs of two configurations on the tiny base: scores on A's
     domain, the attacks (a frozen backbone's backward ones with nothing to
@@ -179,6 +179,7 @@ def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_
         cut="u:1,1",
         eval_batches=1,
         attack_steps=2,
+        inverter=tiny_inverter,
     )
     clips = calibrate(base_model, public, "u:1,1", 4)
     cfg = TrainConfig(steps=2, batch_size=4, lr=1e-3, warmup_steps=1, device="cpu")

@@ -1,29 +1,25 @@
 """``aisyn privacy audit --preset ci|full``: the whole measurement in one
-command, on the comparison's own inputs (its cached base model, pretrained on
-both domains, and its token shards): news is A's private text, reviews the
-public text B fits its decoders on.
+command, on the comparison's own data: news is A's private text, reviews
+the public text the base is pretrained on and B fits its decoders on.
 
 It writes, to ``--out``:
 
-* ``cuts/``: the undefended audit of every cut (``audit.audit``), early (the
-  base's weights) and late (A's weights after the undefended run);
 * ``frontier.md``, ``frontier.csv``, ``frontier.json``, ``frontier.png``:
-  every defence and strength by recovery, loss cost and ε (``frontier``),
-  and the recommended default: the cheapest point that keeps every attack at
-  or under ``MAX_RECOVERY`` (or the frequent-token rate) within
-  ``MAX_LOSS_COST`` nats.
+  the yardstick (``yardstick.py``) of every configuration of the preset --
+  what it keeps of fine-tuning's gain and what B's attacks still recover --
+  rewritten after each one, with the configuration that meets the goal (or
+  the best trade); ``runs/``: each configuration's split run, merged model
+  and scores (``--resume`` reuses them);
+* ``cuts/``: the undefended audit of every cut (``audit.audit``), early (the
+  base's weights) and late (A's weights after the undefended run).
 
-``ci`` runs every piece in a few minutes (its numbers mean nothing);
-``full`` is the measurement quoted in docs/privacy.md (under an hour on a
-quiet 2-core CPU).
+``ci`` runs every piece in minutes (its numbers mean nothing); ``full`` is
+the measurement quoted in docs/privacy.md (hours on a 2-core CPU).
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import logging
-import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -58,9 +54,6 @@ from aisyn.train.models import load_run_model
 from aisyn.validate import MAX_SEED
 
 log = logging.getLogger(__name__)
-
-MAX_RECOVERY = 0.10  # issue 11's target, forward and backward
-MAX_LOSS_COST = 0.05  # nats, after the same number of steps
 
 
 @dataclass(frozen=True)
@@ -323,162 +316,3 @@ def run_preset(
     report["elapsed_s"] = time.perf_counter() - t0
     write(out, report)
     return report
-
-
-COLUMNS = [
-    ("defence", "defence"),
-    ("A_weights", "A's weights"),
-    ("direction", "direction"),
-    ("recovery", "best recovery"),
-    ("best_attack", "by"),
-    ("frequent_token", "frequent token"),
-    ("test_loss", "test loss"),
-    ("loss_cost", "loss cost"),
-    ("served_split_cost", "served split"),
-    ("dp_epsilon", "ε"),
-    ("bytes_per_step", "link MB/step"),
-]
-
-
-def _cell(key: str, v) -> str:
-    if v is None:
-        return "—" if key != "dp_epsilon" else "∞"
-    if key in ("recovery", "frequent_token"):
-        return f"{100 * v:.1f} %"
-    if key in ("test_loss",):
-        return f"{v:.4f}"
-    if key in ("loss_cost", "served_split_cost"):
-        return f"{v:+.4f}"
-    if key == "dp_epsilon":
-        return f"{v:.3g}"
-    if key == "bytes_per_step":
-        return f"{v / 1e6:.2f}"
-    return str(v)
-
-
-def write_frontier(out: Path, report: dict) -> None:
-    rows = report["frontier"]
-    lines = [
-        "| " + " | ".join(h for _, h in COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
-    lines += [
-        "| " + " | ".join(_cell(k, r.get(k)) for k, _ in COLUMNS) + " |" for r in rows
-    ]
-    choice = report["recommended"]
-    t = report["targets"]
-    verdict = (
-        f"Recommended default: **{choice}** (the cheapest point whose every attack "
-        f"recovers ≤ {100 * t['max_recovery']:.0f} % or the frequent-token rate, "
-        f"at ≤ {t['max_loss_cost']} nats loss cost)."
-        if choice
-        else "No point meets the targets "
-        f"(≤ {100 * t['max_recovery']:.0f} % recovery, ≤ {t['max_loss_cost']} nats)."
-    )
-    s = report["settings"]
-    (out / "frontier.md").write_text(
-        f"# The privacy frontier (preset {report['preset']})\n\n"
-        f"Each point: a split run of {report['train']['steps']} steps from the "
-        f"base, merged and scored on {s['eval_batches']} test batches; attacks on "
-        f"{s['samples']} rows of A's test text with {s['attack_steps']} steps, "
-        f"decoders fitted on {s['public_samples']} public rows through the same "
-        f"mechanism. ε at δ = 1e-5 per training row (∞: a direction crosses "
-        f"without noise). Loss cost: the merged model, run whole and in the "
-        f"clear; served split: the split run served with its defence still on "
-        f"(fresh noise), both against no defence. The base itself, before "
-        f"fine-tuning, scores {report['base_test_loss']:.4f}.\n\n"
-        + "\n".join(lines)
-        + f"\n\n{verdict}\n",
-        encoding="utf-8",
-    )
-    with (out / "frontier.csv").open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    (out / "frontier.json").write_text(json.dumps(report, indent=2, default=str))
-    plot_frontier(out / "frontier.png", rows)
-
-
-#: where a direction without Gaussian noise (σ = 0) is drawn on the log axis;
-#: its tick says "0"
-NO_NOISE_X = 1e-3
-
-
-def frontier_figure(rows: list[dict]):
-    """Recovery against the noise multiplier of each direction, a colour per
-    defence (o: early, s: late; σ = 0 drawn at a tick "0" of its own), each
-    panel with its legend; and each point's loss cost, merged and served
-    split. Every series is labelled with its defence (a late one with a
-    leading "_", which keeps it out of the legend: its marker says it)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    defences = list(dict.fromkeys(r["defence"] for r in rows))
-    colour = {d: plt.cm.tab10(i % 10) for i, d in enumerate(defences)}
-    fig, axes = plt.subplots(
-        1,
-        3,
-        figsize=(18, 5.5),
-        layout="constrained",
-        gridspec_kw={"width_ratios": [1, 1, 1.1]},
-    )
-    for ax, direction in zip(axes[:2], ("forward", "backward"), strict=True):
-        mine = [r for r in rows if r["direction"] == direction]
-        for r in mine:
-            if r["recovery"] is None:  # nothing crossed: nothing to draw
-                continue
-            early = r["A_weights"] == "base (early)"
-            ax.scatter(
-                r[direction] or NO_NOISE_X,
-                100 * r["recovery"],
-                color=colour[r["defence"]],
-                marker="o" if early else "s",
-                label=r["defence"] if early else f"_{r['defence']} (late)",
-            )
-        freq = max(100 * r["frequent_token"] for r in mine)
-        ax.axhline(freq, color="grey", linestyle=":", label="frequent token")
-        ax.axhline(100 * MAX_RECOVERY, color="red", linestyle=":", label="target")
-        ax.set_xscale("log")
-        sigmas = [r[direction] for r in mine if r[direction]]
-        top = max(sigmas, default=1.0)
-        ticks = [NO_NOISE_X] + [10.0**k for k in range(-2, 1 + int(math.log10(top)))]
-        ax.set_xticks(ticks, ["0"] + [f"{t:g}" for t in ticks[1:]])
-        ax.minorticks_off()
-        ax.set_xlim(NO_NOISE_X / 2, top * 2)
-        ax.set_xlabel(
-            f"noise multiplier σ on the {direction} direction\n"
-            "(0: no Gaussian noise on it; log scale)"
-        )
-        ax.set_ylabel("tokens recovered, best attack (%)")
-        ax.set_title(
-            f"{direction} ({'inputs' if direction == 'forward' else 'labels'}); "
-            "o early, s late"
-        )
-        ax.set_ylim(0, 100)
-        ax.legend(fontsize=6, loc="center right")
-    ax = axes[2]
-    costs: dict[str, tuple[float, float]] = {}
-    for r in rows:
-        if r["loss_cost"] is not None:
-            costs.setdefault(r["defence"], (r["loss_cost"], r["served_split_cost"]))
-    y = range(len(costs))
-    ax.barh([i - 0.2 for i in y], [c[0] for c in costs.values()], 0.4, label="merged")
-    ax.barh(
-        [i + 0.2 for i in y], [c[1] for c in costs.values()], 0.4, label="served split"
-    )
-    ax.set_yticks(list(y), list(costs), fontsize=7)
-    ax.axvline(MAX_LOSS_COST, color="red", linestyle=":", label="target")
-    ax.set_xlabel("loss cost (nats, vs no defence)")
-    ax.set_title("cost")
-    ax.legend(fontsize=7)
-    return fig
-
-
-def plot_frontier(path: Path, rows: list[dict]) -> None:
-    import matplotlib.pyplot as plt
-
-    fig = frontier_figure(rows)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -407,9 +407,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(path: Path, rows: list[dict]) -> None:
-    """Gain kept against what the strongest attack recovers, one marker per
-    configuration and metric; the goal's corner shaded."""
+def figure(rows: list[dict]):
+    """Gain kept against what the strongest attack recovers: per
+    configuration (labelled with its name, a colour each) a circle for the
+    loss and a triangle for the cloze accuracy; guessing and the goal drawn
+    in."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -417,10 +419,8 @@ def plot(path: Path, rows: list[dict]) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5.5), layout="constrained")
     guess = max(r["guess"] for r in rows)
-    ax.axvspan(
-        0, 100 * (guess + GOAL_ATTACK), ymin=0, ymax=1, alpha=0.08, color="green"
-    )
-    ax.axhline(100 * GOAL_KEPT, color="green", linestyle=":", label="goal: kept ≥ 70 %")
+    ax.axvspan(0, 100 * (guess + GOAL_ATTACK), alpha=0.08, color="green")
+    ax.axhline(100 * GOAL_KEPT, color="green", linestyle=":", label="goal: kept")
     ax.axvline(100 * guess, color="grey", linestyle=":", label="guessing")
     for i, r in enumerate(rows):
         colour = plt.cm.tab10(i % 10)
@@ -432,13 +432,20 @@ def plot(path: Path, rows: list[dict]) -> None:
                     100 * r[key],
                     color=colour,
                     marker=marker,
-                    label=r["config"] if key == "kept_loss" else None,
+                    label=r["config"] if key == "kept_loss" else f"_{r['config']}",
                 )
     ax.set_xlabel("tokens recovered by B's strongest attack (%)")
     ax.set_ylabel("undefended gain kept (%)  o: LM loss, ^: cloze accuracy")
     ax.set_xlim(0, 100)
     ax.legend(fontsize=7, loc="lower left")
     ax.set_title("what each configuration keeps, and what B still reads")
+    return fig
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
