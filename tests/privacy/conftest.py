@@ -67,3 +67,24 @@ def tiny_inverter():
         known_pairs=8,
         known_steps=10,
     )
+
+
+@pytest.fixture(scope="session")
+def news_sft(tmp_path_factory, tokenizer):
+    """A's supervised cloze items: 400 news documents, items of up to 32
+    tokens (the base's context), with test items for the cloze accuracy."""
+    from aisyn.data.corpora import load_corpus
+    from aisyn.data.sft import prepare_sft
+
+    out = tmp_path_factory.mktemp("sft") / "news"
+    prepare_sft(
+        load_corpus("news"),
+        tokenizer,
+        32,
+        out,
+        per_document=2,
+        test_per_document=1,
+        max_documents=400,
+        corpus_specs=["news"],
+    )
+    return out

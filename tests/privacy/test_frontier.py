@@ -17,12 +17,12 @@ from aisyn.train.config import TrainConfig
 
 
 def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
-    tmp_path, base, news_data, reviews_data, tokenizer, tiny_inverter
+    tmp_path, base, news_data, news_sft, reviews_data, tokenizer, tiny_inverter
 ):
     """Two real split runs of the yardstick: undefended, B reads the labels
     from the gradient early and late; under σ = 1 both ways it is down to
     guessing, with a finite ε and the same bytes on the link."""
-    from aisyn.data.cloze import ClozeItem
+    from aisyn.data.sft import SFTData
     from aisyn.eval.cloze import encode_items
     from aisyn.privacy.yardstick import UNDEFENDED, Config, Inputs, measure
     from aisyn.split.calibration import calibrate
@@ -35,8 +35,9 @@ def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
         mcfg=base_model.config,
         base=base,
         data=news_data,
+        sft=news_sft,
         cloze=encode_items(
-            [ClozeItem("今天的新闻", "。", ("很好", "不好"), "很好")], tokenizer, 32
+            SFTData.open(news_sft, "train").test_items()[:2], tokenizer, 32, "prompt"
         ),
         pad_id=tokenizer.pad_id,
         rows=TokenShards.open(news_data, "test").batch(torch.arange(2)),

@@ -24,7 +24,7 @@ from aisyn.split.session import SplitOptions
 
 LINE = re.compile(
     r"default defence: attacks max \d+\.\d % \(guess \d+\.\d %\), inverter \d+\.\d %, "
-    r"gain kept \d+ % \(loss\) / \d+ % \(cloze\), step x\d\.\d\d"
+    r"gain kept (\d+|--) % \(loss\) / (\d+|--) % \(cloze\), step x\d\.\d\d"
 )
 
 
@@ -148,7 +148,7 @@ def test_the_default_is_what_split_train_runs_without_flags():
 
 
 def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_run(
-    tmp_path, base, news_data, reviews_data, tokenizer, tiny_inverter
+    tmp_path, base, news_data, news_sft, reviews_data, tokenizer, tiny_inverter
 ):
     """Real split runs of two configurations on the tiny base: scores on A's
     domain, the attacks (a frozen backbone's backward ones with nothing to
@@ -156,7 +156,7 @@ def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_
     trained run (only the attacks run again)."""
     import torch
 
-    from aisyn.data.cloze import ClozeItem
+    from aisyn.data.sft import SFTData
     from aisyn.data.shards import TokenShards
     from aisyn.eval.cloze import encode_items
     from aisyn.privacy.yardstick import Inputs, measure
@@ -167,12 +167,13 @@ def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_
     base_model, _ = load_run_model(base)
     rows = TokenShards.open(news_data, "test").batch(torch.arange(2))
     public = TokenShards.open(reviews_data, "train").batch(torch.arange(16))
-    items = [ClozeItem("今天的新闻", "。", ("很好", "不好"), "很好")] * 4
+    items = SFTData.open(news_sft, "train").test_items()[:4]
     inputs = Inputs(
         mcfg=base_model.config,
         base=base,
         data=news_data,
-        cloze=encode_items(items, tokenizer, 32, "lm"),
+        sft=news_sft,
+        cloze=encode_items(items, tokenizer, 32, "prompt"),
         pad_id=tokenizer.pad_id,
         rows=rows,
         public_rows=public,
@@ -189,7 +190,8 @@ def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_
         for c in (UNDEFENDED, warm)
     }
     for r in got.values():
-        assert r["loss"] > 0 and 0 <= r["cloze"] <= 1 and r["step_time_s"] > 0
+        assert r["loss"] > 0 and r["text_loss"] > 0 and r["step_time_s"] > 0
+        assert 0 <= r["cloze"] <= 1
     undefended = {
         (a["A_weights"], a["direction"]) for a in got["undefended"]["attacks"]
     }

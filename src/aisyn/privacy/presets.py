@@ -235,13 +235,15 @@ def run_preset(
     )
     base_model, _ = load_run_model(base)
     base_model.eval().requires_grad_(False)
-    items = SFTData.open(cached_sft("news", tok, experiments), "train").test_items()
+    news_sft = cached_sft("news", tok, experiments)
+    items = SFTData.open(news_sft, "train").test_items()
     inputs = Inputs(
         mcfg=base_model.config,
         base=base,
         data=news,
+        sft=news_sft,
         cloze=encode_items(
-            items[: p.cloze_items], tok, base_model.config.seq_len, "lm"
+            items[: p.cloze_items], tok, base_model.config.seq_len, "prompt"
         ),
         pad_id=tok.pad_id,
         rows=rows,

@@ -2,13 +2,12 @@
 fine-tuning matters, and what the compute party still recovers.
 
 The base has never seen A's domain: it is pretrained on the public domain
-only (reviews), and A fine-tunes it on its private text (news) with split
-training. Each configuration of ``aisyn split train`` (a cut defence, a
-frozen backbone, a private warm-up, ...) is one real split run from that
-base; its merged model is scored on A's domain twice -- the LM test loss on
-news text and the accuracy on news's supervised cloze test items (each
-candidate scored by the model's likelihood) -- and its share of the
-undefended run's gain is
+only (reviews), and A fine-tunes it on its private supervised cloze items
+(news) with split training. Each configuration of ``aisyn split train`` (a
+cut defence, a frozen backbone, a private warm-up, ...) is one real split
+run from that base; its merged model is scored on A's domain twice -- the LM
+loss of the answers of A's held-out items and the accuracy on A's cloze test
+items -- and its share of the undefended run's gain is
 
     kept = (base - defended) / (base - undefended)      (loss)
     kept = (defended - base) / (undefended - base)      (cloze accuracy)
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from aisyn.data.sft import SFTData
 from aisyn.data.shards import TokenShards
 from aisyn.eval.cloze import encoded_accuracy
 from aisyn.model.families import ModelConfig
@@ -45,7 +45,7 @@ from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
 from aisyn.train.config import TrainConfig
 from aisyn.train.models import load_run_model
-from aisyn.train.objective import evaluate_loss
+from aisyn.train.objective import evaluate_loss, sft_eval_loss
 from aisyn.train.run import read_metrics, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,9 @@ class Inputs:
 
     mcfg: ModelConfig
     base: Path  # pretrained on public text only
-    data: Path  # A's private token shards (news)
-    cloze: list  # A's supervised cloze test items, encoded ("lm" format)
+    data: Path  # A's private text as token shards (news): the attacked rows' home
+    sft: Path  # A's supervised cloze items (news): what A fine-tunes on
+    cloze: list  # A's cloze test items, encoded in the "prompt" format
     pad_id: int
     rows: torch.Tensor  # A's test rows the attacks read
     public_rows: torch.Tensor  # public rows B fits its decoders on
@@ -155,20 +156,35 @@ class Inputs:
 
 
 def score(model, inputs: Inputs, batch_size: int) -> dict:
-    """A model's LM test loss and cloze accuracy on A's domain."""
+    """A model's scores on A's domain: ``loss``, the LM loss of the answers
+    of A's held-out supervised items (what the fine-tuning optimises);
+    ``cloze``, the accuracy on A's cloze test items; ``text_loss``, the LM
+    loss on A's raw test text (for reference)."""
     model.eval()
+    held_out = SFTData.open(inputs.sft, "valid", verify=False)
+    loss = sft_eval_loss(
+        model,
+        held_out,
+        batch_size=batch_size,
+        max_items=inputs.eval_batches * batch_size,
+    )
+    acc = encoded_accuracy(
+        model, inputs.cloze, fmt="prompt", pad_id=inputs.pad_id, batch_size=batch_size
+    )
     test = TokenShards.open(inputs.data, "test", verify=False)
-    loss = evaluate_loss(
+    text_loss = evaluate_loss(
         model,
         test,
         batch_size=batch_size,
         max_batches=inputs.eval_batches,
         device=torch.device("cpu"),
     )
-    acc = encoded_accuracy(
-        model, inputs.cloze, fmt="lm", pad_id=inputs.pad_id, batch_size=batch_size
-    )
-    return {"loss": loss, "cloze": acc["accuracy"], "chance": acc["chance"]}
+    return {
+        "loss": loss,
+        "cloze": acc["accuracy"],
+        "chance": acc["chance"],
+        "text_loss": text_loss,
+    }
 
 
 def step_time(run: Path) -> float:
@@ -198,10 +214,11 @@ def measure(
         run = out / "run"
         summary = split_train(
             inputs.mcfg,
-            [inputs.data],
+            [inputs.sft],
             run,
             TrainConfig(**{**cfg.to_dict(), "seed": seed}),
             config.options(inputs.cut),
+            sft=True,
             init_from=inputs.base,
             progress=False,
             defence=defence,
@@ -343,7 +360,9 @@ def pct(v: float | None) -> str:
 
 
 def summary_line(row: dict) -> str:
-    """The line ``aisyn privacy audit --preset`` ends with (scripts read it)."""
+    """The line ``aisyn privacy audit --preset`` ends with (scripts read it);
+    a share is "--" where the undefended run gained nothing to keep, and a
+    rate "—" where no such attack had anything to read."""
 
     def kept_pct(v):
         return "--" if v is None else f"{100 * v:.0f}"
