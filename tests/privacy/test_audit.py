@@ -30,14 +30,16 @@ def test_an_embedding_only_cut_gives_the_text_away(
     )
     rows = {(r["B_knows"], r["attack"], r["direction"]): r for r in report["rows"]}
     # white-box x B's knowledge x direction, 4 learned forward, 2 backward,
-    # and the known-plaintext bound
-    assert len(report["rows"]) == 11
+    # the known-plaintext bound, and the base head on B's output
+    assert len(report["rows"]) == 12
     known = rows[("base", "white-box", "forward")]
     assert known["recovery"] >= 0.9
     stranger = rows[("nothing", "white-box", "forward")]
     assert stranger["recovery"] <= stranger["frequent_token"] + 0.1
     labels = rows[("base", "white-box", "backward")]
     assert labels["recovery"] > labels["frequent_token"] + 0.2
+    head = rows[("base", "base head", "backward")]  # no gradient needed
+    assert 0 <= head["recovery"] <= labels["recovery"]
     # the learned decoders, fitted on public text, read the activations too
     # (the MLP in context needs more than these 32 public rows to shine)
     linear = rows[("base", "learned", "forward")]
@@ -53,7 +55,7 @@ def test_an_embedding_only_cut_gives_the_text_away(
     finally:
         plt.close(fig)
     table = list(csv.DictReader((tmp_path / "out" / "audit.csv").open()))
-    assert len(table) == 11 and table[0]["cut"] == "u:0,0"
+    assert len(table) == 12 and table[0]["cut"] == "u:0,0"
     assert json.loads((tmp_path / "out" / "audit.json").read_text())["rows"]
 
 

@@ -144,8 +144,9 @@ def test_nothing_crossed_backward_is_reported_as_such(
     base, news_data, reviews_data, tiny_inverter
 ):
     """A mode where no gradient crosses (``--backbone frozen``): every
-    backward attack reports None by "nothing crossed", the forward ones still
-    measure, and the yardstick counts None as nothing recovered."""
+    backward attack that reads the gradient reports None by "nothing
+    crossed"; the base head, which reads B's own output, still measures what
+    B knows of the labels; the forward attacks measure as before."""
     from aisyn.privacy.frontier import Point, attack_point
     from aisyn.privacy.yardstick import worst
     from aisyn.split import cut_dp as dp
@@ -171,14 +172,17 @@ def test_nothing_crossed_backward_is_reported_as_such(
     )
     # Assert
     back = next(r for r in got if r["direction"] == "backward")
-    assert back["recovery"] is None and back["best_attack"] == "nothing crossed"
+    assert back["best_attack"] == "base head"
     per_attack = {k: v for k, v in back.items() if k.startswith("recovery_")}
     assert set(per_attack) == {
         "recovery_white-box",
+        "recovery_base head",
         "recovery_learned",
         "recovery_similarity",
     }
-    assert all(v is None for v in per_attack.values())
+    gradient_read = {k: v for k, v in per_attack.items() if k != "recovery_base head"}
+    assert all(v is None for v in gradient_read.values())
+    assert back["recovery"] == per_attack["recovery_base head"] is not None
     front = next(r for r in got if r["direction"] == "forward")
     assert front["recovery"] is not None and front["best_attack"] != "nothing crossed"
     assert {"recovery_sequence inverter", "recovery_known plaintext"} <= set(front)
@@ -209,7 +213,8 @@ def test_the_audit_reports_nothing_crossed_where_no_gradient_does(
     tmp_path, base, news_data, reviews_data, tiny_inverter, monkeypatch
 ):
     """The audit's own report (table, csv and plot) where A returns no
-    gradient: every backward row says "nothing crossed", none crashes."""
+    gradient: every backward row that reads the gradient says "nothing
+    crossed", none crashes; the base head on B's own output still reads."""
     import aisyn.privacy.audit as audit_module
     from aisyn.privacy.audit import AuditSettings, audit
 
@@ -231,8 +236,9 @@ def test_the_audit_reports_nothing_crossed_where_no_gradient_does(
         ),
     )
     back = [r for r in report["rows"] if r["direction"] == "backward"]
-    assert len(back) == 4  # white-box x B's knowledge, learned, similarity
-    assert all(r["recovery"] is None for r in back)
+    # white-box x B's knowledge, learned, similarity; and the base head
+    assert len(back) == 5
+    assert all((r["recovery"] is None) == (r["attack"] != "base head") for r in back)
     front = [r for r in report["rows"] if r["direction"] == "forward"]
     assert all(r["recovery"] is not None for r in front)
     table = (tmp_path / "out" / "audit.md").read_text()

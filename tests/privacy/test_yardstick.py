@@ -200,7 +200,8 @@ def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_
     assert {a["A_weights"] for a in frozen} == {"trained (late)"}
     back = [a for a in frozen if a["direction"] == "backward"]
     assert back and all(
-        a["recovery"] is None and a["best_attack"] == "nothing crossed" for a in back
+        a["recovery_white-box"] is None and a["best_attack"] == "base head"
+        for a in back
     )
     scored = tmp_path / "undefended" / "scores.json"
     before = scored.stat().st_mtime_ns

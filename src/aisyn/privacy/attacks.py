@@ -101,6 +101,15 @@ def infer_labels(
     return z.detach().argmax(-1)
 
 
+@torch.no_grad()
+def base_head_labels(model: CausalLM, out: torch.Tensor, blocks: range) -> torch.Tensor:
+    """Label guesses (B, T) from B's output ``out`` alone: ``model``'s back
+    ``blocks`` and head on it, the most likely next token -- what B knows of
+    the labels with no gradient at all (in LM fine-tuning they are the next
+    inputs, so the forward channel carries them too)."""
+    return back_logits(model, out, blocks).argmax(-1)
+
+
 def _match_step(model, h, target, z, opt, blocks) -> None:
     """One step of ``infer_labels``: move the soft labels ``z`` so that their
     loss gradient at ``h`` turns towards ``target``, position by position."""

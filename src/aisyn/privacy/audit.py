@@ -35,6 +35,7 @@ from aisyn.model.families import build_model
 from aisyn.model.segments import Partition, parse_partition
 from aisyn.privacy.attacks import (
     LearnedDecoder,
+    base_head_labels,
     context_decoder,
     frequent_token_rate,
     infer_labels,
@@ -303,6 +304,9 @@ def audit(
                         attacker, seen.out, seen.grad, back, steps=s.steps
                     )
                 add(cut, weights, knows, "white-box", "backward", guess, seen)
+            # no gradient needed: B's own output through the base's head
+            guess = base_head_labels(base_model, seen.out, back)
+            add(cut, weights, "base", "base head", "backward", guess, seen)
             if learned is None:  # B's decoders, fitted once per cut on public text
                 public_seen = public_crossing(base_model, pub_rows, cut, len(rows))
                 more = (

@@ -21,6 +21,7 @@ import torch
 from aisyn.model.causal_lm import CausalLM
 from aisyn.model.segments import parse_partition
 from aisyn.privacy.attacks import (
+    base_head_labels,
     frequent_token_rate,
     infer_labels,
     invert_activations,
@@ -131,7 +132,8 @@ def attack_point(
     such bound); ``more_public``: further public rows for the inverter and
     the similarity references only. A direction in which nothing crossed
     reports recovery None, by "nothing crossed": with ``gradient_crosses``
-    False (``split train --backbone frozen``), the backward one."""
+    False (``split train --backbone frozen``), every backward attack but the
+    base head's, which reads only B's own output."""
     partition = parse_partition(point.cut, base_model.config)
     first, _, back = blocks_of(partition)
     # B's decoders, fitted on public text sent through the same mechanism, in
@@ -170,6 +172,14 @@ def attack_point(
             ("white-box", "backward"): None
             if seen.grad is None
             else infer_labels(base_model, seen.out, seen.grad, back, steps=steps),
+            # B's own output, which it always has, through the base's back
+            # blocks and head: the next token as B's best model of A would
+            # predict it. No gradient needed: with none crossing, this is
+            # what B still knows of the labels (in LM fine-tuning the labels
+            # are the next inputs).
+            ("base head", "backward"): None
+            if seen.out is None
+            else base_head_labels(base_model, seen.out, back),
             **decoded({**learned, **known}, seen),
         }
         for direction, truth in (("forward", seen.inputs), ("backward", seen.labels)):
