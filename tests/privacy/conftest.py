@@ -54,19 +54,10 @@ def base(tmp_path_factory, news_data, reviews_data):
 @pytest.fixture(scope="session")
 def tiny_inverter():
     """B's sequence inverter and known-plaintext bound at their smallest: the
-    audit's pieces run, in a second or so."""
-    from aisyn.privacy.inverters import InverterSettings
+    audit's pieces run, in a second or so (the ci preset's)."""
+    from aisyn.privacy.presets import AUDIT_PRESETS
 
-    return InverterSettings(
-        width=32,
-        layers=1,
-        heads=2,
-        steps=20,
-        lr=3e-3,
-        batch=4,
-        known_pairs=8,
-        known_steps=10,
-    )
+    return AUDIT_PRESETS["ci"].inverter
 
 
 @pytest.fixture(scope="session")
