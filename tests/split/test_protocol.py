@@ -175,6 +175,10 @@ def test_client_without_certificate_is_refused(served):
         ({"a_steps": [7]}, "no checkpoint step both parties have"),
         ({"resume": False}, "already has checkpoints"),
         ({"train": {"lr": -1}}, "lr must be positive"),
+        ({"backbone": "melted"}, "unknown backbone"),
+        ({"backbone": float("nan")}, "unknown backbone"),
+        # a frozen backbone needs a base, and this compute party has none
+        ({"backbone": "frozen"}, "frozen backbone runs the base"),
     ],
 )
 def test_bad_hello_is_refused_with_the_reason(served, change, match):
