@@ -80,3 +80,38 @@ def test_a_cut_the_model_cannot_have_is_one_line(
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "party B would hold no block" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_under_a_forward_defence_b_sees_its_blocks_on_what_crossed(tiny_config):
+    """The attacks read what a split run would give B: its blocks' output on
+    the defended activations, and the gradient of A's loss with A's own
+    residual stream put back (DataSession._restore), not the clean run's."""
+    import torch
+    import torch.nn.functional as F
+
+    from aisyn.model.families import build_model
+    from aisyn.model.segments import parse_partition
+    from aisyn.split.calibration import back_logits, blocks_of, cut_traffic, front
+
+    model = build_model(tiny_config, seed=3).eval()
+    partition = parse_partition("u:1,0", tiny_config)
+    rows = torch.randint(0, tiny_config.vocab_size, (2, 9))
+    noise = torch.randn(2, 8, tiny_config.hidden_size)
+    sent, out, grad = cut_traffic(model, rows, partition, send=lambda h: h + noise)
+    # by hand: the clean front, B's blocks on what was sent, the restored loss
+    first, middle, back = blocks_of(partition)
+    with torch.no_grad():
+        clean = front(model, model.embed(rows[:, :-1]), first)
+    torch.testing.assert_close(sent, clean + noise)
+    y = front(model, sent, middle).detach().requires_grad_(True)
+    torch.testing.assert_close(out, y.detach())
+    logits = back_logits(model, y + noise.neg(), back)
+    loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+    (want,) = torch.autograd.grad(loss, y)
+    torch.testing.assert_close(grad, want)
+    # no defence: the same traffic as the clean run's
+    plain = cut_traffic(model, rows, partition)
+    same = cut_traffic(model, rows, partition, send=lambda h: h)
+    for a, b in zip(plain, same, strict=True):
+        torch.testing.assert_close(a, b)
+    assert not torch.allclose(plain[1], out)

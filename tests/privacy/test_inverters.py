@@ -98,15 +98,21 @@ def test_under_noise_far_above_the_signal_the_inverter_falls_to_guessing(materia
     """B fits on public text through the same mechanism (Gaussian noise of
     50 clipping bounds per row), as the frontier does, and gets no more than
     the frequent token."""
-    from aisyn.privacy.frontier import protected
+    from dataclasses import replace
+
+    from aisyn.privacy.frontier import mechanism
     from aisyn.split import cut_dp as dp
     from aisyn.split.calibration import calibrate
 
     # Prepare: the clip calibrated on the public rows, as for a real run
     clip = calibrate(material["model"], material["public_rows"], CUT, 8).forward
-    defence = dp.CutDefence(forward=dp.Gaussian(clip, 50.0))
-    public = protected(material["public"], defence)
-    seen = protected(material["attacked"], defence)
+    forward, backward = mechanism(dp.CutDefence(forward=dp.Gaussian(clip, 50.0)))
+    assert backward is None  # the gradient crosses in the clear
+    public = replace(material["public"], acts=forward(material["public"].acts))
+    seen = replace(material["attacked"], acts=forward(material["attacked"].acts))
+    # two draws of the mechanism are two draws of noise
+    acts = material["attacked"].acts
+    assert not torch.equal(forward(acts), forward(acts))
     # Execute
     inverter = _inverter(public).fit(public.acts, public.inputs, **FIT)
     # Assert
@@ -220,8 +226,8 @@ def test_the_audit_reports_nothing_crossed_where_no_gradient_does(
 
     real = audit_module.crossing
 
-    def no_gradient(model, rows, partition):
-        c = real(model, rows, partition)
+    def no_gradient(model, rows, partition, send=None):
+        c = real(model, rows, partition, send)
         return Crossing(c.inputs, c.labels, c.acts, c.out, None)
 
     monkeypatch.setattr(audit_module, "crossing", no_gradient)

@@ -4,10 +4,12 @@ and which configuration is ``aisyn split train``'s default."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
+from aisyn.privacy.frontier import ATTACKS_EDITION
 from aisyn.privacy.yardstick import (
     UNDEFENDED,
     Config,
@@ -135,16 +137,29 @@ def test_with_none_passing_the_best_trade_is_the_highest_dcs():
 
 
 def test_the_default_is_what_split_train_runs_without_flags():
-    assert is_default(Config("x", **{
+    from aisyn.split.cut_dp import Recommended, defence_from_flags
+
+    # split train with no flag: its options' defaults, the recommended noise
+    assert isinstance(defence_from_flags(), Recommended)
+    assert is_default(Config("x", forward=0.1, backward=0.3, **{
         k: getattr(SplitOptions(), k)
         for k in ("backbone", "front_via", "emulator_blocks", "private_warmup")
     }))  # fmt: skip
+    assert not is_default(UNDEFENDED)
     assert not is_default(Config("y", forward=0.1))
+    assert not is_default(Config("z", forward=0.1, backward=0.3, private_warmup=2))
     assert Config("r", forward=0.1, backward=0.3).flags == "--defence recommended"
     assert Config("w", backbone="frozen", private_warmup=5).flags == (
-        "--backbone frozen --private-warmup 5"
+        "--backbone frozen --private-warmup 5 --defence none"
+    )
+    # with a frozen backbone the default noises the activations alone
+    assert Config("f", backbone="frozen", forward=0.1).flags == (
+        "--backbone frozen --defence recommended"
     )
     assert UNDEFENDED.flags == "--defence none"
+    bottleneck = Config("b", backward=0.3, bottleneck_floor=16, bottleneck_beta=0.1)
+    assert bottleneck.flags == "--bottleneck-floor 16 --bottleneck-beta 0.1"
+    assert not is_default(bottleneck)
 
 
 def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_run(
@@ -153,7 +168,7 @@ def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_
     """Real split runs of two configurations on the tiny base: scores on A's
     domain, the attacks (a frozen backbone's backward ones with nothing to
     read, a warmed-up run attacked only late), and a second call reusing the
-    trained run (only the attacks run again)."""
+    trained run and its attacks (unless the attacks' edition changed)."""
     import torch
 
     from aisyn.data.sft import SFTData
@@ -204,7 +219,15 @@ def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_
         for a in back
     )
     scored = tmp_path / "undefended" / "scores.json"
-    before = scored.stat().st_mtime_ns
+    attacked = tmp_path / "undefended" / "attacks.json"
+    before = scored.stat().st_mtime_ns, attacked.stat().st_mtime_ns
     again = measure(UNDEFENDED, 7, inputs, clips, cfg, tmp_path / "undefended")
-    assert scored.stat().st_mtime_ns == before
-    assert again["loss"] == got["undefended"]["loss"]
+    assert (scored.stat().st_mtime_ns, attacked.stat().st_mtime_ns) == before
+    assert again == got["undefended"]  # trained, scored and attacked once
+    # attacks of another edition (or other settings) run again
+    saved = json.loads(attacked.read_text())
+    saved["key"]["edition"] -= 1
+    attacked.write_text(json.dumps(saved))
+    measure(UNDEFENDED, 7, inputs, clips, cfg, tmp_path / "undefended")
+    assert json.loads(attacked.read_text())["key"]["edition"] == ATTACKS_EDITION
+    assert scored.stat().st_mtime_ns == before[0]

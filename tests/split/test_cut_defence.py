@@ -17,7 +17,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from aisyn.split import cut_dp as dp
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
-from aisyn.train.run import read_metrics
+from aisyn.train.run import RunDir, read_metrics
 
 
 def test_clip_rows_bounds_each_row_and_keeps_small_ones():
@@ -283,7 +283,9 @@ def test_a_named_defence_is_the_request_it_names():
     with pytest.raises(ValueError, match="delta must be positive"):
         dp.Recommended(0.0)
     assert dp.defence_from_flags(named="none") == dp.CutDefence()
-    assert dp.defence_from_flags() == dp.CutDefence()
+    # no flag at all: the safe default, which a resume does not second-guess
+    assert dp.defence_from_flags() == dp.Recommended(implied=True)
+    assert dp.defence_from_flags(delta=1e-6) == dp.Recommended(1e-6, implied=True)
 
 
 def _split_cli(tmp_path, news_data, split_config, out, *flags):
@@ -304,12 +306,13 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
 
 
-def test_defence_recommended_is_the_run_of_the_equivalent_flags(
+def test_the_default_defence_is_the_recommended_one_and_the_run_of_its_flags(
     tmp_path, news_data, split_config, caplog, monkeypatch
 ):
-    """--defence recommended calibrates at the run's start (the seeded init)
-    on the built-in public text, as train.dp_calibration does for `privacy
-    calibrate`, and then runs exactly what the printed --dp-* flags run."""
+    """With no defence flag, split train runs --defence recommended: it
+    calibrates at the run's start (the seeded init) on the built-in public
+    text, as train.dp_calibration does for `privacy calibrate`, and then runs
+    exactly what the printed --dp-* flags run."""
     import aisyn.split.defence
 
     # 16 public rows instead of 256: two calibration steps keep the test fast
@@ -319,11 +322,9 @@ def test_defence_recommended_is_the_run_of_the_equivalent_flags(
     from aisyn.split.calibration import calibrate, public_rows
 
     caplog.set_level(logging.INFO)
-    # Execute: the named defence
-    named = tmp_path / "named"
-    assert _split_cli(
-        tmp_path, news_data, split_config, named, "--defence", "recommended"
-    ) in (0, None)
+    # Execute: no defence flag at all
+    named = tmp_path / "default"
+    assert _split_cli(tmp_path, news_data, split_config, named) in (0, None)
     # Assert: the recommended noise, the bounds of the public text at the start
     used = dp.CutDefence.from_dict(
         json.loads((named / "config.json").read_text())["cut_defence"]
@@ -365,15 +366,15 @@ def test_an_undefended_run_says_at_start_what_it_exposes(
     tmp_path, news_data, split_config, caplog
 ):
     out = tmp_path / "open"
-    assert _split_cli(tmp_path, news_data, split_config, out, "--steps", "1") in (
-        0,
-        None,
-    )
+    argv = ["--steps", "1", "--defence", "none"]
+    assert _split_cli(tmp_path, news_data, split_config, out, *argv) in (0, None)
     warnings = _warnings(caplog)
-    [line] = [w for w in warnings if w.startswith("no cut defence")]
+    line = warnings[0]  # the first thing it says
+    assert line.startswith("--defence none: no cut defence")
     assert "\n" not in line
     assert "68% of the input tokens and 96% of the labels" in line
-    assert "--defence recommended" in line
+    assert "leave --defence out for the default" in line
+    assert RunDir(out).read_config()["cut_defence"] == dp.CutDefence().to_dict()
     # its small seed is guessable: the warning says what that costs, noise too
     [seed] = [w for w in warnings if w.startswith("--seed 11")]
     assert "cut defence's noise, which is drawn from the seed" in seed
@@ -416,3 +417,7 @@ def test_a_resumed_recommended_run_keeps_the_bounds_it_started_with(tmp_path):
     RunDir(tmp_path / "open").create({"cut_defence": None}, resume=False)
     with pytest.raises(ValueError, match="trained with cut defence none"):
         recorded_defence(dp.Recommended(), tmp_path / "open")
+    # no defence flag on --resume: the run keeps the defence it started with
+    implied = dp.Recommended(implied=True)
+    assert recorded_defence(implied, tmp_path / "open") == dp.CutDefence()
+    assert recorded_defence(implied, tmp_path / "run") == started

@@ -66,6 +66,8 @@ def train_args(cfg_json: Path, data: Path, out: Path) -> list[str]:
         "--device",
         "cpu",
         "--quiet",
+        "--defence",  # the uninterrupted run it is held to is undefended
+        "none",
     ]
 
 

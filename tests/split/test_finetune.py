@@ -373,24 +373,45 @@ def test_a_bad_lora_hello_is_refused(tmp_path, ft_config, base, lora, message):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-def test_the_recommended_defence_is_refused_for_split_fine_tuning(
-    tmp_path, ft_config, base, sft_dir
+def test_split_fine_tuning_runs_the_recommended_defence_calibrated_at_the_base(
+    tmp_path, ft_config, base, sft_dir, monkeypatch
 ):
-    """Its bounds are calibrated on pre-training rows, whose gradient scale an
-    SFT loss (answer tokens only) does not share: refused, before any file."""
-    from aisyn.split import cut_dp as dp
+    """The default defence of `split train --sft`: the bounds are measured on
+    the built-in public text through the base the run starts from (what the
+    privacy yardstick measures for fine-tuning, docs/privacy.md), and the run
+    is accounted."""
+    import json
 
-    with pytest.raises(ValueError, match="--defence recommended is calibrated") as e:
-        split_train(
-            ft_config,
-            [sft_dir],
-            tmp_path / "run",
-            ft_cfg(),
-            SplitOptions(cut=CUT, mode="local"),
-            sft=True,
-            init_from=base,
-            progress=False,
-            defence=dp.Recommended(),
-        )
-    assert "\n" not in str(e.value)
-    assert not (tmp_path / "run").exists()
+    import aisyn.split.defence
+    from aisyn.data.sft import SFTData
+    from aisyn.data.tokenizer import open_tokenizer
+    from aisyn.split import cut_dp as dp
+    from aisyn.split.calibration import calibrate, public_rows
+    from aisyn.train.models import load_run_model
+
+    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)  # fast
+    out = tmp_path / "run"
+    summary = split_train(
+        ft_config,
+        [sft_dir],
+        out,
+        ft_cfg(),
+        SplitOptions(cut=CUT, mode="local"),
+        sft=True,
+        init_from=base,
+        progress=False,
+        defence=dp.Recommended(implied=True),
+    )
+    used = dp.CutDefence.from_dict(RunDir(out).read_config()["cut_defence"])
+    assert dp.Recommended().matches(used)
+    meta = json.loads((sft_dir / "manifest.json").read_text())["tokenizer"]
+    model, _ = load_run_model(base)
+    seq_len = SFTData.open(sft_dir, "train").seq_len
+    rows = public_rows(open_tokenizer(sft_dir / meta["file"], meta), seq_len, 16)
+    batch = ft_cfg().batch_size
+    clips = calibrate(model.eval().requires_grad_(False), rows, CUT, batch)
+    assert (used.forward.clip, used.backward.clip) == pytest.approx(
+        (clips.forward, clips.backward), rel=1e-5
+    )
+    eps = summary["privacy"]["dp_epsilon"]
+    assert eps is not None and 0 < eps < float("inf")

@@ -18,7 +18,13 @@ from aisyn.link import memory as memory_link
 from aisyn.link.errors import HandshakeError
 from aisyn.model.segments import parse_partition, segments_of
 from aisyn.split import party as party_mod
-from aisyn.split.cut_dp import CutDefence, Gaussian, Recommended
+from aisyn.split.cut_dp import (
+    RECOMMENDED,
+    CutDefence,
+    Gaussian,
+    Recommended,
+    undefended_warning,
+)
 from aisyn.split.emulator import emulated_blocks
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
@@ -222,7 +228,6 @@ def test_a_frozen_run_resumes_to_the_uninterrupted_losses(
     [
         (dict(init_from=None), "needs|give --init-from"),
         (dict(compute_method=Method("lora")), "--compute-method lora has nothing"),
-        (dict(defence=Recommended()), "no gradient crosses the cut"),
         (
             dict(defence=CutDefence(backward=Gaussian(1.0, 0.1))),
             "leave out --dp-backward",
@@ -347,9 +352,12 @@ def test_a_warm_up_is_refused_where_it_cannot_run(
 
 
 def test_the_command_line_runs_it_and_says_which_channel_is_open(
-    tmp_path, news_data, split_config, base, caplog
+    tmp_path, news_data, split_config, base, caplog, monkeypatch
 ):
+    import aisyn.split.defence
     from aisyn.cli import main
+
+    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)  # fast
 
     model = tmp_path / "model.json"
     model.write_text(json.dumps(split_config.to_dict()))
@@ -359,9 +367,18 @@ def test_the_command_line_runs_it_and_says_which_channel_is_open(
     argv += ["--init-from", str(base), "--backbone", "frozen", "--private-warmup", "2"]
     assert main(argv) in (0, None)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    [line] = [w for w in warnings if w.startswith("no cut defence")]
-    assert "from them" in line and "no gradient crosses" in line
+    assert not any("no cut defence" in w for w in warnings)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
+    # the default defence: the recommended noise on the activations alone, as
+    # no gradient crosses to noise
+    defence = CutDefence.from_dict(config["cut_defence"])
+    assert defence.forward.noise == RECOMMENDED.forward and defence.forward.clip > 0
+    assert defence.backward is None
+    assert Recommended(gradient=False).matches(defence)
+    assert not Recommended().matches(defence)
+    # and --defence none says which channel it leaves open
+    line = undefended_warning(frozen_backbone=True)
+    assert line.startswith("--defence none") and "no gradient crosses" in line
     assert config["split"]["backbone"] == "frozen"
     assert config["split"]["private_warmup"] == 2
     assert (tmp_path / "run" / "warmup.json").is_file()

@@ -295,7 +295,7 @@ def test_kill_9_mid_run_then_resume_on_one_process(
                 str(c.batch_size), "--micro-batch-size", str(c.micro_batch_size),
                 "--lr", str(c.lr), "--warmup", str(c.warmup_steps), "--seed",
                 str(c.seed), "--ckpt-every", "5", "--log-every", "1",
-                "--quiet"]  # fmt: skip
+                "--quiet", "--defence", "none"]  # fmt: skip
         data_party = subprocess.Popen(
             [sys.executable, "-m", "aisyn.cli", *args],
             env={**os.environ, "AISYN_SPLIT_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},

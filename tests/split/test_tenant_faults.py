@@ -66,7 +66,9 @@ def train_args(cfg_json: Path, data: Path, out: Path, peer) -> list[str]:
         "--tls-ca": peer.tls_ca,
         "--token-file": peer.token_file,
     }
+    # held to an undefended solo run
     args = [sys.executable, "-m", "aisyn.cli", "split", "train", "--quiet"]
+    args += ["--defence", "none"]
     for flag, value in flags.items():
         args += [flag, str(value)]
     return args

@@ -78,20 +78,28 @@ class Crossing:
     grad: torch.Tensor | None  # (B, T, C) gradient of the loss w.r.t. ``out``
 
 
-def crossing(model: CausalLM, rows: torch.Tensor, partition: Partition) -> Crossing:
-    """One step's traffic of a split run of ``model`` on ``rows`` (B, T+1)."""
-    acts, out, grad = cut_traffic(model, rows, partition)
+def crossing(
+    model: CausalLM, rows: torch.Tensor, partition: Partition, send=None
+) -> Crossing:
+    """One step's traffic of a split run of ``model`` on ``rows`` (B, T+1);
+    ``send``: the forward defence (``cut_traffic``), B's output and the
+    gradient then those of what crossed."""
+    acts, out, grad = cut_traffic(model, rows, partition, send=send)
     return Crossing(rows[:, :-1], rows[:, 1:], acts, out, grad)
 
 
 def public_crossing(
-    model: CausalLM, rows: torch.Tensor, partition: Partition, batch: int = 32
+    model: CausalLM,
+    rows: torch.Tensor,
+    partition: Partition,
+    batch: int = 32,
+    send=None,
 ) -> Crossing:
     """B's training material for the learned decoders: public rows run through
     the model B knows, as A's would be, ``batch`` rows at a time."""
     return concat(
         [
-            crossing(model, rows[i : i + batch], partition)
+            crossing(model, rows[i : i + batch], partition, send)
             for i in range(0, len(rows), batch)
         ]
     )

@@ -12,6 +12,7 @@ yardstick (``yardstick.py``) runs it on every configuration it measures.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 from dataclasses import dataclass, replace
@@ -38,6 +39,7 @@ from aisyn.privacy.audit import (
 )
 from aisyn.privacy.inverters import InverterSettings
 from aisyn.split import cut_dp as dp
+from aisyn.split.bottleneck import Bottleneck
 from aisyn.split.calibration import Clips, blocks_of
 
 log = logging.getLogger(__name__)
@@ -95,19 +97,34 @@ def defence_for(point: Point, clips: Clips) -> dp.CutDefence:
     return dp.CutDefence()
 
 
-def protected(c: Crossing, defence: dp.CutDefence) -> Crossing:
-    """What B receives of ``c`` under ``defence`` (noise B does not know);
-    a direction in which nothing crossed stays None."""
+def mechanism(defence: dp.CutDefence, bottleneck: Bottleneck | None = None):
+    """(forward, backward): the functions that turn what A would send into
+    what B receives under ``defence`` (with its trained ``bottleneck``, if it
+    has one), with noise B does not know (a fresh secret, and fresh draws at
+    every call); None for a direction that crosses in the clear."""
     if not defence.active:
-        return c
-    guard = dp.CutGuard(defence, secrets.randbits(63))
-    return Crossing(
-        c.inputs,
-        c.labels,
-        None if c.acts is None else guard.activations(c.acts, "audit"),
-        c.out,
-        None if c.grad is None else guard.gradient(c.grad, "audit"),
+        return None, None
+    guard = dp.CutGuard(defence, secrets.randbits(63), bottleneck)
+    draws = itertools.count()
+    forward = (
+        defence.forward is not None
+        or defence.embedding_dp is not None
+        or defence.bottleneck is not None
     )
+    return (
+        (lambda h: guard.activations(h, "audit", next(draws))) if forward else None,
+        (lambda g: guard.gradient(g, "audit", next(draws)))
+        if defence.backward is not None
+        else None,
+    )
+
+
+#: The attacks' edition: bump it whenever an attack changes what it can
+#: recover (a new attack, a stronger fit), so that results saved by an older
+#: edition (the yardstick's ``attacks.json``) are not reused on --resume.
+# 2: the base head's label attack on B's own output; 3: B's output and the
+# gradient of what crossed (forward noise), not of A's clean activations
+ATTACKS_EDITION = 3
 
 
 def attack_point(
@@ -123,6 +140,7 @@ def attack_point(
     known_rows: torch.Tensor | None = None,
     more_public: torch.Tensor | None = None,
     gradient_crosses: bool = True,
+    bottleneck: Bottleneck | None = None,
 ) -> list[dict]:
     """Best recovery per direction, for each of A's weights in ``victims``,
     by a B that knows the base's weights and the mechanism. ``inverter``:
@@ -133,7 +151,8 @@ def attack_point(
     the similarity references only. A direction in which nothing crossed
     reports recovery None, by "nothing crossed": with ``gradient_crosses``
     False (``split train --backbone frozen``), every backward attack but the
-    base head's, which reads only B's own output."""
+    base head's, which reads only B's own output. ``bottleneck``: the run's
+    trained bottleneck, which ``defence`` names."""
     partition = parse_partition(point.cut, base_model.config)
     first, _, back = blocks_of(partition)
     # B's decoders, fitted on public text sent through the same mechanism, in
@@ -141,29 +160,28 @@ def attack_point(
     # clipping and noise act on, is 1 / the tokens of a step).
     step = len(rows)
 
-    def sent(c: Crossing) -> Crossing:
-        """What B receives of ``c``: through the mechanism, and no gradient
-        at all where none crosses."""
-        c = protected(c, defence)
-        return c if gradient_crosses else replace(c, grad=None)
+    forward, backward = mechanism(defence, bottleneck)
 
-    pub = sent(public_crossing(base_model, public, partition, step))
-    more = (
-        None
-        if more_public is None
-        else sent(public_crossing(base_model, more_public, partition, step))
-    )
+    def sent(c: Crossing) -> Crossing:
+        """What B receives of ``c`` (its activations already through the
+        forward mechanism): the gradient through the backward one, or none
+        at all where none crosses."""
+        if not gradient_crosses:
+            return replace(c, grad=None)
+        return c if backward is None else replace(c, grad=backward(c.grad))
+
+    def public_sent(model: CausalLM, rows: torch.Tensor) -> Crossing:
+        return sent(public_crossing(model, rows, partition, step, forward))
+
+    pub = public_sent(base_model, public)
+    more = None if more_public is None else public_sent(base_model, more_public)
     learned = learned_decoders(
         pub, base_model.config.vocab_size, inverter, more_public=more
     )
     out = []
     for weights, victim in victims.items():
-        seen = sent(crossing(victim, rows, partition))
-        own = (
-            None
-            if known_rows is None
-            else sent(public_crossing(victim, known_rows, partition, step))
-        )
+        seen = sent(crossing(victim, rows, partition, forward))
+        own = None if known_rows is None else public_sent(victim, known_rows)
         known = known_plaintext_decoder(learned, own, inverter)
         got = {
             ("white-box", "forward"): None

@@ -82,6 +82,14 @@ class AuditPreset:
     inverter: InverterSettings = field(default_factory=InverterSettings)
 
 
+#: The trained bottleneck measured (not tuned): a floor of 16 lets at most
+#: H/2 · log(1 + 1/16²) ≈ 0.5 nats per token cross at hidden size 256 (a
+#: token of 8 000 needs 9), and a capacity term weighing a tenth of a nat
+#: per nat: enough to move σ against the loss's pull, not to swamp it.
+BOTTLENECK_FLOOR = 16.0
+BOTTLENECK_BETA = 0.1
+
+
 def _noise(name: str, forward: float, backward: float, **kw) -> Config:
     return Config(name, forward=forward, backward=backward, **kw)
 
@@ -105,6 +113,12 @@ AUDIT_PRESETS = {
             _noise("noise", RECOMMENDED.forward, RECOMMENDED.backward),
             Config("frozen backbone", backbone="frozen"),
             Config("frozen + warm-up", backbone="frozen", private_warmup=3),
+            Config(
+                "bottleneck",
+                backward=RECOMMENDED.backward,
+                bottleneck_floor=BOTTLENECK_FLOOR,
+                bottleneck_beta=BOTTLENECK_BETA,
+            ),
         ),
         seeds=(0, 1),
         candidate="frozen + warm-up",
@@ -135,17 +149,24 @@ AUDIT_PRESETS = {
         # cut audit adds no block on A, and B knowing nothing
         cuts=("u:0,0", "u:1,1"),
         cut="u:1,1",
-        # the reference and the candidate first (the table is written after
-        # each configuration), then each mechanism alone and combined
+        # the reference and the default first (the table is written after
+        # each configuration), then the combinations, then each mechanism alone
         configs=(
             UNDEFENDED,
-            Config("frozen + warm-up", backbone="frozen", private_warmup=200),
-            Config("frozen backbone", backbone="frozen"),
-            Config(
-                "frozen backbone, front frozen", backbone="frozen", front_via="frozen"
-            ),
-            Config("warm-up", private_warmup=200),
             _noise("noise (recommended σ)", RECOMMENDED.forward, RECOMMENDED.backward),
+            Config(
+                "bottleneck + gradient noise",
+                backward=RECOMMENDED.backward,
+                bottleneck_floor=BOTTLENECK_FLOOR,
+                bottleneck_beta=BOTTLENECK_BETA,
+            ),
+            Config(
+                "frozen + warm-up + bottleneck",
+                backbone="frozen",
+                private_warmup=200,
+                bottleneck_floor=BOTTLENECK_FLOOR,
+                bottleneck_beta=BOTTLENECK_BETA,
+            ),
             _noise(
                 "frozen + warm-up + forward noise",
                 0.1,
@@ -153,9 +174,14 @@ AUDIT_PRESETS = {
                 backbone="frozen",
                 private_warmup=200,
             ),
+            Config("frozen + warm-up", backbone="frozen", private_warmup=200),
+            Config("frozen backbone", backbone="frozen"),
+            Config(
+                "frozen backbone, front frozen", backbone="frozen", front_via="frozen"
+            ),
+            Config("warm-up", private_warmup=200),
         ),
         seeds=(0, 1),
-        candidate="frozen + warm-up",
         model="small",
         seq_len=64,
         pretrain_steps=1000,
@@ -273,19 +299,23 @@ def run_preset(
         "seeds": seeds,
         "runs": results,
     }
-    # every configuration over the first seed, then the further seeds of the
-    # undefended run, the default and the candidate: a long preset's first
-    # table already holds every configuration
-    order = [(n, c, seeds[0]) for n, c in enumerate(p.configs)]
+    # every seed of the undefended run and the default first (the summary
+    # line's: a long preset's first tables already hold it), then the
+    # candidate's, then every other configuration over the first seed
+    first = [
+        (n, c) for n, c in enumerate(p.configs) if c == UNDEFENDED or is_default(c)
+    ]
+    candidate = [(n, c) for n, c in enumerate(p.configs) if c.name == p.candidate]
+    order = [(n, c, s) for n, c in first for s in seeds]
+    order += [(n, c, s) for n, c in candidate for s in seeds]
     order += [
-        (n, c, s)
-        for s in seeds[1:]
+        (n, c, seeds[0])
         for n, c in enumerate(p.configs)
-        if c == UNDEFENDED or is_default(c) or c.name == p.candidate
+        if (n, c) not in first and (n, c) not in candidate
     ]
     for n, c, s in order:
         log.info("configuration %d/%d: %s, seed %d", n + 1, len(p.configs), c.name, s)
-        r = measure(c, s, inputs, clips, cfg, out / "runs" / f"{n:02d}-{s}")
+        r = measure(c, s, inputs, clips, cfg, out / "runs" / c.folder(s))
         results.setdefault(c.name, []).append({"seed": s, **r})
         log.info("%s", {k: v for k, v in r.items() if k != "attacks"})
         # the table so far: a long preset's first rows are readable at once
@@ -305,7 +335,7 @@ def run_preset(
         reviews,
         out / "cuts",
         list(p.cuts),
-        trained=out / "runs" / f"00-{seeds[0]}" / "merged",
+        trained=out / "runs" / UNDEFENDED.folder(seeds[0]) / "merged",
         settings=AuditSettings(
             samples=p.samples,
             public_samples=p.public_samples,

@@ -25,9 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,14 +36,16 @@ import torch
 from aisyn.data.sft import SFTData
 from aisyn.data.shards import TokenShards
 from aisyn.eval.cloze import encoded_accuracy
-from aisyn.model.families import ModelConfig
-from aisyn.privacy.frontier import Point, attack_point, defence_for
+from aisyn.model.families import ModelConfig, config_from_dict
+from aisyn.privacy.frontier import ATTACKS_EDITION, Point, attack_point, defence_for
 from aisyn.privacy.inverters import InverterSettings
+from aisyn.split.bottleneck import RHO_START, Bottleneck, BottleneckSpec
 from aisyn.split.calibration import Clips
-from aisyn.split.cut_dp import RECOMMENDED
+from aisyn.split.cut_dp import RECOMMENDED, CutDefence
 from aisyn.split.merge import merge
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
 from aisyn.split.train import split_train
+from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.models import load_run_model
 from aisyn.train.objective import evaluate_loss, sft_eval_loss
@@ -74,6 +77,9 @@ class Config:
     private_warmup: int = 0
     forward: float = 0.0  # Gaussian σ on the activations (calibrated clip)
     backward: float = 0.0  # Gaussian σ on the returned gradient
+    # a trained bottleneck on the activations instead (0: none)
+    bottleneck_floor: float = 0.0
+    bottleneck_beta: float = BottleneckSpec.beta
 
     @property
     def flags(self) -> str:
@@ -87,18 +93,38 @@ class Config:
                 parts.append(f"--emulator-blocks {self.emulator_blocks}")
         if self.private_warmup:
             parts.append(f"--private-warmup {self.private_warmup}")
-        if (self.forward, self.backward) == (RECOMMENDED.forward, RECOMMENDED.backward):
+        # the recommended defence (the default) noises a gradient only where
+        # one crosses
+        default_backward = 0.0 if self.frozen else RECOMMENDED.backward
+        if self.bottleneck_floor:
+            parts.append(f"--bottleneck-floor {self.bottleneck_floor:g}")
+            if self.bottleneck_beta != BottleneckSpec.beta:
+                parts.append(f"--bottleneck-beta {self.bottleneck_beta:g}")
+            if self.backward != default_backward:
+                parts.append(
+                    f"--dp-backward-noise {self.backward:g} (clip calibrated on "
+                    "public text)"
+                )
+        elif (self.forward, self.backward) == (RECOMMENDED.forward, default_backward):
             parts.append("--defence recommended")
         elif self.forward or self.backward:
             parts.append(
                 f"--dp-forward-noise {self.forward:g} --dp-backward-noise "
                 f"{self.backward:g} (clips calibrated on public text)"
             )
-        return " ".join(parts) or "--defence none"
+        else:
+            parts.append("--defence none")
+        return " ".join(parts)
 
     @property
     def frozen(self) -> bool:
         return self.backbone == "frozen"
+
+    def folder(self, seed: int) -> str:
+        """Its run of ``seed``'s folder name: by name, so that a ``--resume``
+        finds it wherever the configuration stands in the list."""
+        slug = re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
+        return f"{slug}-{seed}"
 
     def options(self, cut: str) -> SplitOptions:
         return SplitOptions(
@@ -109,6 +135,16 @@ class Config:
             emulator_blocks=self.emulator_blocks,
             private_warmup=self.private_warmup,
         )
+
+    @property
+    def bottleneck(self) -> BottleneckSpec | None:
+        if not self.bottleneck_floor:
+            return None
+        return BottleneckSpec(self.bottleneck_floor, self.bottleneck_beta)
+
+    def defence(self, cut: str, clips: Clips) -> CutDefence:
+        """What A's runs of it defend the cut with, at calibrated bounds."""
+        return replace(defence_for(self.point(cut), clips), bottleneck=self.bottleneck)
 
     def point(self, cut: str) -> Point:
         """The frontier's point of its noise (for calibration and attacks)."""
@@ -123,15 +159,16 @@ UNDEFENDED = Config("undefended")
 
 
 def is_default(config: Config) -> bool:
-    """Whether ``config`` is what ``aisyn split train`` runs with no flags."""
+    """Whether ``config`` is what ``aisyn split train`` runs with no flags:
+    the trained backbone, no warm-up, the recommended noise (``--defence
+    recommended``, the default when no defence flag is given)."""
     d = SplitOptions()
     return (
         config.backbone == d.backbone
-        and (not config.frozen or config.front_via == d.front_via)
-        and (not config.frozen or config.emulator_blocks == d.emulator_blocks)
         and config.private_warmup == d.private_warmup
-        and not config.forward
-        and not config.backward
+        and not config.bottleneck_floor
+        and (config.forward, config.backward)
+        == (RECOMMENDED.forward, RECOMMENDED.backward)
     )
 
 
@@ -205,9 +242,10 @@ def measure(
 ) -> dict:
     """One split run of ``config``: its scores, its step time and what B's
     attacks recover from it. A run already trained and scored in ``out``
-    (``scores.json``) is reused; the attacks always run."""
+    (``scores.json``) is reused, and so are its attacks (``attacks.json``)
+    if the same edition of the attacks ran them with the same settings."""
     point = config.point(inputs.cut)
-    defence = defence_for(point, clips)
+    defence = config.defence(inputs.cut, clips)
     scored = out / "scores.json"
     if not scored.is_file():  # else trained and scored before (--resume)
         shutil.rmtree(out, ignore_errors=True)  # an interrupted attempt's
@@ -226,6 +264,8 @@ def measure(
         merge(run, run / COMPUTE_DIR, out / "merged")
         model, _ = load_run_model(out / "merged")
         privacy = summary.get("privacy", {})
+        if "bottleneck" in privacy:  # what it learned, and its bound
+            write_json_atomic(out / "bottleneck.json", privacy["bottleneck"])
         scores = {
             **score(model, inputs, cfg.batch_size),
             "step_time_s": step_time(run),
@@ -235,6 +275,17 @@ def measure(
         }
         write_json_atomic(scored, scores)
     scores = json.loads(scored.read_text())
+    attacked = out / "attacks.json"
+    key = {
+        "edition": ATTACKS_EDITION,
+        "steps": inputs.attack_steps,
+        "rows": list(inputs.rows.shape),
+        "inverter": asdict(inputs.inverter) if inputs.inverter else None,
+    }
+    if attacked.is_file():
+        saved = json.loads(attacked.read_text())
+        if saved.get("key") == key:
+            return {**scores, "attacks": saved["attacks"]}
     model, _ = load_run_model(out / "merged")
     model.eval().requires_grad_(False)
     base_model, _ = load_run_model(inputs.base)
@@ -256,8 +307,30 @@ def measure(
         known_rows=inputs.known_rows,
         more_public=inputs.more_public,
         gradient_crosses=not config.frozen,
+        bottleneck=None if config.bottleneck is None else attacked_bottleneck(out),
     )
+    write_json_atomic(attacked, {"key": key, "attacks": attacks})
     return {**scores, "attacks": attacks}
+
+
+def attacked_bottleneck(out: Path) -> Bottleneck:
+    """The trained bottleneck of the run in ``out`` as B's attacks meet it:
+    B knows the mechanism and its strength. Each coordinate's noise is the
+    least A used (the start's or the trained), so neither the first steps'
+    activations nor the last's are attacked through more noise than A sent."""
+    config = json.loads((out / "run" / "config.json").read_text())
+    spec = CutDefence.from_dict(config["cut_defence"]).bottleneck
+    mcfg = config_from_dict(config["model"])
+    bottleneck = Bottleneck(spec, mcfg.seq_len, mcfg.hidden_size)
+    last = ckpt.latest(out / "run" / "checkpoints")
+    saved = ckpt.read_tensors(last / ckpt.PRIVATE_FILE)
+    prefix = "bottleneck."
+    bottleneck.load_state_dict(
+        {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
+    )
+    with torch.no_grad():
+        bottleneck.rho.clamp_(max=RHO_START)
+    return bottleneck.eval().requires_grad_(False)
 
 
 def worst(attacks: list[dict], trained: bool) -> tuple[float | None, float]:

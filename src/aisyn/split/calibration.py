@@ -15,7 +15,7 @@ the same public text by default (``public_rows``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,24 +70,32 @@ def cut_traffic(
     rows: torch.Tensor,
     partition: Partition,
     tokens_per_step: int | None = None,
+    send: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What one step of a split run of ``model`` on ``rows`` (B, T+1) sends:
     (front activations, B's output, the gradient of the loss for B's output),
     each (B, T, C). The loss is the sum over next tokens divided by
     ``tokens_per_step`` (default: the tokens of ``rows``), so rows taken a
-    micro-batch at a time get their step's gradient."""
+    micro-batch at a time get their step's gradient.
+
+    ``send``: the forward defence, mapping the front's activations to what
+    crosses. B's blocks then run on what crossed, and A puts its own residual
+    stream back before its back blocks (``DataSession._restore``), exactly as
+    in a split run: B's output and the gradient are those of the run."""
     inputs, labels = rows[:, :-1], rows[:, 1:]
     first, middle, back = blocks_of(partition)
     with torch.no_grad():
         acts = front(model, model.embed(inputs), first)
-        out = front(model, acts, middle)
+        sent = acts if send is None else send(acts)
+        out = front(model, sent, middle)
     out = out.detach().requires_grad_(True)
-    logits = back_logits(model, out, back)
+    restored = out if sent is acts else out + (acts - sent)
+    logits = back_logits(model, restored, back)
     loss = F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), reduction="sum"
     ) / (tokens_per_step or labels.numel())
     (grad,) = torch.autograd.grad(loss, out)
-    return acts, out.detach(), grad
+    return sent, out.detach(), grad
 
 
 def split_partition(cut: str, model: CausalLM) -> Partition:

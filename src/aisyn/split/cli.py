@@ -271,6 +271,19 @@ def _train_rank0(args, ranks) -> None:
     )
     from aisyn.train.lora import Method
 
+    defence = defence_from_flags(
+        forward_clip=args.dp_forward_clip,
+        forward_noise=args.dp_forward_noise,
+        backward_clip=args.dp_backward_clip,
+        backward_noise=args.dp_backward_noise,
+        delta=args.dp_delta,
+        embedding_dp=args.embedding_dp,
+        named=args.defence,
+        bottleneck_floor=args.bottleneck_floor,
+        bottleneck_beta=args.bottleneck_beta,
+    )
+    if not defence.active:  # --defence none: its first line says so
+        log.warning("%s", undefended_warning(args.backbone == "frozen"))
     args.resume = resume_from_args(args, None)
     if args.seed is None:
         args.seed = secret_seed(args.out, args.resume)
@@ -287,17 +300,6 @@ def _train_rank0(args, ranks) -> None:
             "give --data SHARDS (pre-training) or --sft SFT_DIR (fine-tuning), "
             + ("not both" if args.data else "one of them")
         )
-    defence = defence_from_flags(
-        forward_clip=args.dp_forward_clip,
-        forward_noise=args.dp_forward_noise,
-        backward_clip=args.dp_backward_clip,
-        backward_noise=args.dp_backward_noise,
-        delta=args.dp_delta,
-        embedding_dp=args.embedding_dp,
-        named=args.defence,
-    )
-    if not defence.active:
-        log.warning("%s", undefended_warning(args.backbone == "frozen"))
     peer = _settings(args, args.peer) if args.peer else None
     opts = SplitOptions(
         cut=args.cut,
@@ -810,10 +812,11 @@ def _add_train(ssub: argparse._SubParsersAction) -> None:
             "--defence",
             list(DEFENCES),
             None,
-            "recommended: noise on both directions (σ "
-            f"{RECOMMENDED.forward:g} on the activations, {RECOMMENDED.backward:g} "
-            "on the gradient), clipping bounds calibrated on built-in public text "
-            "at the start; none (the default): B can read most of the text "
+            "recommended (the default when no --dp-* flag is given): noise on "
+            f"what crosses (σ {RECOMMENDED.forward:g} on the activations, "
+            f"{RECOMMENDED.backward:g} on the gradient, if one crosses), clipping "
+            "bounds calibrated on built-in public text at the start; none: "
+            "undefended, B can read most of the text and labels "
             "(docs/privacy.md); instead of the --dp-* flags",
         ),
         (
@@ -853,6 +856,22 @@ def _add_train(ssub: argparse._SubParsersAction) -> None:
             None,
             "the reference's EmbeddingDP on the activations: 1-bit quantisation "
             "and randomized response with this epsilon per bit",
+        ),
+        (
+            "--bottleneck-floor",
+            positive_float,
+            None,
+            "a trained bottleneck on the activations instead of their noise: "
+            "each token centred and clipped, noise A learns and never below "
+            "this floor (in units of a full token per coordinate; "
+            "docs/privacy.md); with the default defence or --dp-backward-*",
+        ),
+        (
+            "--bottleneck-beta",
+            nonneg_float,
+            None,
+            "the weight of the bottleneck's capacity term in A's loss (default "
+            "0.01)",
         ),
     )
     _add_link_args(t, server=False)

@@ -39,6 +39,7 @@ import torch
 
 from aisyn import accountant
 from aisyn.accountant import DEFAULT_DELTA
+from aisyn.split.bottleneck import Bottleneck, BottleneckSpec
 from aisyn.validate import check_number
 
 
@@ -84,6 +85,8 @@ class CutDefence:
     backward: Gaussian | None = None  # on the gradient A returns for B's output
     embedding_dp: float | None = None  # EmbeddingDP's ε per coordinate (forward)
     delta: float = DEFAULT_DELTA
+    # a trained bottleneck on the activations (``split.bottleneck``)
+    bottleneck: BottleneckSpec | None = None
 
     def __post_init__(self) -> None:
         check_number("delta", self.delta, low=0, high=1, low_open=True, high_open=True)
@@ -91,15 +94,29 @@ class CutDefence:
             check_number(
                 "embedding-dp epsilon", self.embedding_dp, low=0, low_open=True
             )
-            if self.forward is not None:
-                raise ValueError(
-                    "EmbeddingDP and a Gaussian forward defence both replace the "
-                    "activations A sends: choose one"
-                )
+        forwards = [
+            name
+            for name, on in (
+                ("a Gaussian forward defence (--dp-forward-*)", self.forward),
+                ("EmbeddingDP (--embedding-dp)", self.embedding_dp is not None),
+                ("a trained bottleneck (--bottleneck-*)", self.bottleneck),
+            )
+            if on
+        ]
+        if len(forwards) > 1:
+            raise ValueError(
+                f"{' and '.join(forwards)} each replace the activations A sends: "
+                "choose one"
+            )
 
     @property
     def active(self) -> bool:
-        return bool(self.forward or self.backward or self.embedding_dp is not None)
+        return bool(
+            self.forward
+            or self.backward
+            or self.embedding_dp is not None
+            or self.bottleneck
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,6 +127,8 @@ class CutDefence:
         for side in ("forward", "backward"):
             if d.get(side) is not None:
                 d[side] = Gaussian(**d[side])
+        if d.get("bottleneck") is not None:
+            d["bottleneck"] = BottleneckSpec(**d["bottleneck"])
         return cls(**d)
 
     def describe(self) -> str:
@@ -120,18 +139,33 @@ class CutDefence:
                 parts.append(f"{side}: clip {g.clip:g}, noise {g.noise:g}")
         if self.embedding_dp is not None:
             parts.append(f"forward: EmbeddingDP ε {self.embedding_dp:g} per bit")
+        if self.bottleneck is not None:
+            b = self.bottleneck
+            parts.append(
+                f"forward: trained bottleneck, floor {b.floor:g}, β {b.beta:g}"
+            )
         return "; ".join(parts) or "none"
 
 
 @dataclass(frozen=True)
 class Recommended:
     """A request for ``RECOMMENDED`` noise with bounds calibrated at the run's
-    start (``split train --defence recommended``); the run turns it into a
-    ``CutDefence`` (``recommended_defence``) once it knows its model."""
+    start (``split train --defence recommended``, and what ``split train``
+    runs when no defence flag is given); the run turns it into a
+    ``CutDefence`` (``recommended_defence``) once it knows its model.
+
+    ``gradient``: a gradient crosses the cut (not so under ``--backbone
+    frozen``: then the noise is on the activations alone). ``implied``: no
+    defence flag asked for it (the default): a resumed run then keeps
+    whatever defence it started with instead of refusing another."""
 
     delta: float = DEFAULT_DELTA
+    gradient: bool = True
+    implied: bool = False
+    #: a trained bottleneck in place of the forward noise (``--bottleneck-*``)
+    bottleneck: BottleneckSpec | None = None
 
-    #: noise on both directions, whatever the bounds come to
+    #: noise on what crosses, whatever the bounds come to
     active = True
 
     def __post_init__(self) -> None:
@@ -139,49 +173,71 @@ class Recommended:
 
     def matches(self, defence: CutDefence) -> bool:
         """``defence`` is this request's, whatever its calibrated bounds."""
+        backward_ok = (
+            defence.backward is not None
+            and defence.backward.noise == RECOMMENDED.backward
+            if self.gradient
+            else defence.backward is None
+        )
+        forward_ok = (
+            defence.forward is None and defence.bottleneck == self.bottleneck
+            if self.bottleneck is not None
+            else defence.forward is not None
+            and defence.forward.noise == RECOMMENDED.forward
+            and defence.bottleneck is None
+        )
         return (
             defence.embedding_dp is None
             and defence.delta == self.delta
-            and all(
-                g is not None and g.noise == sigma
-                for g, sigma in (
-                    (defence.forward, RECOMMENDED.forward),
-                    (defence.backward, RECOMMENDED.backward),
-                )
-            )
+            and forward_ok
+            and backward_ok
         )
 
 
 def recommended_defence(
-    forward_clip: float, backward_clip: float, delta: float = DEFAULT_DELTA
+    forward_clip: float,
+    backward_clip: float | None,
+    delta: float = DEFAULT_DELTA,
+    bottleneck: BottleneckSpec | None = None,
 ) -> CutDefence:
-    """``RECOMMENDED`` noise on both directions at these clipping bounds."""
+    """``RECOMMENDED`` noise at these clipping bounds: on both directions, or
+    on the activations alone where no gradient crosses (``backward_clip``
+    None); a ``bottleneck`` takes the forward noise's place."""
     return CutDefence(
-        forward=Gaussian(forward_clip, RECOMMENDED.forward),
-        backward=Gaussian(backward_clip, RECOMMENDED.backward),
+        forward=None
+        if bottleneck is not None
+        else Gaussian(forward_clip, RECOMMENDED.forward),
+        backward=None
+        if backward_clip is None
+        else Gaussian(backward_clip, RECOMMENDED.backward),
         delta=delta,
+        bottleneck=bottleneck,
     )
 
 
 def undefended_warning(frozen_backbone: bool = False) -> str:
-    """The one line an undefended split run starts with (``frozen_backbone``:
-    no gradient crosses, so only the activations' channel is open)."""
+    """The one line an undefended split run (``--defence none``) starts with
+    (``frozen_backbone``: no gradient crosses, so only the activations'
+    channel is open)."""
     if frozen_backbone:
         return (
-            "no cut defence on the activations: in docs/privacy.md's audit a "
-            "compute party that knows the base recovers "
-            f"{UNDEFENDED_INPUTS_RECOVERED:.0%} of the input tokens from them "
-            "(--private-warmup moves A's front away from the base first); no "
-            "gradient crosses (--backbone frozen), so none of the labels leak "
-            "through one"
+            "--defence none: no cut defence on the activations: in "
+            "docs/privacy.md's audit a compute party that knows the base "
+            f"recovers {UNDEFENDED_INPUTS_RECOVERED:.0%} of the input tokens from "
+            "them (--private-warmup moves A's front away from the base first); no "
+            "gradient crosses (--backbone frozen), but B's own output read through "
+            "the public head still predicts the labels; leave --defence out for "
+            f"the default (σ {RECOMMENDED.forward:g} on the activations)"
         )
     return (
-        "no cut defence: in docs/privacy.md's audit a compute party that knows "
-        f"the base recovers {UNDEFENDED_INPUTS_RECOVERED:.0%} of the input tokens "
-        f"and {UNDEFENDED_LABELS_RECOVERED:.0%} of the labels from what crosses; "
-        "--defence recommended adds noise that takes both to the guessing rate "
-        f"(σ {RECOMMENDED.forward:g} on the activations, {RECOMMENDED.backward:g} "
-        "on the gradient, clipping bounds calibrated on public text)"
+        "--defence none: no cut defence: in docs/privacy.md's audit a compute "
+        "party that knows the base recovers "
+        f"{UNDEFENDED_INPUTS_RECOVERED:.0%} of the input tokens and "
+        f"{UNDEFENDED_LABELS_RECOVERED:.0%} of the labels from what crosses; "
+        "leave --defence out for the default, which takes both to the guessing "
+        f"rate (σ {RECOMMENDED.forward:g} on the activations, "
+        f"{RECOMMENDED.backward:g} on the gradient, clipping bounds calibrated on "
+        "public text)"
     )
 
 
@@ -198,13 +254,32 @@ def defence_from_flags(
     delta: float | None = None,
     embedding_dp: float | None = None,
     named: str | None = None,
+    bottleneck_floor: float | None = None,
+    bottleneck_beta: float | None = None,
 ) -> CutDefence | Recommended:
     """The defence ``aisyn split train``'s ``--defence`` (``named``), ``--dp-*``
     and ``--embedding-dp`` flags ask for, or a one-line ``ValueError`` naming
     the flag that makes no sense (noise without a clipping bound, a delta with
     no Gaussian noise, a named defence with flags that would change it: only
     ``--dp-delta`` goes with ``--defence recommended``, as it changes what ε
-    is reported at, not the run)."""
+    is reported at, not the run). No defence flag (``--dp-delta`` aside)
+    asks for the recommended defence: the safe choice is the default, and
+    ``--defence none`` is how to run undefended. ``--bottleneck-floor`` (and
+    ``-beta``) put a trained bottleneck (``split.bottleneck``) in place of
+    the forward noise, of the recommended defence or beside ``--dp-backward-*``."""
+    if bottleneck_beta is not None and bottleneck_floor is None:
+        raise ValueError(
+            "--bottleneck-beta needs --bottleneck-floor (the least noise of the "
+            "bottleneck, which it turns on)"
+        )
+    spec = (
+        None
+        if bottleneck_floor is None
+        else BottleneckSpec(
+            bottleneck_floor,
+            *(() if bottleneck_beta is None else (bottleneck_beta,)),
+        )
+    )
     given = {
         "--dp-forward-clip": forward_clip,
         "--dp-forward-noise": forward_noise,
@@ -220,7 +295,7 @@ def defence_from_flags(
             flag
             for flag, v in given.items()
             if v is not None and (named == "none" or flag != "--dp-delta")
-        ]
+        ] + ["--bottleneck-floor"] * (spec is not None and named == "none")
         if clash:
             raise ValueError(
                 f"--defence {named} and {', '.join(clash)} contradict each other: "
@@ -228,7 +303,16 @@ def defence_from_flags(
                 + (" (--dp-delta may join --defence recommended)" * (named != "none"))
             )
         if named == "recommended":
-            return Recommended(DEFAULT_DELTA if delta is None else delta)
+            return Recommended(
+                DEFAULT_DELTA if delta is None else delta, bottleneck=spec
+            )
+    elif all(v is None for f, v in given.items() if f != "--dp-delta"):
+        # no defence flag: the measured safe default (docs/privacy.md)
+        return Recommended(
+            DEFAULT_DELTA if delta is None else delta,
+            implied=spec is None,
+            bottleneck=spec,
+        )
 
     def side(name: str, clip: float | None, noise: float | None) -> Gaussian | None:
         if noise is not None and clip is None:
@@ -240,7 +324,8 @@ def defence_from_flags(
 
     forward = side("forward", forward_clip, forward_noise)
     backward = side("backward", backward_clip, backward_noise)
-    if delta is not None and not any(g and g.noise for g in (forward, backward)):
+    noisy = any(g and g.noise for g in (forward, backward)) or spec is not None
+    if delta is not None and not noisy:
         raise ValueError(
             "--dp-delta: no Gaussian noise to account (give --dp-forward-noise or "
             "--dp-backward-noise with their clipping bounds)"
@@ -250,6 +335,7 @@ def defence_from_flags(
         backward=backward,
         embedding_dp=embedding_dp,
         delta=DEFAULT_DELTA if delta is None else delta,
+        bottleneck=spec,
     )
 
 
@@ -306,9 +392,18 @@ class CutGuard:
     is sent in place of the true tensors. ``secret`` seeds the noise; it stays
     in A's run folder."""
 
-    def __init__(self, defence: CutDefence, secret: int) -> None:
+    def __init__(
+        self, defence: CutDefence, secret: int, bottleneck: Bottleneck | None = None
+    ) -> None:
+        """``bottleneck``: the run's trained bottleneck (A's module), which a
+        defence with one needs."""
+        if (defence.bottleneck is None) != (bottleneck is None):
+            raise ValueError(
+                "a trained bottleneck's defence runs with its module, and only then"
+            )
         self.defence = defence
         self.secret = secret
+        self.bottleneck = bottleneck
 
     def _generator(self, *where: object) -> torch.Generator:
         key = ":".join(map(str, (self.secret, *where))).encode()
@@ -316,6 +411,18 @@ class CutGuard:
         return torch.Generator().manual_seed(seed >> 1)
 
     def activations(self, h: torch.Tensor, *where: object) -> torch.Tensor:
+        return self.defend(h, *where)[0]
+
+    def defend(
+        self, h: torch.Tensor, *where: object
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(what is sent for ``h``, A's training term of the mechanism, if
+        it has one: a trained bottleneck's ``β · C``)."""
+        if self.bottleneck is not None:
+            return self.bottleneck(h, self._generator("act", *where))
+        return self._activations(h, *where), None
+
+    def _activations(self, h: torch.Tensor, *where: object) -> torch.Tensor:
         d = self.defence
         if d.embedding_dp is not None:
             return embedding_dp(h, d.embedding_dp, self._generator("act", *where))
@@ -342,6 +449,17 @@ class CutGuard:
 # --- the budget -----------------------------------------------------------------------
 
 
+def bottleneck_gaussian(spec: BottleneckSpec, coordinates: int) -> Gaussian | None:
+    """The Gaussian mechanism a trained bottleneck is at least, per row of
+    ``coordinates`` (positions × hidden): each token clipped to ``R`` puts
+    the row within ``R·√T`` and its noise is at least ``floor · R / √H`` per
+    coordinate, a multiplier ``floor / √(T·H)`` of the row's bound (centring
+    on a constant changes nothing). None (unbounded) without a row size."""
+    if not coordinates:
+        return None
+    return Gaussian(1.0, spec.floor / math.sqrt(coordinates))
+
+
 def releases(rows_sent: int, dataset_rows: int) -> int:
     """How many times a row may have been sent after ``rows_sent`` rows were
     drawn in epochs of ``dataset_rows`` (each epoch a permutation)."""
@@ -364,6 +482,8 @@ def epsilon(
     gaussians = [defence.backward] if backward else []
     if defence.embedding_dp is not None:
         pure = defence.embedding_dp * coordinates * k if coordinates else math.inf
+    elif defence.bottleneck is not None:
+        gaussians.append(bottleneck_gaussian(defence.bottleneck, coordinates))
     else:
         gaussians.append(defence.forward)
     if any(g is None or g.noise == 0 for g in gaussians) or math.isinf(pure):

@@ -75,6 +75,16 @@ class DataSession:
     def _protect(self, h: torch.Tensor, *where: object) -> torch.Tensor:
         return h if self.guard is None else self.guard.activations(h, *where)
 
+    def _protect_training(
+        self, h: torch.Tensor, *where: object
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(what is sent for ``h``, A's training terms of the mechanism: a
+        trained bottleneck's, scaled to its share of the step, or none)."""
+        if self.guard is None or self.guard.bottleneck is None:
+            return self._protect(h, *where), []
+        sent, term = self.guard.defend(h, *where)
+        return sent, [term / self._micro_count]
+
     @staticmethod
     def _restore(y: torch.Tensor, clean: torch.Tensor, sent: torch.Tensor):
         """B's output with A's own residual stream put back.
@@ -159,17 +169,19 @@ class DataSession:
         output back, A's gradient for it out, the cut's gradient back."""
         # micro-batch -> (the front's output, what was sent in its place)
         fronts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        terms: dict[int, list[torch.Tensor]] = {}  # the mechanism's, if any
         # micro-batch -> (A's gradient for B's output, what was sent instead)
         gouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         losses: dict[int, float] = {}
         cfg, device = self.state.train_cfg, self.state.device
+        self._micro_count = len(micro)
         for kind, i in schedule.make(len(micro), self.window).a:
             inputs, targets, mask, pos = micro[i]
             if kind == "F":
                 with autocast_for(device, cfg.autocast):  # as aisyn train
                     clean = self.front(inputs, mask, pos)
-                    sent = self._protect(clean, step, i)
-                self._send_act(r, i, sent, inputs)
+                    sent, terms[i] = self._protect_training(clean, step, i)
+                self._send_act(r, i, sent.detach(), inputs)
                 fronts[i] = clean, sent
             elif kind == "L":
                 what = f"the backbone output (micro-batch {i})"
@@ -196,7 +208,11 @@ class DataSession:
                     # the gradient it was sent; A's residual stream (clean, see
                     # ``_restore``) takes A's own, noiseless one instead.
                     true, noisy = gouts.pop(i)
-                    torch.autograd.backward((sent, clean), (g - noisy, true))
+                    term = terms.pop(i)
+                    torch.autograd.backward(
+                        (sent, clean, *term),
+                        (g - noisy, true, *(torch.ones_like(t) for t in term)),
+                    )
         return losses
 
     def _frozen_micro_batches(self, micro, r: int, step: int, shape, loss_of) -> dict:
@@ -206,17 +222,19 @@ class DataSession:
         back through the emulator at the activations sent (or the front is
         frozen: its forward keeps no graph)."""
         fronts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        terms: dict[int, list[torch.Tensor]] = {}  # the mechanism's, if any
         gouts: dict[int, torch.Tensor] = {}  # A's gradient for B's output
         losses: dict[int, float] = {}
         cfg, device = self.state.train_cfg, self.state.device
         learns = self.emulator is not None
+        self._micro_count = len(micro)
         for kind, i in schedule.make(len(micro), self.window).a:
             inputs, targets, mask, pos = micro[i]
             if kind == "F":
                 with torch.set_grad_enabled(learns):
                     with autocast_for(device, cfg.autocast):
                         clean = self.front(inputs, mask, pos)
-                        sent = self._protect(clean, step, i)
+                        sent, terms[i] = self._protect_training(clean, step, i)
                 self._send_act(r, i, sent.detach(), inputs)
                 fronts[i] = clean, sent
             elif kind == "L":
@@ -232,19 +250,24 @@ class DataSession:
                 losses[i] = loss.item()
             else:
                 clean, sent = fronts.pop(i)
+                term = terms.pop(i)
                 if learns:
-                    self._front_backward(clean, sent, gouts.pop(i), mask, pos)
+                    self._front_backward(clean, sent, gouts.pop(i), mask, pos, term)
         return losses
 
-    def _front_backward(self, clean, sent, g, mask, pos) -> None:
+    def _front_backward(self, clean, sent, g, mask, pos, term=()) -> None:
         """The front's gradient through the emulator ``E`` for the gradient
         ``g`` of B's output: the residual stream (``_restore``: A's own
         ``clean``) takes ``g`` itself, what the middle adds (``E(sent) -
         sent``) takes it through ``E``'s Jacobian. Without a defence (``sent
-        is clean``) this is ``J_E(clean)^T g``."""
+        is clean``) this is ``J_E(clean)^T g``. ``term``: the mechanism's
+        training terms, if any (a trained bottleneck's)."""
         with autocast_for(self.state.device, self.state.train_cfg.autocast):
             added = self.emulator(sent, mask, pos) - sent
-        torch.autograd.backward((added, clean), (g.to(added.dtype), g))
+        torch.autograd.backward(
+            (added, clean, *term),
+            (g.to(added.dtype), g, *(torch.ones_like(t) for t in term)),
+        )
 
     # --- what crosses, and what the step sums (one process: all of it here)
 

@@ -1,6 +1,8 @@
 """``aisyn split train --defence recommended``: the recommended cut defence
 (``split.cut_dp.RECOMMENDED``), its clipping bounds calibrated at the data party
-before the run starts, as ``aisyn privacy calibrate`` calibrates them.
+before the run starts, as ``aisyn privacy calibrate`` calibrates them; and a
+trained bottleneck's (``split.bottleneck``) centre and bound, calibrated on the
+same public text through A's own front as the run starts.
 
 Where the calibration's text and model come from, and why:
 
@@ -25,7 +27,9 @@ import torch
 from aisyn.data.tokenizer import open_tokenizer
 from aisyn.model.families import ModelConfig, build_model
 from aisyn.split import cut_dp as dp
+from aisyn.split.bottleneck import Bottleneck
 from aisyn.split.calibration import CALIBRATION_ROWS, calibrate, public_rows
+from aisyn.split.party import PartyState
 from aisyn.train.config import TrainConfig
 from aisyn.train.memory import check_fits, whole_model_bytes
 from aisyn.train.models import load_model_checkpoint
@@ -36,8 +40,11 @@ log = logging.getLogger("aisyn.split")
 
 def recorded_defence(request: dp.Recommended, out: str | Path) -> dp.CutDefence:
     """On ``--resume``: the run's own calibrated defence (its budget spans the
-    run), if it was started with ``--defence recommended``."""
+    run), if it was started with ``--defence recommended``; with no defence
+    flag given (``request.implied``), whatever defence the run started with."""
     recorded = dp.CutDefence.from_dict(RunDir(out).read_config().get("cut_defence"))
+    if request.implied:  # no defence flag given: the run keeps what it had
+        return recorded
     if not request.matches(recorded):
         raise ValueError(
             f"{out}: trained with cut defence {recorded.describe()}, not "
@@ -84,16 +91,20 @@ def calibrated_defence(
     model = model.to(device).eval().requires_grad_(False)
     clips = calibrate(model, rows.to(device), cut, cfg.batch_size, rows_at_once)
     del model
-    defence = dp.recommended_defence(clips.forward, clips.backward, request.delta)
+    backward = clips.backward if request.gradient else None
+    defence = dp.recommended_defence(
+        clips.forward, backward, request.delta, request.bottleneck
+    )
     log.info(
         "cut defence: recommended, calibrated on %d rows of public text "
-        "(the same run as --dp-forward-clip %r --dp-forward-noise %g "
-        "--dp-backward-clip %r --dp-backward-noise %g)",
+        "(the same run as --dp-forward-clip %r --dp-forward-noise %g%s)",
         len(rows) - len(rows) % cfg.batch_size,
         clips.forward,
         dp.RECOMMENDED.forward,
-        clips.backward,
-        dp.RECOMMENDED.backward,
+        f" --dp-backward-clip {clips.backward!r} --dp-backward-noise "
+        f"{dp.RECOMMENDED.backward:g}"
+        if request.gradient
+        else "; no gradient crosses",
     )
     return defence
 
@@ -115,3 +126,51 @@ def _rows_at_once(
     except ValueError:
         check_fits(need(cfg.micro), device, what)
         return cfg.micro
+
+
+def attach_bottleneck(state: PartyState, defence: dp.CutDefence) -> Bottleneck | None:
+    """A defence's trained bottleneck, attached to the data party's state (its
+    parameters trained and saved with A's), or None without one."""
+    if defence.bottleneck is None:
+        return None
+    bottleneck = Bottleneck(
+        defence.bottleneck, state.cfg.seq_len, state.cfg.hidden_size
+    )
+    state.attach("bottleneck", bottleneck)
+    return bottleneck
+
+
+@torch.no_grad()
+def calibrate_bottleneck(
+    bottleneck: Bottleneck,
+    state: PartyState,
+    tokenizer_info: dict,
+    tokenizer_file: Path,
+    seq_len: int,
+) -> None:
+    """The bottleneck's centre and bound from the built-in public text through
+    A's front as the run starts (its weights in place: the base's, the seeded
+    init's or a private warm-up's), a micro-batch at a time."""
+    tokenizer = open_tokenizer(tokenizer_file, tokenizer_info)
+    rows = public_rows(tokenizer, seq_len, CALIBRATION_ROWS)
+    front = state.segments[0]
+    was = front.training
+    front.eval()
+    micro = state.train_cfg.micro
+    outputs = torch.cat(
+        [
+            front(chunk[:, :-1].to(state.device), None, None).float()
+            for chunk in rows.split(micro)
+        ]
+    )
+    front.train(was)
+    bottleneck.calibrate(outputs)
+    log.info(
+        "trained bottleneck at the cut: centred and clipped per token to R = %.4g "
+        "(median on %d rows of public text), noise at least %g x R/sqrt(H) per "
+        "coordinate, capacity term weight %g",
+        float(bottleneck.radius),
+        len(rows),
+        bottleneck.spec.floor,
+        bottleneck.spec.beta,
+    )

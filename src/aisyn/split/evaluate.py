@@ -24,6 +24,7 @@ from aisyn.model.segments import DATA_PARTY, Partition
 from aisyn.split import cut_dp as dp
 from aisyn.split import protocol as proto
 from aisyn.split.data_party import DataSession, SplitModel
+from aisyn.split.defence import attach_bottleneck
 from aisyn.split.party import (
     PartyState,
     compute_lora_hello,
@@ -104,6 +105,8 @@ def open_data_session(
         config.get("init_from") if state.lora or compute_method.name == "lora" else None
     )
     base = open_base(init_from, mcfg, partition, DATA_PARTY) if init_from else None
+    defence = dp.CutDefence.from_dict(config.get("cut_defence"))
+    bottleneck = attach_bottleneck(state, defence)  # loaded with A's weights
     step = place_weights(state, base, last, fresh_train=False)["step"]
     state.train(False)
     opts = split_options(config, peer, mode)
@@ -121,8 +124,11 @@ def open_data_session(
     # What crosses after training passes the run's defence too, with noise
     # fresh to this session: noise reused across sessions on other inputs
     # would cancel in their difference.
-    defence = dp.CutDefence.from_dict(config.get("cut_defence"))
-    guard = dp.CutGuard(defence, secrets.randbits(63)) if defence.active else None
+    guard = (
+        dp.CutGuard(defence, secrets.randbits(63), bottleneck)
+        if defence.active
+        else None
+    )
     # An in-process compute party with LoRA adapters needs the base too.
     with open_session(
         run_dir, mcfg, partition, hello, opts, str(device), init_from

@@ -15,6 +15,7 @@ party cannot tell pre-training from fine-tuning.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
@@ -103,10 +104,17 @@ class SplitExecutor(Executor):
     #: fresh start keeps them instead of the base's
     warmed = False
 
+    #: what a fresh start does once A's weights are in place (a trained
+    #: bottleneck's calibration), if anything
+    fresh_start: Callable[[], None] | None = None
+
     def load(self, folder: Path | None) -> dict | None:
-        if folder is None and self.warmed:
-            return None
-        return place_weights(self.state, self.base, folder, fresh_train=True)
+        state = None
+        if folder is not None or not self.warmed:
+            state = place_weights(self.state, self.base, folder, fresh_train=True)
+        if folder is None and self.fresh_start is not None:
+            self.fresh_start()
+        return state
 
     # --- the privacy budget of a cut defence -----------------------------------
 
@@ -146,6 +154,11 @@ class SplitExecutor(Executor):
                     backward=False,
                     coordinates=self._coords(),
                 )
+            ),
+            **(
+                {}
+                if self.session.guard.bottleneck is None
+                else {"bottleneck": self.session.guard.bottleneck.record()}
             ),
         }
 

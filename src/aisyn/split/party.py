@@ -99,10 +99,33 @@ class PartyState:
             checkpoint_blocks(self.model, cfg.layout)
         #: why this step cannot be applied, found while it ran (first reason)
         self.problem: str | None = None
+        #: modules this party trains beside its blocks, outside the model
+        #: (``attach``): saved in its checkpoints' private file
+        self.private: dict[str, torch.nn.Module] = {}
 
     @property
     def lora(self) -> bool:
         return self.method.name == "lora"
+
+    def attach(self, name: str, module: torch.nn.Module) -> None:
+        """Train ``module``'s parameters with this party's, under the same
+        optimizer, clipping and step (a data party's bottleneck at the cut);
+        its state goes in the checkpoint's private file, not the model's
+        (``adapt`` keeps it)."""
+        module.to(self.device)
+        self.private[name] = module
+        self.named = self.named + [
+            (f"{name}.{n}", p) for n, p in module.named_parameters()
+        ]
+        self.params = [p for _, p in self.named]
+        self.optimizer = make_optimizer(self.named, self.train_cfg)
+
+    def private_tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            f"{name}.{k}": v.detach().contiguous()
+            for name, m in self.private.items()
+            for k, v in m.state_dict().items()
+        }
 
     def adapt(self) -> None:
         """With LoRA: adapters on this party's blocks, everything else frozen,
@@ -115,7 +138,11 @@ class PartyState:
             self.train_cfg.seed,
             within=self.partition.module_paths(self.party),
             seeds=self.lora_seeds,
-        )
+        ) + [
+            (f"{name}.{n}", p)
+            for name, m in self.private.items()
+            for n, p in m.named_parameters()
+        ]
         self.params = [p for _, p in self.named]
         self.optimizer = make_optimizer(self.named, self.train_cfg)
 
@@ -202,13 +229,16 @@ class PartyState:
         """A checkpoint's files. A LoRA party saves its adapters alone: its
         base never changes, and it starts from the base again to resume."""
         names = {p: n for n, p in self.named}
-        return {
+        files = {
             ckpt.MODEL_FILE: self.weights(),
             ckpt.OPTIM_FILE: {
                 **ckpt.optimizer_tensors(self.optimizer, names),
                 **ckpt.rng_tensors(),
             },
         }
+        if self.private:
+            files[ckpt.PRIVATE_FILE] = self.private_tensors()
+        return files
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A checkpoint's model file: this party's weights (a LoRA party's
@@ -245,11 +275,35 @@ class PartyState:
             load_adapters(self, weights, source)
         else:
             load_own_weights(self, weights, source)
+        if self.private:
+            self.load_private(folder)
         ckpt.load_optimizer_tensors(
             self.optimizer, dict(self.named), opt, str(folder / ckpt.OPTIM_FILE)
         )
         ckpt.restore_rng(opt)
         return state
+
+    def load_private(self, folder: Path) -> None:
+        """The attached modules' state from checkpoint ``folder``."""
+        path = folder / ckpt.PRIVATE_FILE
+        if not path.is_file():
+            raise ckpt.CheckpointError(
+                f"{folder}: no {ckpt.PRIVATE_FILE}, which this run's "
+                f"{', '.join(self.private)} is saved in (a checkpoint of a run "
+                "without it?)"
+            )
+        expected = {
+            f"{name}.{k}": v
+            for name, m in self.private.items()
+            for k, v in m.state_dict().items()
+        }
+        with torch.no_grad():
+            ckpt.load_exactly(
+                expected,
+                ckpt.read_tensors(path),
+                str(path),
+                f"party {self.party}'s {', '.join(self.private)}",
+            )
 
     def _read_share(
         self, folder: Path, rank: int, world: int

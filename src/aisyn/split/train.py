@@ -18,7 +18,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aisyn.model.families import ModelConfig, hf_folder
@@ -39,7 +39,12 @@ from aisyn.split.data_ranks import (
     RankedSplitExecutor,
     start_words,
 )
-from aisyn.split.defence import calibrated_defence, recorded_defence
+from aisyn.split.defence import (
+    attach_bottleneck,
+    calibrate_bottleneck,
+    calibrated_defence,
+    recorded_defence,
+)
 from aisyn.split.emulator import Emulator
 from aisyn.split.executor import SplitExecutor
 from aisyn.split.party import (
@@ -152,6 +157,8 @@ def split_train(
         )
     if ranks is not None and (why := ranks.problem_with(cfg.micro, method)):
         raise ValueError(why)
+    if opts.frozen and isinstance(defence, dp.Recommended):
+        defence = replace(defence, gradient=False)  # no gradient to noise
     if opts.frozen:
         check_frozen_backbone(opts, init_from, compute_method, defence, ranks, resume)
     if opts.private_warmup:
@@ -204,11 +211,6 @@ def split_train(
     run = RunDir(out)
     run_id = None
     if isinstance(defence, dp.Recommended):
-        if sft:
-            raise ValueError(
-                "--defence recommended is calibrated for pre-training (--data); "
-                "for --sft give the --dp-* flags (docs/privacy.md)"
-            )
         if resume and (run.path / "config.json").is_file():
             defence = recorded_defence(defence, run.path)
         else:
@@ -224,6 +226,11 @@ def split_train(
                 device,
             )
     defence = defence or dp.CutDefence()
+    if defence.bottleneck is not None and ranks is not None:
+        raise ValueError(
+            "--bottleneck-floor: a trained bottleneck runs with a data party of "
+            "one process (this one runs over ranks)"
+        )
     if resume and (run.path / "config.json").is_file():
         old = run.read_config()
         if old.get("kind") != "split":
@@ -287,6 +294,7 @@ def split_train(
     try:
         run.start(config, resume=resume, tokenizer=objective.tokenizer_file)
         state = PartyState(mcfg, partition, DATA_PARTY, cfg, device, method=method)
+        bottleneck = attach_bottleneck(state, defence)  # None without one
         if ranks is not None:
             start_words(
                 ranks,
@@ -361,7 +369,7 @@ def split_train(
             tensorboard,
             # The noise follows from the run's seed, secret like it (whoever
             # knows it could subtract the noise, or rebuild A's init).
-            dp.CutGuard(defence, cfg.seed) if defence.active else None,
+            dp.CutGuard(defence, cfg.seed, bottleneck) if defence.active else None,
             ranks,
             emulator if opts.frozen and opts.front_via == "emulator" else None,
             warmed,
@@ -448,13 +456,11 @@ def check_frozen_backbone(
             "--backbone frozen: the compute party trains nothing, so "
             "--compute-method lora has nothing to adapt; leave it out"
         )
-    if isinstance(defence, dp.Recommended) or (
-        isinstance(defence, dp.CutDefence) and defence.backward is not None
-    ):
+    if isinstance(defence, dp.CutDefence) and defence.backward is not None:
         raise ValueError(
             "--backbone frozen: no gradient crosses the cut, so there is none to "
-            "clip or noise; leave out --dp-backward-* and --defence recommended "
-            "(--dp-forward-* still apply)"
+            "clip or noise; leave out --dp-backward-* (--dp-forward-* and "
+            "--defence recommended, its noise on the activations alone, apply)"
         )
     if ranks is not None:
         raise ValueError(
@@ -541,6 +547,16 @@ def _train_loop(
         )
     # A's weights came from a private warm-up: a fresh start keeps them
     executor.warmed = warmed
+    if guard is not None and guard.bottleneck is not None:
+        # a fresh start calibrates it through A's front as it starts; a
+        # resumed one loads it with A's checkpoint
+        executor.fresh_start = lambda: calibrate_bottleneck(
+            guard.bottleneck,
+            state,
+            objective.tokenizer,
+            objective.tokenizer_file,
+            objective.seq_len,
+        )
     regime = Regime(objective, executor, cfg, run)
     engine = Engine.for_config(
         run,

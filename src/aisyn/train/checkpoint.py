@@ -33,6 +33,9 @@ from aisyn.validate import name_differences, read_json
 
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
+#: a party's own modules beside the model (a split data party's bottleneck):
+#: never sent, never merged into the model
+PRIVATE_FILE = "private.safetensors"
 STATE_FILE = "state.json"
 LATEST = "latest"
 
