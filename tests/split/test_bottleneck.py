@@ -290,3 +290,33 @@ def test_a_data_party_over_ranks_refuses_it(tmp_path, news_data, split_config, b
         run(tmp_path / "run", news_data, split_config, base, ranks=Ranks())
     assert "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("bad", ["nan", "huge"])
+def test_a_compute_party_sending_nonsense_into_it_poisons_nothing(
+    tmp_path, news_data, split_config, base, monkeypatch, bad
+):
+    """B's gradient of the cut reaches ρ: NaN, or one so large that A's
+    squared norm overflows, skips the step on both sides with the usual one
+    line; the bottleneck A saved stays finite and the step before is kept."""
+    from test_hardening import Tamper, _nan
+
+    from aisyn.split.compute_party import ComputeParty
+    from aisyn.train.update import SkippedStep
+
+    serve = ComputeParty.serve_session
+    fn = _nan if bad == "nan" else (lambda t: t * 1e30)
+
+    def malicious(self, link, session):
+        return serve(self, Tamper(link, {("gact", 3): fn}), session)
+
+    monkeypatch.setattr(ComputeParty, "serve_session", malicious)
+    out = tmp_path / "run"
+    reason = "values in the gradient of the cut" if bad == "nan" else "gradients on"
+    with pytest.raises(SkippedStep, match=f"step 3: non-finite {reason}") as e:
+        run(out, news_data, split_config, base)
+    assert "\n" not in str(e.value)
+    assert ckpt.latest(out / "checkpoints").name == "step_00000002"
+    saved = private(out)
+    assert ckpt.first_nonfinite(saved) is None
+    assert float(saved["bottleneck.rho"].abs().max()) < 10  # Adam's steps: small
