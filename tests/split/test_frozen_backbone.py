@@ -376,6 +376,9 @@ def test_the_command_line_runs_it_and_says_which_channel_is_open(
     assert defence.backward is None
     assert Recommended(gradient=False).matches(defence)
     assert not Recommended().matches(defence)
+    # accounted as what crosses: the activations alone (no gradient term)
+    privacy = json.loads((tmp_path / "run" / "privacy.json").read_text())
+    assert privacy["dp_epsilon"] is not None and privacy["dp_epsilon"] > 0
     # and --defence none says which channel it leaves open
     line = undefended_warning(frozen_backbone=True)
     assert line.startswith("--defence none") and "no gradient crosses" in line

@@ -870,8 +870,7 @@ def _add_train(ssub: argparse._SubParsersAction) -> None:
             "--bottleneck-beta",
             nonneg_float,
             None,
-            "the weight of the bottleneck's capacity term in A's loss (default "
-            "0.01)",
+            "the weight of the bottleneck's capacity term in A's loss (default 0.01)",
         ),
     )
     _add_link_args(t, server=False)

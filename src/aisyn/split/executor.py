@@ -128,7 +128,13 @@ class SplitExecutor(Executor):
         """ε of ``k`` releases (None: no finite bound); changes once an epoch."""
         if k not in self._eps:
             self._eps[k] = finite_or_none(
-                dp.epsilon(self.session.guard.defence, k, coordinates=self._coords())
+                dp.epsilon(
+                    self.session.guard.defence,
+                    k,
+                    # a frozen backbone's rounds send no gradient to account
+                    backward=not self.session.frozen_backbone,
+                    coordinates=self._coords(),
+                )
             )
         return self._eps[k]
 
