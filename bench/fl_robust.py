@@ -45,12 +45,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from fl_ablation import parse_variant  # same NAME:key=value,... variants
-from flwr.app import Array, ArrayRecord, Context, Message, MessageType, RecordDict
-from flwr.serverapp import Grid
+from flwr.app import Array, ArrayRecord, Message, MessageType
 from flwr.supercore.task_identity import TaskIdentity
 
 from aisyn.experiments.compare import federated_settings, prepare_inputs
-from aisyn.fl import client_app
+from aisyn.fl.in_process import RUN_ID, InProcessGrid
 from aisyn.fl.partition import partition_iid
 from aisyn.fl.records import WEIGHT_KEY
 from aisyn.fl.task import ServerNode, run_server
@@ -70,7 +69,6 @@ VARIANTS = (
     "multikrum:aggregation=multikrum,assumed_attackers=1",
     "bulyan:aggregation=bulyan,assumed_attackers=1",
 )
-RUN_ID = 1
 
 
 def poison(reply: Message, sent: Message, attack: str) -> Message:
@@ -89,47 +87,20 @@ def poison(reply: Message, sent: Message, attack: str) -> Message:
     return reply
 
 
-class InProcessGrid(Grid):
-    """Flower's ``Grid`` with every node in this process, answered by the real
-    ClientApp one after another; ``attacker``'s train replies are poisoned."""
+def attacker(node_id: int, attack: str):
+    """The ``answer`` of an in-process grid whose node ``node_id`` poisons its
+    train replies with ``attack``."""
 
-    def __init__(self, nodes: dict[int, dict], attacker: int, attack: str) -> None:
-        self.nodes, self.attacker, self.attack = nodes, attacker, attack
-        self._run = None
+    def answer(node: int, msg: Message, reply: Message) -> Message:
+        poisoned = (
+            node == node_id
+            and attack != "none"
+            and msg.metadata.message_type == MessageType.TRAIN
+            and not reply.has_error()
+        )
+        return poison(reply, msg, attack) if poisoned else reply
 
-    def set_run(self, run) -> None:
-        self._run = run
-
-    @property
-    def run(self):
-        return self._run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
-    def get_node_ids(self):
-        return list(self.nodes)
-
-    def push_messages(self, messages):
-        raise NotImplementedError("in-process: use send_and_receive")
-
-    def pull_messages(self, message_ids):
-        raise NotImplementedError("in-process: use send_and_receive")
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            context = Context(RUN_ID, node, self.nodes[node], RecordDict(), {})
-            reply = client_app.app(msg, context)
-            poisoned = (
-                node == self.attacker
-                and self.attack != "none"
-                and msg.metadata.message_type == MessageType.TRAIN
-                and not reply.has_error()
-            )
-            replies.append(poison(reply, msg, self.attack) if poisoned else reply)
-        return replies
+    return answer
 
 
 def client_parts(inputs, parts: int, out: Path) -> list[tuple[str, Path]]:
@@ -171,7 +142,7 @@ def run_one(inputs, preset, clients, settings_kw, attack, run_dir: Path) -> dict
     result = run_server(
         settings,
         ServerNode(inputs.base, run_dir / "server"),
-        InProcessGrid(nodes, attacker=n, attack=attack),
+        InProcessGrid(nodes, attacker(n, attack)),
     )
     wall_s = time.perf_counter() - t0
     model, _ = load_run_model(Path(result["run"]), inputs.device)

@@ -72,8 +72,10 @@ def test_the_flags_reach_simulate(monkeypatch):
 
     seen = {}
 
-    def fake_simulate(base, clients, out, settings, echo=False, client_ranks=1):
-        seen.update(settings=settings, ranks=client_ranks)
+    def fake_simulate(
+        base, clients, out, settings, echo=False, client_ranks=1, resume=False
+    ):
+        seen.update(settings=settings, ranks=client_ranks, resume=resume)
         return {"history": [], "run": str(out), "clients": {}}
 
     monkeypatch.setattr(aisyn.fl.launch, "simulate", fake_simulate)
@@ -81,10 +83,11 @@ def test_the_flags_reach_simulate(monkeypatch):
     cli.register(parser.add_subparsers())
     args = parser.parse_args(
         ["fl", "simulate", "--base", "b", "--out", "o", "--client=a=x"]
-        + ["--client-ranks", "2", "--max-message-mb", "0.0625"]
+        + ["--client-ranks", "2", "--max-message-mb", "0.0625", "--resume"]
     )
     args.func(args)
     assert seen["ranks"] == 2 and seen["settings"].max_message_mb == 0.0625
+    assert seen["resume"] is True
     client = parser.parse_args(
         ["fl", "client", "--superlink", "127.0.0.1:1", "--name", "a"]
         + ["--data", "d", "--base", "b", "--out", "o", "--client-ranks", "4"]

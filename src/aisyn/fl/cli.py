@@ -87,6 +87,15 @@ CLIENT_RANKS = (
 )
 
 
+RESUME = (
+    "--resume",
+    "store_true",
+    None,
+    "continue the run in --out from its last finished round (the same settings "
+    "and base; the server's optimiser state and random draws are restored)",
+)
+
+
 _CHOICES = {
     "strategy": STRATEGIES,
     "schedule": SCHEDULES,
@@ -184,6 +193,7 @@ def cmd_simulate(args) -> None:
         settings,
         echo=args.echo,
         client_ranks=args.client_ranks,
+        resume=args.resume,
     )
     _print_result(result)
     for name, path in result["clients"].items():
@@ -217,6 +227,7 @@ def cmd_server(args) -> None:
         tls=tls,
         allow_insecure=args.allow_insecure_remote,
         client_keys=args.client_key or (),
+        resume=args.resume,
     )
     _print_result(result)
 
@@ -279,6 +290,7 @@ def register(sub) -> None:
         ("--out", None, REQUIRED, "run folder"),
         ("--echo", "store_true", None, "stream the server log"),
         CLIENT_RANKS,
+        RESUME,
     )
     add_settings_args(s)
 
@@ -291,6 +303,7 @@ def register(sub) -> None:
         ("--out", None, REQUIRED, "server run folder"),
         ("--host", None, "127.0.0.1", "address to listen on"),
         ("--port", validate.port, 9092, "port to listen on"),
+        RESUME,
     )
     add_tls_files(
         sv,

@@ -91,9 +91,16 @@ def largest_client(clients: Mapping[str, str | Path]) -> int:
     return max(sizes, default=0)
 
 
-def _check_fresh(path: Path) -> None:
-    if (path / "config.json").exists():
-        raise FileExistsError(f"{path}: already holds a run; choose another --out")
+def _check_fresh(path: Path, resume: bool = False) -> None:
+    """A fresh run needs a fresh server folder; ``resume`` one that holds a run."""
+    held = (path / "config.json").exists()
+    if held and not resume:
+        raise FileExistsError(
+            f"{path}: already holds a run; pass --resume to continue it "
+            "or choose another --out"
+        )
+    if resume and not held:
+        raise FileNotFoundError(f"--resume: {path} holds no federated run")
 
 
 def _result(server_out: Path, log_path: Path, rc: int) -> dict:
@@ -122,11 +129,12 @@ def run_server_side(
     root_certificates: Path | None,
     echo: bool,
     chunks: int = 1,
+    resume: bool = False,
 ) -> dict:
     runtime_dir = out / "runtime"
     app = runtime.write_app(
         runtime_dir / "app",
-        server_run_config(settings, ServerNode(base, out / "server")),
+        server_run_config(settings, ServerNode(base, out / "server", resume)),
     )
     # each exchange waits at most round-timeout: a round's train and evaluate
     # messages, and in a chunked run each chunk both ways
@@ -155,8 +163,10 @@ def simulate(
     validate: bool = True,
     tls: runtime.ServerTls | None = None,
     client_ranks: int = 1,
+    resume: bool = False,
 ) -> dict:
-    """All parties on this machine (loopback), each in its own processes.
+    """All parties on this machine (loopback), each in its own processes;
+    ``resume``: continue the run in ``out`` from its last finished round.
 
     ``client_ranks``: every client trains its local steps on that many
     data-parallel ranks (``aisyn.fl.ranks``).
@@ -186,7 +196,7 @@ def simulate(
         # at most the largest client's items, so honest weights stay exact and a
         # client lying about its size gains at most the largest honest weight.
         settings = replace(settings, max_examples=largest_client(clients))
-    _check_fresh(out / "server")
+    _check_fresh(out / "server", resume)
     threads = max(1, (os.cpu_count() or 1) // (len(clients) * client_ranks))
     t0 = time.perf_counter()
     procs: list[ChildProcess] = []
@@ -229,7 +239,7 @@ def simulate(
                 )
             )
         result = run_server_side(
-            base, out, settings, superlink, address, ca, echo, chunks
+            base, out, settings, superlink, address, ca, echo, chunks, resume
         )
     finally:
         for p in reversed(procs):
@@ -250,6 +260,7 @@ def serve(
     allow_insecure: bool = False,
     echo: bool = True,
     client_keys: Sequence[str | Path] = (),
+    resume: bool = False,
 ) -> dict:
     """The server side: a SuperLink, then the run once ``min-clients`` joined.
 
@@ -267,7 +278,7 @@ def serve(
         )
     keys = [check_public_key(k) for k in client_keys]
     chunks = check_chunking(base, settings)
-    _check_fresh(out / "server")
+    _check_fresh(out / "server", resume)
     superlink = runtime.start_superlink(
         host, port, out / "runtime" / "superlink", tls, allow_insecure, bool(tls)
     )
@@ -288,7 +299,7 @@ def serve(
             settings.min_clients,
         )
         return run_server_side(
-            base, out, settings, superlink, address, ca, echo, chunks
+            base, out, settings, superlink, address, ca, echo, chunks, resume
         )
     finally:
         superlink.stop()

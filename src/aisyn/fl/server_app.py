@@ -21,5 +21,9 @@ def main(grid: Grid, context: Context) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     run_config = dict(context.run_config)
     settings = FLSettings.from_run_config(run_config)
-    node = task.ServerNode(base=Path(run_config["base"]), out=Path(run_config["out"]))
+    node = task.ServerNode(
+        base=Path(run_config["base"]),
+        out=Path(run_config["out"]),
+        resume=bool(run_config.get("resume", False)),
+    )
     task.run_server(settings, node, grid)

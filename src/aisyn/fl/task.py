@@ -35,6 +35,7 @@ from aisyn.accountant import finite_or_none
 from aisyn.data.sft import SFTData
 from aisyn.fl import chunks
 from aisyn.fl.dp import sample_rate, settings_epsilon
+from aisyn.fl.federation import Federation
 from aisyn.fl.records import (
     payload_bytes,
     record_to_tensors,
@@ -139,6 +140,13 @@ def settings_from_record(config: ConfigRecord) -> tuple[FLSettings, str, int]:
     return FLSettings.from_run_config(d), fingerprint, server_round
 
 
+def setting_differences(saved, now: dict) -> list[str]:
+    """The names of the settings ``saved`` (a run folder's record) and ``now``
+    disagree on, sorted."""
+    saved = saved if isinstance(saved, dict) else {}
+    return sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+
+
 class ClientContext:
     """Base model, data and run folder of one client, checked against the server."""
 
@@ -180,6 +188,15 @@ class ClientContext:
 
     def _ensure_run_folder(self) -> None:
         if (self.run.path / "config.json").is_file():
+            # a later round, or a resumed federation: it must be the same one
+            saved = self.run.read_config().get("federated")
+            differ = setting_differences(saved, self.settings.to_dict())
+            if differ:
+                raise ValueError(
+                    f"client {self.node.name}: its run folder {self.run.path} "
+                    f"holds a federation with other settings ({', '.join(differ)}); "
+                    "give this federation another --out"
+                )
             return
         self.run.start(
             run_config(
@@ -455,24 +472,103 @@ def global_loss_figure(history: list[dict], final: float | None):
 class ServerNode:
     base: Path
     out: Path
+    #: continue the run in ``out`` from its last finished round
+    resume: bool = False
 
 
 def server_run_config(settings: FLSettings, node: ServerNode) -> dict:
-    return {**settings.to_run_config(), "base": str(node.base), "out": str(node.out)}
+    return {
+        **settings.to_run_config(),
+        "base": str(node.base),
+        "out": str(node.out),
+        "resume": node.resume,
+    }
+
+
+def check_resumable(run: RunDir, settings: FLSettings, base: BaseModel) -> None:
+    """Refuse, in one line, to resume a server folder that holds no run, or a
+    run of other settings or another base model (before anything is written)."""
+    try:
+        old = run.read_config()
+    except FileNotFoundError:
+        raise ValueError(f"--resume: {run.path} holds no federated run") from None
+    if old.get("role") != "server" or not isinstance(old.get("federated"), dict):
+        raise ValueError(f"--resume: {run.path} is not a federated server's run")
+    if (old.get("base") or {}).get("fingerprint") != base.fingerprint:
+        raise ValueError(
+            f"--resume: {run.path} was started from another base model than {base.path}"
+        )
+    saved, now = old["federated"], settings.to_dict()
+    differ = setting_differences(saved, now)
+    if differ:
+        shown = ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
+        raise ValueError(f"--resume: the run was started with other settings ({shown})")
 
 
 def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
-    """Run the federation over ``grid``; returns the summary also written to
+    """Run the federation over ``grid`` (with ``node.resume``: from the last
+    round ``node.out`` finished); returns the summary also written to
     ``OUT/result.json``."""
     t_start = time.perf_counter()
     info = describe_base(node.base)
+    run = RunDir(node.out)
+    if node.resume:
+        check_resumable(run, settings, info)
     model, _ = load_base(info, "cpu")
     torch.manual_seed(settings.train.seed)
     trainable = apply_method(model, settings.method_spec(), settings.train.seed)
-    initial = trainable_tensors(trainable)
+    initial = tensors_to_record(trainable_tensors(trainable))
     spec = {n: tuple(p.shape) for n, p in trainable}
     plan = chunks.plan_for(settings, spec)  # None: the model fits one message
-    run = RunDir(node.out)
+    strategy = make_strategy(settings)
+    guard = guard_of(strategy)
+    secure = SecAggPlusGrid(grid, settings) if settings.secure_aggregation else None
+
+    def describe(server_round: int, arrays: ArrayRecord, entry: dict) -> None:
+        if secure is not None:
+            entry["secure_aggregation"] = secure.last_round
+        if settings.dp != "off":
+            eps = settings_epsilon(settings, server_round)
+            entry["epsilon"] = finite_or_none(eps)
+            log.info(
+                "round %d: client DP epsilon %.4g at delta %g",
+                server_round,
+                eps,
+                settings.dp_delta,
+            )
+        entry["step"] = server_round * settings.local_steps
+        entry["elapsed_s"] = time.perf_counter() - t_start
+
+    def checkpoint(server_round: int, arrays: ArrayRecord, files, state) -> None:
+        load_trainable(trainable, record_to_tensors(arrays, spec))
+        save_model(
+            run,
+            model,
+            server_round * settings.local_steps,
+            {**state, "elapsed_s": time.perf_counter() - t_start},
+            keep=2,
+            adapters=settings.method == "lora",
+            files=files,
+        )
+
+    federation = Federation(
+        strategy,
+        grid,
+        settings,
+        round_config(settings, info),
+        run,
+        spec,
+        describe,
+        checkpoint,
+        plot=lambda history, final: plot_global(history, final, run.path / "loss.png"),
+    )
+    first, arrays = federation.resume() if node.resume else (1, None)
+    if first > 1:
+        # the lines of the rounds after the checkpoint, and a final one, are redone
+        run.keep_metrics(
+            lambda r: r.get("round", 0) < first and "final_global_valid_loss" not in r
+        )
+        federation.history = run.read_metrics()
     run.start(
         run_config(
             "finetune",
@@ -484,15 +580,11 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
             seq_len=info.model.seq_len,
             base=info.to_dict(),
         ),
-        resume=False,
+        resume=node.resume,
         tokenizer=info.path / TOKENIZER,
     )
     if settings.tensorboard:
         run.enable_tensorboard()
-    strategy = make_strategy(settings)
-    guard = guard_of(strategy)
-    secure = SecAggPlusGrid(grid, settings) if settings.secure_aggregation else None
-    history: list[dict] = []
     if plan is not None:
         guard.chunked = chunks.ChunkedGrid(
             secure or grid,
@@ -506,72 +598,32 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
             len(plan),
             chunks.limit_bytes(settings.max_message_mb),
         )
-
-    def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        """Flower calls this after every round with the current (last good) model."""
-        if server_round == 0:
-            return None
-        tensors = record_to_tensors(arrays, spec)
-        load_trainable(trainable, tensors)
-        save_model(
-            run,
-            model,
-            server_round * settings.local_steps,
-            {"round": server_round, "elapsed_s": time.perf_counter() - t_start},
-            keep=2,
-            adapters=settings.method == "lora",
-        )
-        entry = dict(guard.round_log.get(server_round, {"round": server_round}))
-        if secure is not None:
-            entry["secure_aggregation"] = secure.last_round
-        if settings.dp != "off":
-            eps = settings_epsilon(settings, server_round)
-            entry["epsilon"] = finite_or_none(eps)
-            log.info(
-                "round %d: client DP epsilon %.4g at delta %g",
-                server_round,
-                eps,
-                settings.dp_delta,
-            )
-        t_sent = entry.pop("t_sent", None)
-        entry["round_s"] = time.perf_counter() - t_sent if t_sent else None
-        entry["step"] = server_round * settings.local_steps
-        entry["elapsed_s"] = time.perf_counter() - t_start
-        history.append(entry)
-        run.log_metrics(entry)
-        plot_global(history, None, run.path / "loss.png")
-        return None
-
-    last = start_rounds(
-        strategy,
-        guard.chunked or secure or grid,
-        tensors_to_record(initial),
-        settings,
-        info,
-        after_round,
-    )
+    federation.grid = guard.chunked or secure or grid
+    final = federation.run_rounds(arrays or initial, first)
     summary = {
         "status": "completed",
         "rounds": settings.rounds,
         "local_steps": settings.local_steps,
         "settings": settings.to_dict(),
-        "history": history,
-        "final_global_valid_loss": float(last["valid-loss"]) if last else None,
+        "history": federation.history,
+        "final_global_valid_loss": final,
         "elapsed_s": time.perf_counter() - t_start,
         "trainable_parameters": sum(p.numel() for _, p in trainable),
-        "payload_bytes_per_client": payload_bytes(tensors_to_record(initial)),
+        "payload_bytes_per_client": payload_bytes(initial),
         "chunks": len(plan) if plan else 1,
         "run": str(run.path),
         "privacy": privacy_summary(settings),
     }
-    if last is not None:
+    if first > 1:
+        summary["resumed_at_round"] = first
+    if final is not None:
         run.log_metrics(
             {
                 "round": settings.rounds,
-                "final_global_valid_loss": summary["final_global_valid_loss"],
+                "final_global_valid_loss": final,
             }
         )
-        plot_global(history, summary["final_global_valid_loss"], run.path / "loss.png")
+        plot_global(federation.history, final, run.path / "loss.png")
     write_json_atomic(run.path / RESULT_FILE, summary)
     run.close()
     log.info(
@@ -584,25 +636,6 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         ),
     )
     return summary
-
-
-def start_rounds(
-    strategy, grid, initial: ArrayRecord, settings: FLSettings, info, after_round
-):
-    """Flower's round loop of ``strategy`` over ``grid`` from ``initial``
-    (``after_round``: its ``evaluate_fn``); returns the clients' evaluation
-    of the last round's global model (a MetricRecord, or None)."""
-    result = strategy.start(
-        grid=grid,
-        initial_arrays=initial,
-        num_rounds=settings.rounds,
-        timeout=settings.round_timeout,
-        train_config=round_config(settings, info),
-        evaluate_config=round_config(settings, info),
-        evaluate_fn=after_round,
-    )
-    final_eval = getattr(result, "evaluate_metrics_clientapp", {}) or {}
-    return final_eval.get(settings.rounds)
 
 
 def privacy_summary(settings: FLSettings) -> dict:

@@ -59,11 +59,12 @@ from flwr.app import (
 )
 from flwr.common.constant import ErrorCode
 
+from aisyn.fl.federation import Federation
 from aisyn.fl.launch import check_client
 from aisyn.fl.records import payload_bytes, record_to_tensors, tensors_to_record
 from aisyn.fl.settings import FLSettings
-from aisyn.fl.strategy import guard_of, make_strategy, norm_bound
-from aisyn.fl.task import plot_global, start_rounds
+from aisyn.fl.strategy import make_strategy, norm_bound
+from aisyn.fl.task import plot_global, round_config
 from aisyn.link.errors import LinkError
 from aisyn.link.memory import memory_pair
 from aisyn.model.segments import DATA_PARTY, parse_partition
@@ -445,16 +446,30 @@ def _federate(
     info,
     t_start: float,
 ) -> dict:
-    """Flower's round loop over the parties; a checkpoint of the global
+    """The federation's rounds over the parties; a checkpoint of the global
     segments and of the backbone after every round."""
-    strategy = make_strategy(settings)
-    guard = guard_of(strategy)
     first = members[min(members)]
-    history: list[dict] = []
 
-    def after_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        if server_round == 0:
-            return None
+    def describe(server_round: int, arrays: ArrayRecord, entry: dict) -> None:
+        # the parties that took this round (not one dropped in it or before)
+        rounds = [
+            m.rounds[-1]
+            for m in members.values()
+            if m.rounds and m.rounds[-1]["round"] == server_round
+        ]
+        entry.update(
+            step=backbone.step,
+            skipped_backbone_steps=backbone.skipped,
+            link_bytes=sum(
+                r["link_bytes_sent"] + r["link_bytes_received"] for r in rounds
+            ),
+            train_loss=(
+                sum(r["round_loss"] for r in rounds) / len(rounds) if rounds else None
+            ),
+            elapsed_s=time.perf_counter() - t_start,
+        )
+
+    def checkpoint(server_round: int, arrays: ArrayRecord, files, state) -> None:
         step = backbone.step
         backbone.save()
         tensors = record_to_tensors(arrays, first.spec)
@@ -465,49 +480,35 @@ def _federate(
             {
                 ckpt.MODEL_FILE: weights,
                 ckpt.OPTIM_FILE: ckpt.rng_tensors(),  # no one optimizer's
+                **files,
             },
             {
+                **state,
                 "party": DATA_PARTY,
                 "run_id": global_run.read_config()["run_id"],
                 "step": step,
-                "round": server_round,
                 "model": first.state.cfg.to_dict(),
                 "partition": first.state.partition.to_dict(),
                 "train": first.state.train_cfg.to_dict(),
             },
             keep=2,
         )
-        entry = dict(guard.round_log.get(server_round, {"round": server_round}))
-        t_sent = entry.pop("t_sent", None)
-        entry["round_s"] = time.perf_counter() - t_sent if t_sent else None
-        # the parties that took this round (not one dropped in it or before)
-        rounds = [
-            m.rounds[-1]
-            for m in members.values()
-            if m.rounds and m.rounds[-1]["round"] == server_round
-        ]
-        entry.update(
-            step=step,
-            skipped_backbone_steps=backbone.skipped,
-            link_bytes=sum(
-                r["link_bytes_sent"] + r["link_bytes_received"] for r in rounds
-            ),
-            train_loss=(
-                sum(r["round_loss"] for r in rounds) / len(rounds) if rounds else None
-            ),
-            elapsed_s=time.perf_counter() - t_start,
-        )
-        history.append(entry)
-        root.log_metrics(entry)
-        plot_global(history, None, root.path / "loss.png")
-        return None
 
     initial = tensors_to_record(first.segments())
+    federation = Federation(
+        make_strategy(settings),
+        MembersGrid(members),
+        settings,
+        round_config(settings, info),
+        root,
+        first.spec,
+        describe,
+        checkpoint,
+        plot=lambda history, final: plot_global(history, final, root.path / "loss.png"),
+    )
     with flower_task(run_id=1):
-        last = start_rounds(
-            strategy, MembersGrid(members), initial, settings, info, after_round
-        )
-    final = float(last["valid-loss"]) if last else None
+        final = federation.run_rounds(initial)
+    history = federation.history
     if final is not None:
         root.log_metrics({"round": settings.rounds, "final_global_valid_loss": final})
         plot_global(history, final, root.path / "loss.png")

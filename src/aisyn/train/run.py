@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from aisyn.validate import read_json
@@ -115,9 +115,13 @@ class RunDir:
 
     def truncate_metrics(self, last_step: int) -> None:
         """On resume, drop records of steps after the checkpoint (they are redone)."""
+        self.keep_metrics(lambda r: r.get("step", 0) <= last_step)
+
+    def keep_metrics(self, keep_record: Callable[[dict], bool]) -> None:
+        """Rewrite metrics.jsonl with the records ``keep_record`` keeps (atomic)."""
         if not self.metrics_path.is_file():
             return
-        keep = [r for r in self.read_metrics() if r.get("step", 0) <= last_step]
+        keep = [r for r in self.read_metrics() if keep_record(r)]
         tmp = self.metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         os.replace(tmp, self.metrics_path)
