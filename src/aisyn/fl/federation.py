@@ -69,9 +69,13 @@ class Federation:
     describe: Callable[[int, ArrayRecord, dict], None]
     checkpoint: Callable[[int, ArrayRecord, dict, dict], None]
     plot: Callable[[list[dict], float | None], None] = lambda history, final: None
+    #: where ``checkpoint`` writes (default: ``run``'s own checkpoints)
+    checkpoints: Path | None = None
     history: list[dict] = field(default_factory=list)
     #: the clients' evaluation of the last round's global model (its valid loss)
     last_loss: float | None = None
+    #: the state of the checkpoint ``resume`` continued from (the driver's too)
+    saved_state: dict = field(default_factory=dict)
 
     def run_rounds(self, arrays: ArrayRecord, first: int = 1) -> float | None:
         """Rounds ``first`` .. R from the global ``arrays``; returns the
@@ -148,12 +152,13 @@ class Federation:
 
     def resume(self) -> tuple[int, ArrayRecord | None]:
         """(the first round to run, the global arrays to run it from) out of the
-        latest checkpoint of ``run``; (1, None) where no round finished.
+        latest checkpoint; (1, None) where no round finished. The history is
+        ``run``'s metrics lines up to that round (later ones are dropped).
 
         Refuses in one line (``FederationStateError``) a checkpoint without the
         federation's state, a truncated file, another strategy's state or
         another model's arrays; nothing is written before the checks pass."""
-        folder = ckpt.latest(self.run.checkpoints)
+        folder = ckpt.latest(self.checkpoints or self.run.checkpoints)
         if folder is None:
             log.info("%s: no round finished yet; starting at round 1", self.run.path)
             return 1, None
@@ -202,6 +207,12 @@ class Federation:
             raise FederationStateError(f"{folder}: {bad} holds non-finite values")
         self._restore(folder, fed, tensors)
         self.last_loss = fed.get("valid_loss")
+        self.saved_state = state
+        # the lines of the rounds after the checkpoint, and a final one, are redone
+        self.run.keep_metrics(
+            lambda r: r.get("round", 0) <= rnd and "final_global_valid_loss" not in r
+        )
+        self.history = self.run.read_metrics()
         # in the spec's order: FedAvgM pairs arrays by position
         return rnd + 1, ArrayRecord({k: Array(arrays[k].numpy()) for k in self.spec})
 

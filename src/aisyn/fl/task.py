@@ -563,12 +563,6 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         plot=lambda history, final: plot_global(history, final, run.path / "loss.png"),
     )
     first, arrays = federation.resume() if node.resume else (1, None)
-    if first > 1:
-        # the lines of the rounds after the checkpoint, and a final one, are redone
-        run.keep_metrics(
-            lambda r: r.get("round", 0) < first and "final_global_valid_loss" not in r
-        )
-        federation.history = run.read_metrics()
     run.start(
         run_config(
             "finetune",

@@ -69,16 +69,17 @@ class SharedBackbone:
     ) -> None:
         """``cut_bound(values, cut_ratio)``: the largest RMS of a member's cut
         tensors accepted among the members' ``values`` (None: no bound)."""
-        if session.purpose != "train" or session.start_step:
+        if session.purpose != "train":
             raise proto.ProtocolError(
-                "a consortium's backbone starts fresh (resuming one is not supported)"
+                f"a consortium's backbone trains (not a {session.purpose} session)"
             )
         self.party = party
         self.session = session
+        # a resumed consortium's session starts at its last checkpoint
         self.state = party.session_state(session)
         self.lock = threading.Lock()
         #: the backbone's optimizer steps so far, every member's together
-        self.step = 0
+        self.step = session.start_step
         self.skipped = 0
         self.cut_bound = cut_bound
         self.cut_ratio = cut_ratio
@@ -86,12 +87,37 @@ class SharedBackbone:
         #: (what the others' are bounded by)
         self.cut_rms: dict[str, dict[str, float]] = {}
 
-    def serve(self, link: Link, member: Session, name: str | None = None) -> None:
+    def record(self) -> dict:
+        """What a resumed consortium needs of this backbone beyond its
+        checkpoint: the steps it skipped and the bound's history."""
+        return {"skipped": self.skipped, "cut_rms": self.cut_rms}
+
+    def restore(self, record: dict) -> None:
+        """``record()`` of the checkpoint this backbone resumed from."""
+        skipped, cut_rms = record.get("skipped"), record.get("cut_rms")
+        if not isinstance(skipped, int) or not isinstance(cut_rms, dict):
+            raise ValueError(f"bad backbone record {str(record)[:80]}")
+        try:
+            self.cut_rms = {
+                str(n): {str(k): float(v) for k, v in kinds.items()}
+                for n, kinds in cut_rms.items()
+            }
+        except (AttributeError, TypeError, ValueError):
+            raise ValueError(f"bad backbone record {str(record)[:80]}") from None
+        self.skipped = skipped
+
+    def serve(
+        self, link: Link, member: Session, name: str | None = None, at_step: int = 0
+    ) -> None:
         """Run ``member``'s rounds against the shared backbone until its data
         party closes the link (``name``: the member in B's log lines; its run
-        id if not given)."""
+        id if not given). ``at_step``: the member's own step count, where a
+        resumed consortium continues it (the driver's record, not the
+        member's say)."""
         self.check_member(member)
-        SharedRounds(self, link, member, name or member.run_id).run()
+        rounds = SharedRounds(self, link, member, name or member.run_id)
+        rounds.next_step = at_step
+        rounds.run()
 
     def cut_problem(self, name: str, rms: dict[str, float]) -> str | None:
         """Why member ``name``'s step, whose cut tensors have the RMS ``rms``

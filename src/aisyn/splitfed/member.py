@@ -25,6 +25,7 @@ from aisyn.link.base import Link
 from aisyn.split.data_party import DataSession, SplitModel
 from aisyn.split.executor import SplitExecutor
 from aisyn.split.party import PartyState
+from aisyn.train import checkpoint as ckpt
 from aisyn.train.engine import Engine
 from aisyn.train.models import BaseModel
 from aisyn.train.objective import SFTObjective, sft_eval_loss
@@ -79,8 +80,10 @@ class Member:
         self.executor = MemberExecutor(
             self.session, self.run.read_config()["run_id"], self.objective, self.base
         )
+        # two: a run killed mid-round has this party's checkpoint of the round
+        # the consortium saved even if the party saved the next one already
         self.regime = Regime(
-            self.objective, self.executor, self.state.train_cfg, self.run, keep=1
+            self.objective, self.executor, self.state.train_cfg, self.run, keep=2
         )
         self.engine = Engine(
             self.run,
@@ -94,6 +97,22 @@ class Member:
         )
         self.trainable = dict(self.state.named)
         self.spec = {n: tuple(p.shape) for n, p in self.state.named}
+
+    def resume(self, step: int) -> None:
+        """Continue from this party's checkpoint of ``step`` (the end of the
+        consortium's last saved round; 0: none was saved): its optimizer,
+        random state and data position, and its rounds so far. Its metrics
+        lines after ``step`` are dropped (those steps are redone)."""
+        if step:
+            folder = ckpt.step_folder(self.run.checkpoints, step)
+            if not (folder / ckpt.STATE_FILE).is_file():
+                raise ckpt.CheckpointError(
+                    f"party {self.name}: no checkpoint of step {step} to resume "
+                    f"from in {self.run.checkpoints}"
+                )
+            self.regime.load(folder)
+        self.run.truncate_metrics(step)
+        self.rounds = [r for r in self.run.read_metrics() if "round_loss" in r]
 
     def drop(self, reason: str) -> None:
         """Leave the consortium for ``reason``: the session with the shared

@@ -7,8 +7,13 @@ train (``split.consortium``: SFLV2, the parties' steps taken one after
 another). Every ``local_steps`` steps the parties' segments are averaged by
 the strategy the federated regime uses (``fl.strategy.make_strategy``:
 FedAvg, FedProx, FedAdam, FedAvgM, the robust aggregations and client DP,
-each update guarded), run by Flower's own round loop (``Strategy.start``) over
-a grid whose nodes are the parties in this process.
+each update guarded), run by the federation's round loop (``fl.federation``)
+over a grid whose nodes are the parties in this process. A consortium stopped
+after round k resumes (``resume=True``) at round k + 1: the global segments,
+the strategy's state and random states (``fl.federation``), the backbone
+(B's checkpoint of the round, its bound's history), each party's optimizer,
+random state and data position (its checkpoint of the round) -- and ends
+where an uninterrupted run ends, bit for bit.
 
 Here every party and the compute party run in one process, joined by
 in-memory links: the comparison's regime (``aisyn experiment compare``), with
@@ -59,12 +64,12 @@ from flwr.app import (
 )
 from flwr.common.constant import ErrorCode
 
-from aisyn.fl.federation import Federation
+from aisyn.fl.federation import FEDERATION_FILE, Federation
 from aisyn.fl.launch import check_client
 from aisyn.fl.records import payload_bytes, record_to_tensors, tensors_to_record
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import make_strategy, norm_bound
-from aisyn.fl.task import plot_global, round_config
+from aisyn.fl.task import plot_global, round_config, setting_differences
 from aisyn.link.errors import LinkError
 from aisyn.link.memory import memory_pair
 from aisyn.model.segments import DATA_PARTY, parse_partition
@@ -224,10 +229,14 @@ def run_splitfed(
     window: int = 0,
     codec: str = "none",
     log_every: int = 10,
+    resume: bool = False,
 ) -> dict:
     """Train the consortium of ``parties`` (name -> SFT folder) from ``base``
     for ``settings.rounds`` rounds of ``settings.local_steps`` steps per party;
-    returns the summary also written to ``OUT/result.json``.
+    returns the summary also written to ``OUT/result.json``. ``resume``:
+    continue the consortium in ``out`` from its last finished round (the
+    global segments, the backbone, each party's optimizer and data position,
+    the strategy's state), ending where an uninterrupted run ends.
 
     Every party and the backbone use ``settings.method`` (full or LoRA). The
     shared backbone takes ``rounds x local_steps x parties`` steps, each party
@@ -239,8 +248,11 @@ def run_splitfed(
     members_data = {n: Path(d) for n, d in parties.items()}
     check_settings(settings, members_data)
     out = Path(out)
-    if (out / "config.json").exists():
-        raise FileExistsError(f"{out}: already holds a run; choose another --out")
+    if (out / "config.json").exists() and not resume:
+        raise FileExistsError(
+            f"{out}: already holds a run; pass resume to continue it or choose "
+            "another --out"
+        )
     info = describe_base(base)
     for name, data in members_data.items():
         check_client(name, data, info.path, role="party")
@@ -255,25 +267,6 @@ def run_splitfed(
     device = resolve_device(a_cfg.device)
     a_base = open_base(info.checkpoint, mcfg, partition, DATA_PARTY)
     consortium = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(4)
-    party = ComputeParty(
-        mcfg, partition, out / "compute", device=a_cfg.device, init_from=info.checkpoint
-    )
-
-    def hello(run_id: str, cfg) -> str:
-        return proto.encode_json(
-            proto.hello(
-                purpose="train",
-                run_id=run_id,
-                model=mcfg.to_dict(),
-                partition=partition.to_dict(),
-                train=cfg,
-                lora=compute_lora_hello(mcfg, partition, method, cfg.seed),
-                codec=codec,
-                init=a_base.fingerprint,
-            )
-        )
-
-    _, b_session = party.negotiate(hello(consortium, b_cfg), "consortium")
     opts = SplitOptions(cut=cut, mode="local", window=window, codec=codec)
     config = {
         "kind": "splitfed",
@@ -287,21 +280,52 @@ def run_splitfed(
         "tokenizer": info.tokenizer,
         "seq_len": mcfg.seq_len,
     }
+    saved: dict = {}
+    if resume:
+        config["run_id"] = consortium = _resumable(out, config)
+        saved = _saved_round(out / "global")
+    party = ComputeParty(
+        mcfg, partition, out / "compute", device=a_cfg.device, init_from=info.checkpoint
+    )
+
+    def hello(run_id: str, cfg, resume=False, a_steps=()) -> str:
+        return proto.encode_json(
+            proto.hello(
+                purpose="train",
+                run_id=run_id,
+                model=mcfg.to_dict(),
+                partition=partition.to_dict(),
+                train=cfg,
+                lora=compute_lora_hello(mcfg, partition, method, cfg.seed),
+                resume=resume,
+                a_steps=list(a_steps),
+                codec=codec,
+                init=a_base.fingerprint,
+            )
+        )
+
+    b_step = saved.get("step", 0)
+    _, b_session = party.negotiate(
+        hello(consortium, b_cfg, resume, [b_step] if b_step else []), "consortium"
+    )
     root = RunDir(out)
-    root.start(config, resume=False, tokenizer=info.path / TOKENIZER)
+    root.start(config, resume=resume, tokenizer=info.path / TOKENIZER)
     # the federated guard's bound on updates, here on each member's cut tensors
     backbone = SharedBackbone(party, b_session, norm_bound, settings.max_norm_ratio)
+    if saved:
+        backbone.restore(saved["splitfed"]["backbone"])
     global_run = RunDir(out / "global")
     global_run.start(
         _data_party_config(
             consortium, config, a_cfg, opts, list(members_data.values()), a_base
         ),
-        resume=False,
+        resume=resume,
         tokenizer=info.path / TOKENIZER,
     )
     shared = Shared(
         out, config, consortium, party, backbone, hello, a_cfg, opts, device,
-        a_base, settings, log_every,
+        a_base, settings, log_every, resume,
+        saved.get("round", 0) * settings.local_steps,
     )  # fmt: skip
     with contextlib.ExitStack() as stack:
         members = {
@@ -309,7 +333,7 @@ def run_splitfed(
             for node, (name, data) in enumerate(members_data.items(), start=1)
         }
         summary = _federate(
-            root, global_run, members, backbone, settings, info, t_start
+            root, global_run, members, backbone, settings, info, t_start, resume
         )
     merged = out / "merged"
     merge(global_run.path, out / "compute", merged)
@@ -318,6 +342,57 @@ def run_splitfed(
     write_json_atomic(root.path / RESULT_FILE, summary)
     root.close()
     return summary
+
+
+def _resumable(out: Path, config: dict) -> str:
+    """The consortium ID of the run in ``out`` that ``config`` continues;
+    refuses in one line a folder that holds no SplitFed run, or one of other
+    parties, cut, base or settings."""
+    try:
+        old = RunDir(out).read_config()
+    except FileNotFoundError:
+        raise ValueError(f"resume: {out} holds no SplitFed run") from None
+    if old.get("kind") != "splitfed" or not isinstance(old.get("run_id"), str):
+        raise ValueError(f"resume: {out} is not a SplitFed run")
+    for key, what in (
+        ("parties", "parties"),
+        ("partition", "cut"),
+        ("model", "model"),
+        ("split", "split options"),
+    ):
+        if old.get(key) != config[key]:
+            raise ValueError(f"resume: {out} was started with other {what}")
+    if (old.get("base") or {}).get("fingerprint") != config["base"]["fingerprint"]:
+        raise ValueError(f"resume: {out} was started from another base model")
+    differ = setting_differences(old.get("splitfed"), config["splitfed"])
+    if differ:
+        raise ValueError(
+            f"resume: {out} was started with other settings ({', '.join(differ)})"
+        )
+    return old["run_id"]
+
+
+def _saved_round(global_dir: Path) -> dict:
+    """The state of the consortium's last saved round ({}: none was)."""
+    folder = ckpt.latest(global_dir / "checkpoints")
+    if folder is None:
+        return {}
+    state = ckpt.read_state(folder)
+    record = state.get("splitfed")
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("backbone"), dict)
+        or not isinstance(record.get("dropped"), dict)
+        or not isinstance(state.get("round"), int)
+        or not isinstance(state.get("step"), int)
+    ):
+        raise ckpt.CheckpointError(
+            f"{folder}: holds no consortium state (not a SplitFed checkpoint, or "
+            "one from before resume existed)"
+        )
+    # read through before anything is written (the federation checks the rest)
+    ckpt.read_tensors(folder / FEDERATION_FILE)
+    return state
 
 
 def _data_party_config(
@@ -363,6 +438,9 @@ class Shared:
     base: BaseModel
     settings: FLSettings
     log_every: int
+    #: a resumed consortium, and each party's step it resumes from (0: none)
+    resuming: bool = False
+    resume_step: int = 0
 
 
 @contextlib.contextmanager
@@ -377,7 +455,7 @@ def _member(c: Shared, name: str, node: int, data: Path) -> Iterator[Member]:
             "kind": "splitfed-party",
             "splitfed": {"consortium": c.consortium, "party": name},
         },
-        resume=False,
+        resume=c.resuming,
         tokenizer=Path(c.config["base"]["path"]) / TOKENIZER,
     )
     party, cfg, codec = c.party, c.cfg, c.opts.codec
@@ -400,7 +478,7 @@ def _member(c: Shared, name: str, node: int, data: Path) -> Iterator[Member]:
 
     def serve() -> None:
         try:
-            c.backbone.serve(link_b, session, name)
+            c.backbone.serve(link_b, session, name, c.resume_step)
         except BaseException as e:  # reported to the party through the link
             errors.append(e)
             log.debug("party %s: the backbone's rounds failed", name, exc_info=True)
@@ -411,7 +489,7 @@ def _member(c: Shared, name: str, node: int, data: Path) -> Iterator[Member]:
     thread = threading.Thread(target=serve, name=f"backbone-{name}", daemon=True)
     thread.start()
     try:
-        yield Member(
+        member = Member(
             name,
             node,
             data,
@@ -424,6 +502,9 @@ def _member(c: Shared, name: str, node: int, data: Path) -> Iterator[Member]:
             c.settings.eval_items,
             c.log_every,
         )
+        if c.resuming:
+            member.resume(c.resume_step)
+        yield member
     except Exception as e:
         link_a.close()
         thread.join(30)
@@ -445,10 +526,19 @@ def _federate(
     settings: FLSettings,
     info,
     t_start: float,
+    resume: bool = False,
 ) -> dict:
     """The federation's rounds over the parties; a checkpoint of the global
-    segments and of the backbone after every round."""
+    segments and of the backbone after every round (``resume``: from the
+    last one)."""
     first = members[min(members)]
+    #: the link bytes of the rounds before a resume (its links are new)
+    link_before = 0
+
+    def link_bytes() -> int:
+        return link_before + sum(
+            m.link.bytes_sent + m.link.bytes_received for m in members.values()
+        )
 
     def describe(server_round: int, arrays: ArrayRecord, entry: dict) -> None:
         # the parties that took this round (not one dropped in it or before)
@@ -484,6 +574,11 @@ def _federate(
             },
             {
                 **state,
+                "splitfed": {
+                    "backbone": backbone.record(),
+                    "dropped": {m.name: m.dropped for m in members.values()},
+                    "link_bytes": link_bytes(),
+                },
                 "party": DATA_PARTY,
                 "run_id": global_run.read_config()["run_id"],
                 "step": step,
@@ -506,17 +601,26 @@ def _federate(
         checkpoint,
         plot=lambda history, final: plot_global(history, final, root.path / "loss.png"),
     )
+    start, arrays = 1, None
+    if resume:
+        federation.checkpoints = global_run.checkpoints
+        start, arrays = federation.resume()
+        if start > 1:
+            record = federation.saved_state["splitfed"]
+            link_before = int(record["link_bytes"])
+            for m in members.values():
+                if record["dropped"].get(m.name):
+                    m.drop(record["dropped"][m.name])
     with flower_task(run_id=1):
-        final = federation.run_rounds(initial)
+        final = federation.run_rounds(arrays or initial, start)
     history = federation.history
     if final is not None:
         root.log_metrics({"round": settings.rounds, "final_global_valid_loss": final})
         plot_global(history, final, root.path / "loss.png")
-    link_bytes = sum(
-        m.link.bytes_sent + m.link.bytes_received for m in members.values()
-    )
     segment_bytes = payload_bytes(initial)
+    resumed = {"resumed_at_round": start} if start > 1 else {}
     return {
+        **resumed,
         "status": "completed",
         "rounds": settings.rounds,
         "local_steps": settings.local_steps,
@@ -530,7 +634,7 @@ def _federate(
         "skipped_backbone_steps": backbone.skipped,
         "train_s": sum(r["train_s"] for m in members.values() for r in m.rounds),
         # cut activations and gradients, every party with the compute party
-        "link_bytes": link_bytes,
+        "link_bytes": link_bytes(),
         # the segments each way, every party, every round (Flower's payload)
         "segment_bytes_per_party_round": segment_bytes,
         "segment_bytes": 2 * segment_bytes * len(members) * settings.rounds,
