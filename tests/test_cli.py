@@ -59,6 +59,7 @@ def test_help_shows_defaults(capsys):
     assert "(default: False)" not in out and "(default: None)" not in out
 
 
+@pytest.mark.heavy
 def test_prepare_train_eval_end_to_end(tmp_path, capsys, model_file):
     model = model_file
     data, run = tmp_path / "data", tmp_path / "run"
@@ -141,6 +142,7 @@ def test_user_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("aisyn: error:") and "missing" in err
 
 
+@pytest.mark.heavy
 def test_console_script_runs():
     proc = subprocess.run(
         [sys.executable, "-m", "aisyn.cli", "--help"],

@@ -116,6 +116,7 @@ def torchrun(tmp_path: Path, *args: str, env: dict, timeout: float = 120):
         ),
     ],
 )
+@pytest.mark.heavy
 def test_a_refused_torchrun_job_prints_one_line_and_no_traceback(
     tmp_path, news_data, args, env, error
 ):

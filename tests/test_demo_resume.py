@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import json
 
+import pytest
+
 from aisyn.cli import main
 
 SMALL = ["--steps", "6", "--max-docs", "150"]
@@ -30,6 +32,7 @@ def demo(out, capsys, *extra) -> tuple[int, str, str]:
     return code, captured.out.replace(str(out), "OUT"), captured.err
 
 
+@pytest.mark.heavy
 def test_an_interrupted_demo_resumes_and_a_finished_one_is_not_redone(
     tmp_path, capsys, caplog, monkeypatch
 ):

@@ -32,6 +32,7 @@ def device_check(*args: str, timeout: float) -> tuple[int, list[str]]:
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="bash")
 
 
+@pytest.mark.heavy
 @needs_bash
 def test_without_a_gpu_it_says_so_and_checks_the_plumbing():
     rc, lines = device_check("--only", "split", timeout=600)

@@ -24,6 +24,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.heavy
 def test_ready_then_stopped_with_its_children(tmp_path):
     # Prepare: a child that starts a grandchild, then says it is ready
     ready, grandchild = tmp_path / "ready", tmp_path / "grandchild.pid"

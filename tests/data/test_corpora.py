@@ -11,6 +11,7 @@ from aisyn.data.corpora import (
 )
 
 
+@pytest.mark.heavy
 def test_news_is_real_tagged_text(news_corpus):
     doc = news_corpus.documents[0]
 

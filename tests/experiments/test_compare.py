@@ -78,6 +78,7 @@ def _check_report(out, names):
     return rows
 
 
+@pytest.mark.heavy
 def test_micro_comparison_produces_the_table(tmp_path, monkeypatch):
     # Prepare: two small corpora and a private cache (the base is built here)
     monkeypatch.setenv("AISYN_CACHE", str(tmp_path / "cache"))

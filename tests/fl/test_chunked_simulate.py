@@ -43,6 +43,7 @@ def test_chunked_and_two_rank_runs_give_the_plain_global_model(
     assert (news / "ranks.log").is_file() and not list(news.glob("ranks-*"))
 
 
+@pytest.mark.heavy
 def test_chunked_settings_a_strategy_cannot_use_are_refused_before_starting(
     base_run, sft_dirs, tmp_path
 ):

@@ -45,6 +45,7 @@ def test_epsilon_is_the_rdp_accountants():
     assert epsilon(0.0, 1.0, 5, 1e-5) == math.inf and epsilon(1.0, 1.0, 0, 1e-5) == 0
 
 
+@pytest.mark.heavy
 def test_client_dp_clips_on_clients_adds_calibrated_noise_and_reports_epsilon(
     base_run, sft_dirs, tmp_path
 ):

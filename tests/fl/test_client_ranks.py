@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from aisyn.fl.records import tensors_to_record
@@ -40,6 +41,7 @@ def _round(base_run, **kw):
     return config, glob
 
 
+@pytest.mark.heavy
 def test_two_rank_client_trains_what_one_rank_does(base_run, sft_dirs, tmp_path):
     from aisyn.fl.task import ClientNode, client_train
 
@@ -81,6 +83,7 @@ def _rank_pids(out: Path) -> dict[int, int]:
     return found
 
 
+@pytest.mark.heavy
 def test_a_rank_killed_mid_step_fails_the_round_in_one_line(
     base_run, sft_dirs, tmp_path
 ):

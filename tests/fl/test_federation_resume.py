@@ -127,6 +127,7 @@ def whole(tmp_path_factory, base_run, sft_dirs) -> dict:
     return out
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("strategy", ["fedadam", "fedavgm"])
 def test_a_server_that_dies_after_round_2_resumes_and_ends_bit_exact(
     strategy, whole, base_run, sft_dirs, tmp_path
@@ -173,6 +174,7 @@ def test_resuming_a_finished_run_changes_nothing(whole, base_run, sft_dirs):
     ]
 
 
+@pytest.mark.heavy
 def test_a_server_killed_with_sigkill_resumes_and_ends_bit_exact(
     whole, base_run, sft_dirs, tmp_path
 ):
@@ -344,6 +346,7 @@ def test_a_client_whose_folder_holds_another_federation_is_refused(
         ClientContext(node, settings(lr=1e-3), "")
 
 
+@pytest.mark.heavy
 def test_cli_resume_without_a_run_says_so_in_one_line(base_run, sft_dirs, tmp_path):
     clients = [f"--client={k}={v}" for k, v in sorted(sft_dirs.items())]
     proc = subprocess.run(

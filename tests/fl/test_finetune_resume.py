@@ -37,6 +37,7 @@ def _losses(run) -> list[float]:
     return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("method", [Method(), Method("lora", rank=4)])
 def test_a_killed_finetune_resumes_to_the_uninterrupted_run(
     tmp_path, base_run, sft_dirs, method, monkeypatch

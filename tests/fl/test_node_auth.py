@@ -97,6 +97,7 @@ def _wait_for(path: Path, texts: list[str], timeout: float = 120.0) -> str:
     raise AssertionError(f"{path} lacks {texts} after {timeout:.0f} s")
 
 
+@pytest.mark.heavy
 def test_only_a_supernode_with_a_registered_key_is_admitted(tmp_path):
     from aisyn.link import make_dev_certs
 

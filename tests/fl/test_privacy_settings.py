@@ -130,6 +130,7 @@ def test_privacy_flags_parse():
     assert (s.dp_noise_multiplier, s.dp_clipping_norm) == (1.2, 0.3)
 
 
+@pytest.mark.heavy
 def test_cli_refuses_secure_aggregation_with_a_robust_aggregation_in_one_line(
     tmp_path,
 ):

@@ -79,6 +79,7 @@ def test_multikrum_averages_all_but_the_assumed_attacker():
     np.testing.assert_allclose(w, np.mean(HONEST, axis=0), rtol=1e-6)
 
 
+@pytest.mark.heavy
 def test_bulyan_stays_among_the_honest_updates():
     honest = [*HONEST, [0.9, 1.9], [1.05, 2.05]]  # 6 honest + 1: n >= 4f + 3
     _, w = run_round("bulyan", honest=honest)
@@ -100,6 +101,7 @@ def test_too_few_accepted_updates_for_krum_keep_the_last_model():
     assert s.round_log[1]["accepted"] == 3
 
 
+@pytest.mark.heavy
 def test_bulyan_still_aggregates_once_the_guard_rejected_the_attacker():
     """7 clients meet Bulyan's guarantee (n >= 4f + 3). The norm bound drops a
     x1000 update; that was the attacker, so Bulyan aggregates the 6 left with

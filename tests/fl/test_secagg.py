@@ -71,6 +71,7 @@ def test_secagg_aggregate_equals_fedavg_up_to_quantisation(
     assert max_diff(weights(run / "server"), expected) <= tol
 
 
+@pytest.mark.heavy
 def test_a_client_dropping_out_mid_round_leaves_the_survivors_mean(
     base_run, sft_dirs, tmp_path
 ):

@@ -85,6 +85,7 @@ def test_failing_client_is_rejected_and_the_run_goes_on(base_run, sft_dirs, tmp_
     _check_run(result, tmp_path / "run", ["news", "reviews"])
 
 
+@pytest.mark.heavy
 def test_cli_reports_a_client_without_data_in_one_line(base_run, tmp_path):
     # Execute
     proc = subprocess.run(
@@ -191,6 +192,7 @@ def test_client_that_drops_out_mid_round_does_not_stop_the_server(
     assert result["final_global_valid_loss"] is not None
 
 
+@pytest.mark.heavy
 def test_lora_federated_fine_tuning_of_a_llama_base(
     tokenizer, sft_dirs, tmp_path, base_run_factory
 ):

@@ -35,6 +35,7 @@ def test_the_stream_is_logged_echoed_and_its_status_returned(
     assert "round 1\n第二轮 done\n" in err and "an earlier run" not in err
 
 
+@pytest.mark.heavy
 def test_past_its_timeout_the_whole_process_group_is_stopped(tmp_path, monkeypatch):
     pid_file = tmp_path / "child.pid"
     fake_flwr(

@@ -83,6 +83,7 @@ def dial(srv, tls, timeout: float):
     return connect(srv.address, token=TOKEN, tls=tls, options=FAST, timeout=timeout)
 
 
+@pytest.mark.heavy
 def test_a_reconnecting_holder_goes_behind_a_waiting_party(two_clients, caplog):
     certs, mallory, alice = two_clients
     caplog.set_level(logging.INFO, logger="aisyn.link")

@@ -43,6 +43,7 @@ def _low_soft_limit() -> None:  # in the child, before it starts
     resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT_LIMIT, hard))
 
 
+@pytest.mark.heavy
 def test_control_port_takes_a_client_past_a_thousand_idle_connections(tmp_path):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = 2 * IDLE + 512

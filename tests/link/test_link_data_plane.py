@@ -323,6 +323,7 @@ def test_bad_frame_on_the_data_plane_ends_the_session(tls_server, pki, case):
     _next_session_works(tls_server, pki)
 
 
+@pytest.mark.heavy
 def test_frame_on_the_control_stream_is_refused(tls_server, pki):
     """With a data plane, the gRPC stream carries no data: a frame there is a
     second, unordered path and ends the session."""
@@ -354,6 +355,7 @@ def test_abort_reason_reaches_the_peer(tls_server, pki):
     _next_session_works(tls_server, pki)
 
 
+@pytest.mark.heavy
 def test_cut_data_plane_is_a_lost_peer(tls_server, pki):
     a, b = _pair(tls_server, pki)
     a._plane.out._sock.sendall(_HEADER.pack(len(_tensor_header()), 16))
@@ -416,6 +418,7 @@ def test_recv_timeout_leaves_the_session_usable(tls_server, pki):
     b.close()
 
 
+@pytest.mark.heavy
 def test_peer_stalled_mid_frame_does_not_hold_the_receiver(tls_server, pki):
     """Whichever thread is reading when the peer stops mid-frame, the
     receiver's own timeout holds, and aborting then reaches the peer."""
@@ -599,6 +602,7 @@ def test_refused_connections_do_not_fill_the_log(plain_server, caplog):
     assert listener._refused == 20  # (all of them counted for the report)
 
 
+@pytest.mark.heavy
 def test_a_client_gets_in_under_a_steady_stream_of_new_dials(pki):
     """Dials that never stop, each from a fresh address and one byte into a
     handshake, against a cap of 16. Each newcomer at the cap pushes out one of

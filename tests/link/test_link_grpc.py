@@ -285,6 +285,7 @@ class Blackhole:
             s.close()
 
 
+@pytest.mark.heavy
 def test_silent_peer_is_detected_by_keepalive(server):
     hole = Blackhole(server.port)
     try:

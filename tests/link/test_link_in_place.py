@@ -60,6 +60,7 @@ def test_modified_before_it_was_read_fails_the_link(transport, codec):
             b.recv("act", step=0, timeout=5)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("transport", "codec"), CASES)
 def test_modified_after_flush_the_peer_has_the_original(transport, codec):
     with transport_pair(transport) as (a, b):

@@ -201,6 +201,7 @@ def _staged_links(transport: str, monkeypatch):
         yield a, b, copier
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("transport", "codec"),
     [

@@ -145,6 +145,7 @@ def test_a_name_mismatch_names_the_certificates_hosts(pkis):
         link.close()
 
 
+@pytest.mark.heavy
 def test_a_server_not_up_yet_is_retried_with_one_line(pkis, caplog):
     with socket.create_server(("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]

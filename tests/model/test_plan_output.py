@@ -196,6 +196,7 @@ def test_a_refusal_names_the_short_party_and_the_fewest_devices_that_fit():
     refusal("13B", [a, with_devices(b, b.devices - 1)], w)
 
 
+@pytest.mark.heavy
 def test_the_200b_refusal_points_to_more_devices():
     w = Workload(batch_size=8, micro_batch_size=1, dtype="bf16")
     given = [PartySpec.parse("A:1:32GB"), PartySpec.parse("B:4:80GB")]

@@ -251,6 +251,7 @@ FSDP2_SHARDS = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy
 def test_fsdp2_keeps_the_shards_the_planner_counts(tiny):
     cfg, _, cut = tiny
     ranks = 3  # hidden 128 and FFN 512 do not split evenly in 3

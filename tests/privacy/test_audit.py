@@ -6,12 +6,14 @@ import csv
 import json
 
 import matplotlib.pyplot as plt
+import pytest
 from test_privacy_plots import check_recovery_figure
 
 from aisyn.cli import main
 from aisyn.privacy.audit import AuditSettings, audit, recovery_figure
 
 
+@pytest.mark.heavy
 def test_an_embedding_only_cut_gives_the_text_away(
     tmp_path, base, news_data, reviews_data, tiny_inverter
 ):

@@ -16,6 +16,7 @@ from aisyn.privacy.frontier import Point
 from aisyn.train.config import TrainConfig
 
 
+@pytest.mark.heavy
 def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
     tmp_path, base, news_data, news_sft, reviews_data, tokenizer, tiny_inverter
 ):
@@ -209,6 +210,7 @@ def test_calibrate_without_public_shards_reads_the_built_in_public_text(base, ca
     )
 
 
+@pytest.mark.heavy
 def test_defence_recommended_from_a_base_runs_the_flags_calibrate_prints(
     tmp_path, base, news_data, capsys, monkeypatch
 ):

@@ -51,6 +51,7 @@ def _inverter(c: Crossing, vocab: int = 8000) -> SequenceInverter:
     )
 
 
+@pytest.mark.heavy
 def test_the_sequence_inverter_reads_what_the_linear_decoder_reads_and_more(
     material,
 ):
@@ -120,6 +121,7 @@ def test_under_noise_far_above_the_signal_the_inverter_falls_to_guessing(materia
     assert got <= frequent_token_rate(seen.inputs) + 0.03, got
 
 
+@pytest.mark.heavy
 def test_known_plaintext_reads_at_least_what_public_text_alone_reads(material):
     public, own, seen = material["public"], material["own"], material["attacked"]
     inverter = _inverter(public).fit(public.acts, public.inputs, **FIT)
@@ -146,6 +148,7 @@ def test_similarity_reads_labels_from_gradients_and_inputs_from_activations(
     assert labels.seen[labels.predict(seen.grad)].all()
 
 
+@pytest.mark.heavy
 def test_nothing_crossed_backward_is_reported_as_such(
     base, news_data, reviews_data, tiny_inverter
 ):
@@ -215,6 +218,7 @@ def test_bad_inverter_settings_are_one_line():
         inverter.predict(torch.zeros(1, 5, 8))
 
 
+@pytest.mark.heavy
 def test_the_audit_reports_nothing_crossed_where_no_gradient_does(
     tmp_path, base, news_data, reviews_data, tiny_inverter, monkeypatch
 ):

@@ -162,6 +162,7 @@ def test_the_default_is_what_split_train_runs_without_flags():
     assert not is_default(bottleneck)
 
 
+@pytest.mark.heavy
 def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_run(
     tmp_path, base, news_data, news_sft, reviews_data, tokenizer, tiny_inverter
 ):

@@ -28,6 +28,7 @@ IDLE_S = 60.0  # long: only the hello timeout may end the squatter's sessions
 FAST = LinkOptions(keepalive_s=0.5, keepalive_timeout_s=1.0, drop_unread=False)
 
 
+@pytest.mark.heavy
 def test_a_silent_reconnecting_party_does_not_lock_out_another(
     tmp_path, split_config, token_file, caplog
 ):

@@ -180,6 +180,7 @@ def private(out: Path) -> dict[str, torch.Tensor]:
     return ckpt.read_tensors(last / ckpt.PRIVATE_FILE)
 
 
+@pytest.mark.heavy
 def test_a_split_run_trains_it_and_keeps_it_at_a(
     tmp_path, news_data, split_config, base
 ):
@@ -210,6 +211,7 @@ def test_a_split_run_trains_it_and_keeps_it_at_a(
                 assert t.shape != mine.shape or not torch.equal(t, mine), name
 
 
+@pytest.mark.heavy
 def test_it_learns_through_the_emulator_with_the_backbone_frozen(
     tmp_path, news_data, split_config, base
 ):
@@ -222,6 +224,7 @@ def test_it_learns_through_the_emulator_with_the_backbone_frozen(
     assert not torch.allclose(private(out)["bottleneck.rho"], torch.full((32,), -4.0))
 
 
+@pytest.mark.heavy
 def test_a_bottleneck_run_resumes_to_the_uninterrupted_losses(
     tmp_path, news_data, split_config, base
 ):
@@ -251,6 +254,7 @@ def test_a_bottleneck_run_resumes_to_the_uninterrupted_losses(
     assert (tmp_path / "cut" / "config.json").read_bytes() == before
 
 
+@pytest.mark.heavy
 def test_evaluation_after_training_sends_through_the_trained_bottleneck(
     tmp_path, news_data, split_config, base
 ):
@@ -294,6 +298,7 @@ def test_a_data_party_over_ranks_refuses_it(tmp_path, news_data, split_config, b
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("bad", ["nan", "huge"])
 def test_a_compute_party_sending_nonsense_into_it_poisons_nothing(
     tmp_path, news_data, split_config, base, monkeypatch, bad

@@ -121,6 +121,7 @@ def _run(out, news_data, split_config, defence, **cfg):
     )
 
 
+@pytest.mark.heavy
 def test_a_bound_that_never_binds_leaves_the_run_exact(
     tmp_path, news_data, split_config, baseline
 ):
@@ -162,6 +163,7 @@ def test_defended_run_reports_its_budget_and_b_is_not_told(
         assert "cut_defence" not in text and "noise" not in text, f
 
 
+@pytest.mark.heavy
 def test_defended_run_is_reproducible_and_resumes_exactly(
     tmp_path, news_data, split_config
 ):
@@ -210,6 +212,7 @@ class _GuardedGradient(torch.autograd.Function):
         return ctx.guard.gradient(g, *ctx.where), None, None
 
 
+@pytest.mark.heavy
 def test_noise_touches_only_what_b_adds_not_the_residual_stream(
     tmp_path, news_data, split_config, monkeypatch
 ):
@@ -306,6 +309,7 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
 
 
+@pytest.mark.heavy
 def test_the_default_defence_is_the_recommended_one_and_the_run_of_its_flags(
     tmp_path, news_data, split_config, caplog, monkeypatch
 ):

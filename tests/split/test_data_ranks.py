@@ -147,6 +147,7 @@ DEFENCE = ["--dp-forward-clip", "5", "--dp-forward-noise", "0.05"]
 DEFENCE += ["--dp-backward-clip", "1", "--dp-backward-noise", "0.05"]
 
 
+@pytest.mark.heavy
 def test_two_ranks_train_what_one_process_trains_through_a_kill_9(
     tmp_path, six_json, news_data
 ):
@@ -301,6 +302,7 @@ def test_both_parties_as_torchrun_jobs(tmp_path, six_json, news_data):
     assert_same_weights(got, want, "merged")
 
 
+@pytest.mark.heavy
 def test_ranks_whose_share_does_not_fit_are_refused_with_the_numbers(
     tmp_path, news_data
 ):

@@ -39,6 +39,7 @@ def split_run(tmp_path_factory, news_data, split_config):
     return out
 
 
+@pytest.mark.heavy
 def test_eval_through_the_link_equals_eval_of_the_merged_run(
     tmp_path, split_run, news_data
 ):
@@ -59,6 +60,7 @@ def test_eval_through_the_link_equals_eval_of_the_merged_run(
     assert through_link["cloze"]["items"] == 3
 
 
+@pytest.mark.heavy
 def test_eval_of_a_split_run_needs_the_link(split_run, news_data):
     # evaluate_run alone cannot: the run holds only the data party's half
     with pytest.raises(ValueError, match="evaluate_split_run"):

@@ -24,6 +24,7 @@ def assert_matches(got: list[float], want: list[float], rel: float = REL) -> Non
     assert worst <= rel, f"max relative loss difference {worst:.3g} > {rel}"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("window", [0, 2], ids=["lockstep", "pipelined"])
 def test_in_process_matches_unsplit_training(
     tmp_path, news_data, split_config, baseline, window
@@ -52,6 +53,7 @@ def test_in_process_matches_unsplit_training(
     assert config["kind"] == "split" and config["partition"]["front"] == 1
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("data_plane", [False, True], ids=["grpc", "data-plane"])
 def test_grpc_matches_unsplit_training(
     tmp_path, news_data, split_config, baseline, token_file, data_plane
@@ -79,6 +81,7 @@ def test_grpc_matches_unsplit_training(
     assert_matches(losses(tmp_path / "a"), baseline)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("codec,rel", [("bf16", 2e-2), ("int8", 2e-2)])
 def test_compressed_cut_stays_close(
     tmp_path, news_data, split_config, baseline, codec, rel

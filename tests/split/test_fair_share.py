@@ -41,12 +41,14 @@ def contend(share: FairShare, sessions: dict[str, tuple[float, int]], seconds: f
     return got
 
 
+@pytest.mark.heavy
 def test_shares_follow_the_weights():
     # both always have a turn waiting (two sessions each): b weighs 3 times a
     got = contend(FairShare(slots=1), {"a": (1.0, 2), "b": (3.0, 2)}, 1.5)
     assert got["b"] / got["a"] == pytest.approx(3.0, rel=0.2)
 
 
+@pytest.mark.heavy
 def test_more_sessions_buy_no_larger_share():
     got = contend(
         FairShare(slots=1), {"a": (1.0, 4), "b": (1.0, 2), "c": (1.0, 2)}, 1.5

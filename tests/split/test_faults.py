@@ -135,6 +135,7 @@ def assert_same_run(out: Path, uninterrupted: list[float]) -> None:
     assert losses(out) == pytest.approx(uninterrupted, rel=1e-6)
 
 
+@pytest.mark.heavy
 def test_kill_9_of_in_process_run_then_resume(
     tmp_path, news_data, split_config, cfg_json, uninterrupted
 ):
@@ -154,6 +155,7 @@ def test_kill_9_of_in_process_run_then_resume(
     assert_same_run(out, uninterrupted)
 
 
+@pytest.mark.heavy
 def test_compute_party_ahead_of_data_party(
     tmp_path, news_data, split_config, uninterrupted
 ):
@@ -279,6 +281,7 @@ def test_damaged_compute_checkpoint_is_refused_with_the_reason(
     assert losses(out) and (out / "checkpoints" / "step_00000004").is_dir()
 
 
+@pytest.mark.heavy
 def test_sigterm_of_data_party_stops_the_spawned_compute_party(
     tmp_path, news_data, split_config
 ):

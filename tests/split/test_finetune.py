@@ -91,6 +91,7 @@ def b_run(root: Path) -> Path:
     return run
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("window", [0, 2], ids=["lockstep", "pipelined"])
 def test_in_process_matches_standalone_finetuning(
     tmp_path, ft_config, base, sft_dir, standalone, window, monkeypatch
@@ -138,6 +139,7 @@ def test_in_process_matches_standalone_finetuning(
     assert all(d == torch.float32 for tag, d, _ in sent if tag in ("act", "gout"))
 
 
+@pytest.mark.heavy
 def test_grpc_matches_standalone_finetuning(
     tmp_path, ft_config, base, sft_dir, standalone, token_file
 ):
@@ -160,6 +162,7 @@ def test_grpc_matches_standalone_finetuning(
     assert_same_steps(tmp_path / "a", b_run(tmp_path / "b"), standalone, base)
 
 
+@pytest.mark.heavy
 def test_resume_continues_split_finetuning(tmp_path, ft_config, base, sft_dir):
     """Cut back to its step-6 checkpoints and resumed, a split fine-tuning run
     repeats steps 7-12 exactly (the SFT data position is in the checkpoint)."""
@@ -231,6 +234,7 @@ def lora_split(out, ft_config, base, sft_dir, cfg=None, *, a=LORA, b=LORA, **kw)
     )
 
 
+@pytest.mark.heavy
 def test_lora_on_both_parties_matches_standalone_lora(
     tmp_path, ft_config, base, sft_dir
 ):
@@ -262,6 +266,7 @@ def test_lora_on_both_parties_matches_standalone_lora(
     assert_same(split(out, SAMPLINGS["greedy"], mode="local"), want)
 
 
+@pytest.mark.heavy
 def test_a_compute_party_with_lora_keeps_its_base_and_saves_adapters_only(
     tmp_path, ft_config, base, sft_dir
 ):
@@ -316,6 +321,7 @@ def test_lora_without_a_base_is_refused(tmp_path, ft_config, news_data):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.heavy
 def test_lora_over_grpc_against_a_served_base(
     tmp_path, ft_config, base, sft_dir, token_file
 ):
@@ -373,6 +379,7 @@ def test_a_bad_lora_hello_is_refused(tmp_path, ft_config, base, lora, message):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+@pytest.mark.heavy
 def test_split_fine_tuning_runs_the_recommended_defence_calibrated_at_the_base(
     tmp_path, ft_config, base, sft_dir, monkeypatch
 ):

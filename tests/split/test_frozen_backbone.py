@@ -197,6 +197,7 @@ def test_only_activations_cross_and_b_keeps_the_base(
     assert json.loads((b_folder / "config.json").read_text())["backbone"] == "frozen"
 
 
+@pytest.mark.heavy
 def test_a_frozen_run_resumes_to_the_uninterrupted_losses(
     tmp_path, news_data, split_config, base
 ):
@@ -256,6 +257,7 @@ def test_emulated_blocks_are_spread_over_the_middle():
         emulated_blocks(range(1, 3), -1)
 
 
+@pytest.mark.heavy
 def test_over_grpc_a_compute_party_runs_it_as_in_process_and_one_without_a_base_refuses(
     tmp_path, news_data, split_config, base, token_file
 ):
@@ -298,6 +300,7 @@ def first_activations(monkeypatch, run) -> torch.Tensor:
     return seen[0]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("backbone", ["frozen", "train"])
 def test_a_private_warm_up_moves_the_front_before_anything_crosses(
     tmp_path, monkeypatch, news_data, split_config, base, backbone

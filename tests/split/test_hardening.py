@@ -63,6 +63,7 @@ def spied_hellos(monkeypatch) -> list[str]:
     return seen
 
 
+@pytest.mark.heavy
 def test_compute_party_cannot_rebuild_the_data_partys_initial_weights(
     tmp_path, news_data, split_config, spied_hellos
 ):

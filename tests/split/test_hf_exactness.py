@@ -64,6 +64,7 @@ def baselines(tmp_path_factory, news_data) -> dict[str, list[float]]:
     return out
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_in_process_split_matches_unsplit_training(
     tmp_path, news_data, baselines, family
@@ -80,6 +81,7 @@ def test_in_process_split_matches_unsplit_training(
     assert_matches(losses(out), baselines[family])
 
 
+@pytest.mark.heavy
 def test_grpc_split_of_a_llama_matches_unsplit_training(
     tmp_path, news_data, baselines, token_file
 ):
@@ -112,6 +114,7 @@ def save_pretrained(family: str, folder, seed: int = 0):
     return f"hf:{folder}"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_split_fine_tuning_of_a_pretrained_folder_matches_unsplit(
     tmp_path, news_data, family
@@ -140,6 +143,7 @@ def baselines_of(tmp_path, news_data, family) -> list[float]:
     return losses(run)
 
 
+@pytest.mark.heavy
 def test_a_grpc_compute_party_serving_a_pretrained_folder(
     tmp_path, news_data, token_file
 ):

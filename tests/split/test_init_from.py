@@ -38,6 +38,7 @@ def _write_subset(src: Path, dst: Path, keep) -> Path:
     return dst
 
 
+@pytest.mark.heavy
 def test_split_from_base_matches_train_from_base(
     tmp_path, news_data, split_config, base
 ):

@@ -197,6 +197,7 @@ def test_a_flood_of_connections_holds_a_bounded_number_of_threads(metrics):
             s.close()
 
 
+@pytest.mark.heavy
 def test_a_connection_that_sends_slowly_is_cut_at_its_deadline(metrics, monkeypatch):
     """A socket timeout bounds each read, not the connection: one byte of a
     request every 0.3 s held its thread for good. It is cut

@@ -218,6 +218,7 @@ def test_a_rank_share_outside_the_compute_party_is_refused():
 # --- exactness ----------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "nproc,window",
     [(2, 2), pytest.param(3, 0, marks=pytest.mark.slow)],
@@ -275,6 +276,7 @@ def rank_pid(job: Job, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under torchrun {job.proc.pid}")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "victim", ["rank 1", pytest.param("data party", marks=pytest.mark.slow)]
 )
@@ -352,6 +354,7 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.heavy
 def test_the_issue_command_line_tiny_sharded_over_two_ranks(tmp_path, news_data):
     """``--model tiny`` leaves B one block: on two ranks it is FSDP2-sharded
     over both, each running half of every micro-batch's rows. As written in
@@ -378,6 +381,7 @@ def test_the_issue_command_line_tiny_sharded_over_two_ranks(tmp_path, news_data)
     assert worst < 1e-5, f"merged weights differ by {worst:.3g}"
 
 
+@pytest.mark.heavy
 def test_sharded_ranks_refuse_micro_batches_too_small_to_share(tmp_path, news_data):
     with Job(tmp_path, 2, "tiny", tmp_path / "b") as job:
         with pytest.raises(LinkError, match=r"micro-batches of 1 row\(s\) would"):

@@ -50,6 +50,7 @@ def other_hellos(cfg, run_id: str) -> dict[str, dict]:
     return {"train": fresh, "resume": resume, **looks}
 
 
+@pytest.mark.heavy
 def test_a_run_is_refused_to_another_certificate_and_kept_for_its_owner(
     tmp_path, split_config, news_data, token_file
 ):

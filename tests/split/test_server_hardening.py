@@ -115,6 +115,7 @@ def test_deeply_nested_hello_is_refused_and_frees_the_server(served, split_confi
 # --- 2. a data party that goes quiet, or answers under the wrong step ---------
 
 
+@pytest.mark.heavy
 def test_silent_data_party_loses_its_session_to_the_idle_timeout(served, split_config):
     link = dial(served.address, proto.encode_json(fresh_hello(split_config)))
     t0 = time.monotonic()
@@ -265,6 +266,7 @@ def test_a_bug_in_the_compute_party_is_reported_without_its_internals(listen):
 # --- 4. sessions with the same hello text ---------------------------------------
 
 
+@pytest.mark.heavy
 def test_sessions_with_the_same_hello_each_keep_their_own_terms(listen):
     party = FakeParty()
     server = SplitServer(party, listen).start()
@@ -325,6 +327,7 @@ def aisyn_bytes(snapshot: tracemalloc.Snapshot) -> int:
     )
 
 
+@pytest.mark.heavy
 def test_many_short_sessions_leave_nothing_behind(listen, caplog):
     """140 sessions of every kind, clients faster than the server: the server
     holds one session at a time, and the project's own memory, links and

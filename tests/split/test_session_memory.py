@@ -57,6 +57,7 @@ def returned_mib(mode: str) -> float:
     return float(done.stdout.split()[-1])
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="glibc's allocator and /proc"
 )

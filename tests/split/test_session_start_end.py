@@ -332,6 +332,7 @@ def run_docs_line(starts: str, news_data: Path, tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.heavy
 def test_the_quick_start_local_line_runs(tmp_path, news_data):
     out = run_docs_line("aisyn split train --mode local", news_data, tmp_path)
     assert (out / "checkpoints").is_dir()
@@ -346,6 +347,7 @@ def test_the_quick_start_grpc_line_runs_pipelined(tmp_path, news_data):
     assert split["window"] == 2 and split["codec"] == "int8"
 
 
+@pytest.mark.heavy
 def test_the_quick_start_localhost_pair_runs_as_written(tmp_path, news_data):
     """docs/split.md's two commands at `tiny` on localhost, credentials from
     its `aisyn certs` line: B in its own process (on a free port instead of

@@ -75,6 +75,7 @@ def test_lora_sessions_hold_one_copy_of_the_base(ft_config, ft_base):
     assert all(torch.equal(frozen[n], on_disk[n]) for n in frozen)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("batched", [False, True], ids=["own-passes", "batched"])
 def test_three_tenants_fine_tune_lora_at_once_on_one_base(
     tmp_path, ft_config, ft_base, ft_sft_dir, token_file, caplog, batched

@@ -123,6 +123,7 @@ def test_in_process_split_generation_equals_unsplit(split_run, merged, kind):
     assert_same(got, want)
 
 
+@pytest.mark.heavy
 def test_grpc_split_generation_equals_unsplit(
     tmp_path, split_run, merged, split_config, token_file
 ):

@@ -35,6 +35,7 @@ def unsplit(tmp_path_factory, news_data, split_config) -> dict[str, list[float]]
     return out
 
 
+@pytest.mark.heavy
 def test_split_activation_checkpointing_changes_no_loss(
     tmp_path, news_data, split_config, unsplit
 ):
@@ -57,6 +58,7 @@ def test_split_activation_checkpointing_changes_no_loss(
     assert worst(got, unsplit["fp32"]) <= 1e-5
 
 
+@pytest.mark.heavy
 def test_split_bf16_over_grpc_matches_unsplit_bf16(
     tmp_path, news_data, split_config, unsplit, token_file
 ):

@@ -68,6 +68,7 @@ def two_parties(tmp_path_factory, ft_base, ft_sft_dir, other_sft) -> dict:
     return {"out": out, "summary": summary, "settings": s}
 
 
+@pytest.mark.heavy
 def test_one_party_equals_fine_tuning_the_whole_model(tmp_path, ft_base, ft_sft_dir):
     """With one party the average is the party's own segments and the shared
     backbone is its backbone: SplitFed is split fine-tuning, which is the
@@ -91,6 +92,7 @@ def test_one_party_equals_fine_tuning_the_whole_model(tmp_path, ft_base, ft_sft_
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.heavy
 def test_the_backbone_takes_every_partys_steps(two_parties):
     s, summary, out = (
         two_parties["settings"],
@@ -142,6 +144,7 @@ def test_the_global_segments_are_the_parties_weighted_mean(two_parties):
         torch.testing.assert_close(glob[k], mean.float(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.heavy
 def test_a_run_is_the_same_every_time(
     tmp_path, two_parties, ft_base, ft_sft_dir, other_sft
 ):
@@ -159,6 +162,7 @@ def test_a_run_is_the_same_every_time(
         )
 
 
+@pytest.mark.heavy
 def test_lora_parties_train_adapters_on_one_backbone(tmp_path, ft_base, ft_sft_dir):
     """LoRA everywhere: one party's run is LoRA fine-tuning of the whole
     model, step for step; B's checkpoints hold its adapters alone."""
@@ -184,6 +188,7 @@ def test_lora_parties_train_adapters_on_one_backbone(tmp_path, ft_base, ft_sft_d
     assert names and all(".lora_" in n for n in names)
 
 
+@pytest.mark.heavy
 def test_fedprox_pulls_each_party_toward_the_global_segments(
     tmp_path, ft_base, ft_sft_dir, other_sft
 ):
@@ -207,6 +212,7 @@ def test_fedprox_pulls_each_party_toward_the_global_segments(
     assert drift("fedprox") < 0.8 * drift("fedavg")
 
 
+@pytest.mark.heavy
 def test_a_party_sending_misshapen_segments_is_left_out(
     tmp_path, ft_base, ft_sft_dir, other_sft, monkeypatch, caplog
 ):
@@ -334,6 +340,7 @@ def lying_party(monkeypatch, node: int, tag: str, scale: float | None) -> None:
         ),
     ],
 )
+@pytest.mark.heavy
 def test_a_lying_party_is_dropped_and_the_honest_one_finishes(
     tmp_path, ft_base, ft_sft_dir, other_sft, monkeypatch, caplog, liar, tag, scale, why
 ):

@@ -78,6 +78,7 @@ def whole(tmp_path_factory, ft_base, parties) -> tuple[Path, dict]:
     return out, run_splitfed(ft_base, parties, out, settings(), log_every=1)
 
 
+@pytest.mark.heavy
 def test_a_consortium_that_dies_after_round_2_resumes_and_ends_bit_exact(
     monkeypatch, tmp_path, whole, ft_base, parties
 ):
@@ -109,6 +110,7 @@ def test_a_consortium_that_dies_after_round_2_resumes_and_ends_bit_exact(
     assert [r["round"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 3]
 
 
+@pytest.mark.heavy
 def test_a_consortium_killed_with_sigkill_resumes_and_ends_bit_exact(
     tmp_path, whole, ft_base, parties
 ):

@@ -74,6 +74,7 @@ def train_args(cfg_json: Path, data: Path, out: Path, peer) -> list[str]:
     return args
 
 
+@pytest.mark.heavy
 def test_four_tenants_one_healthy_one_killed_one_garbage_one_stalled(
     tmp_path, split_config, news_data, token_file
 ):

@@ -385,6 +385,7 @@ def train(cfg, data, out: Path, peer: LinkSettings, **overrides) -> dict:
     )
 
 
+@pytest.mark.heavy
 def test_two_tenants_train_at_once_each_as_alone_each_in_its_own_folder(
     tmp_path, pki, centre_files, token_file, split_config, news_data, baseline
 ):
@@ -546,6 +547,7 @@ def test_a_session_is_sized_by_what_it_holds_at_b(
     assert server.round_bytes(full, 4, 2, ft_config.seq_len, 3) > one
 
 
+@pytest.mark.heavy
 def test_the_operator_sees_each_tenants_use(
     tmp_path, pki, centre_files, token_file, split_config, news_data, capsys
 ):

@@ -35,6 +35,7 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run / "metrics.jsonl")]
 
 
+@pytest.mark.heavy
 def test_the_documented_distillation_regime_trains_and_resumes(
     tmp_path, news_data, tiny_config, monkeypatch
 ):

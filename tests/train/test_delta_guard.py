@@ -176,6 +176,7 @@ def largest_weight(run: Path) -> float:
     )
 
 
+@pytest.mark.heavy
 def test_a_centre_sending_a_huge_or_flipped_delta_is_left_out_by_name(
     tmp_path, news_data, model_file
 ):
@@ -208,6 +209,7 @@ def test_a_centre_sending_a_huge_or_flipped_delta_is_left_out_by_name(
     assert math.isfinite(final[-1]) and final[-1] < final[0]
 
 
+@pytest.mark.heavy
 def test_a_centre_that_keeps_lying_stops_the_run_by_name_and_it_resumes(
     tmp_path, news_data, model_file
 ):
@@ -239,6 +241,7 @@ def test_a_centre_that_keeps_lying_stops_the_run_by_name_and_it_resumes(
     assert largest_weight(out) < 2.0
 
 
+@pytest.mark.heavy
 def test_each_centres_log_lines_carry_its_name(tmp_path, news_data, model_file):
     """Two centres logging to one terminal: every line a centre logs starts
     with its centre (``centre 1: epoch 0 step 4/8 loss: ...``)."""
@@ -310,6 +313,7 @@ exit_rank(0)
 """
 
 
+@pytest.mark.heavy
 def test_a_centre_that_sends_another_delta_than_it_reports_is_caught(tmp_path):
     """The numbers a centre reports are checked against what arrives: an
     int8 delta (every centre receives every centre's) 1000x the reported

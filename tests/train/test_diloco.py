@@ -238,6 +238,7 @@ exit_rank(0)  # was seen to abort a rank whose work was done (SIGABRT)
 """
 
 
+@pytest.mark.heavy
 def test_centres_of_two_ranks_each_exchange_a_share_of_the_delta(tmp_path):
     """Two centres of two ranks: rank i of a centre averages the i-th share
     across the centres alone, the centre gathers the shares, and every rank
@@ -323,6 +324,7 @@ exit_rank(0)
 """
 
 
+@pytest.mark.heavy
 def test_a_newcomer_refuses_what_a_lying_centre_sends(tmp_path):
     """A centre with valid credentials that lies to a joining one: a
     non-finite global model, a step or token count outside the run, a data
@@ -446,6 +448,7 @@ def test_a_resume_with_other_fragments_is_refused_in_one_line(
     assert (tmp_path / "d" / "config.json").read_bytes() == before  # untouched
 
 
+@pytest.mark.heavy
 def test_streaming_centres_end_on_one_model_and_resume_exactly(
     tmp_path, news_data, model_file
 ):
@@ -497,6 +500,7 @@ def test_one_centre_with_a_plain_outer_step_is_plain_training(
     assert [r["outer_step"] for r in records if "outer_step" in r] == [1, 2]
 
 
+@pytest.mark.heavy
 def test_two_centres_take_the_outer_step_of_their_own_runs(
     tmp_path, news_data, reviews_data, model_file
 ):
@@ -572,6 +576,7 @@ def test_centres_of_two_ranks_train_as_centres_of_one(
     assert config["centre"] == 1 and config["centres"] == 2
 
 
+@pytest.mark.heavy
 def test_centres_of_two_fsdp_ranks_train_as_centres_of_one_and_resume(
     tmp_path, news_data, model_file
 ):
@@ -619,6 +624,7 @@ def test_centres_of_two_fsdp_ranks_train_as_centres_of_one_and_resume(
     assert all(torch.equal(again[n], whole[n]) for n in whole)
 
 
+@pytest.mark.heavy
 def test_centres_with_different_settings_are_refused(tmp_path, news_data, model_file):
     rcs, logs = run_centres(
         [
@@ -641,6 +647,7 @@ def test_centres_with_different_settings_are_refused(tmp_path, news_data, model_
         assert f"centre {1 - i}'s sync differ" in line
 
 
+@pytest.mark.heavy
 def test_centres_laid_out_differently_inside_are_refused(
     tmp_path, news_data, model_file
 ):
@@ -659,6 +666,7 @@ def test_centres_laid_out_differently_inside_are_refused(
         assert f"centre {other} (rank {2 * other})'s sync" in line and "differ" in line
 
 
+@pytest.mark.heavy
 def test_a_centre_that_never_joins_times_out_naming_the_address(
     tmp_path, news_data, model_file
 ):
@@ -761,6 +769,7 @@ def resumed_as_whole(model_file, news_data, out: Path, whole: Path, per: int):
         assert torch.equal(t, final_model(whole)[name])
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "per", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-rank", "2-rank"]
 )
@@ -785,6 +794,7 @@ def test_a_centre_killed_mid_phase_stops_the_other_and_both_resume_exactly(
     resumed_as_whole(model_file, news_data, out, whole, per)
 
 
+@pytest.mark.heavy
 def test_a_centre_killed_during_the_exchange_stops_the_other_and_both_resume(
     tmp_path, news_data, model_file, whole_run
 ):
@@ -828,6 +838,7 @@ def worker_of(agent: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"torchrun's agent has no worker of rank {rank}")
 
 
+@pytest.mark.heavy
 def test_a_centre_killed_under_torchrun_max_restarts_goes_on_with_resume_auto(
     tmp_path, news_data, model_file, whole_run
 ):
@@ -952,6 +963,7 @@ def both_run(tmp_path_factory, module_model_file, news_data) -> Path:
     return both
 
 
+@pytest.mark.heavy
 def test_a_centre_lost_for_good_the_other_resumes_without_it(
     tmp_path, news_data, model_file, both_run
 ):
@@ -1021,6 +1033,7 @@ def test_a_centre_lost_for_good_the_other_resumes_without_it(
     torch.testing.assert_close(got, g, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.heavy
 def test_a_centre_joins_a_run_under_way(tmp_path, news_data, model_file, both_run):
     """Centre 1 gone after the outer step at 8 and a new one in its place,
     with an empty folder: started with ``--resume auto`` beside centre 0, it
@@ -1104,6 +1117,7 @@ def losses_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.heavy
 def test_full_fine_tuning_with_fsdp_inside_two_centres(tmp_path, ft_parts):
     """``aisyn finetune --method full --ranks-per-centre 2 --data-parallel
     fsdp``: two centres of two FSDP2 ranks fine-tune what two centres of one
@@ -1181,6 +1195,7 @@ def test_fsdp_lora_fine_tuning_is_refused_in_one_line(tmp_path, ft_parts):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "per", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-rank", "2-rank"]
 )

@@ -11,6 +11,7 @@ from aisyn.train.pretrain import train
 from aisyn.train.run import read_metrics
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("micro", [1, None], ids=["accumulating", "default-flags"])
 def test_two_ranks_match_one_process(tmp_path, news_data, model_file, micro):
     """With --micro-batch-size 1 (accumulation under DDP) and with the default

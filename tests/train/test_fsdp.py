@@ -51,6 +51,7 @@ def rewind(run: Path, step: int, last: int) -> None:
     (run / "checkpoints" / "latest").write_text(f"step_{step:08d}")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "micro",
     [1, pytest.param(None, marks=pytest.mark.slow)],
@@ -86,6 +87,7 @@ def test_fsdp_ranks_train_as_one_process(tmp_path, news_data, model_file, micro)
     )
 
 
+@pytest.mark.heavy
 def test_fsdp_resumes_exactly_and_ddp_resumes_its_checkpoints(
     tmp_path, news_data, model_file
 ):

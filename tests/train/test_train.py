@@ -51,6 +51,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, news_data, tiny_c
     assert big == pytest.approx(acc, rel=1e-5)
 
 
+@pytest.mark.heavy
 def test_resume_continues_the_same_trajectory(
     tmp_path, news_data, tiny_config, monkeypatch
 ):
