@@ -130,3 +130,23 @@ def test_int8_multi_pass_matches_single_pass(monkeypatch):
     many = encode(x, "int8")
     assert torch.equal(one.side, many.side) and torch.equal(one.payload, many.payload)
     assert torch.equal(decode(many), decode(one))
+
+
+def test_flat_int8_takes_a_block_size_and_checks_the_bytes():
+    """DiLoCo's deltas go through the link's int8 codec with larger blocks:
+    one scale per block, the same bound, and buffers of the wrong size are
+    refused rather than read past."""
+    from aisyn.link.codec import decode_flat, encode_flat, flat_sizes
+
+    x = torch.randn(3 * 4096 + 17, generator=torch.Generator().manual_seed(0))
+    side, payload = encode_flat(x, "int8", block=4096)
+    assert (side.numel(), payload.numel()) == flat_sizes("int8", x.numel(), block=4096)
+    assert side.numel() == 4 * 4 and payload.numel() == x.numel()
+    back = decode_flat(side, payload, "int8", x.numel(), block=4096)
+    blocks = torch.nn.functional.pad(x, (0, 4096 - 17)).view(4, -1)
+    bound = (blocks.abs().amax(dim=1) / 254).repeat_interleave(4096)[: x.numel()]
+    assert ((back - x).abs() <= bound * 1.0001).all()
+    # the default block is the link's 64: other bytes for the same values
+    assert flat_sizes("int8", x.numel()) == (4 * -(-x.numel() // 64), x.numel())
+    with pytest.raises(ValueError, match="needs 16\\+12305 bytes, got 16\\+12304"):
+        decode_flat(side, payload[:-1], "int8", x.numel(), block=4096)

@@ -25,6 +25,7 @@ are always sent with ``none`` and the frame records that.
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -173,7 +174,6 @@ class _Int8Blockwise(_Codec):
     """
 
     name = "int8"
-    block = 64
     #: The tensor is processed in at most ``max_passes`` slabs of at least
     #: ``min_slab`` values, through one reused fp32 scratch: temporaries stay
     #: at ~1/4 of the tensor instead of several tensor-sized copies, while the
@@ -181,6 +181,11 @@ class _Int8Blockwise(_Codec):
     #: scheduler tick when training threads occupy the cores -- stays small.
     min_slab = 1 << 20
     max_passes = 4
+
+    def __init__(self, block: int = 64) -> None:
+        #: values per scale: 64 on the link (cut tensors: one outlier costs
+        #: little); DiLoCo's deltas take larger blocks (``train/diloco.py``)
+        self.block = block
 
     def sizes(self, numel: int, dtype: torch.dtype) -> tuple[int, int]:
         return 4 * -(-numel // self.block), numel
@@ -254,6 +259,54 @@ _CODECS: dict[str, _Codec] = {
 }
 #: Names of the available codecs.
 CODECS: tuple[str, ...] = tuple(_CODECS)
+
+
+@functools.cache
+def _int8(block: int) -> _Int8Blockwise:
+    if block < 1:
+        raise ValueError(f"int8 block must be >= 1, got {block}")
+    return _Int8Blockwise(block)
+
+
+def _flat_codec(name: str, block: int | None) -> _Codec:
+    codec = _codec(name)
+    return _int8(block) if name == "int8" and block is not None else codec
+
+
+def encode_flat(
+    flat: torch.Tensor, codec: str, *, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(side, payload) uint8 buffers of a flat float tensor, on its device:
+    no frame header (the caller knows the length and dtype), as a collective
+    moves them. ``block``: the int8 codec's values per scale (default 64)."""
+    return _flat_codec(codec, block).encode(flat.reshape(-1))
+
+
+def decode_flat(
+    side: torch.Tensor,
+    payload: torch.Tensor,
+    codec: str,
+    numel: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    block: int | None = None,
+) -> torch.Tensor:
+    """``encode_flat``'s inverse (up to its rounding), as a flat tensor."""
+    c = _flat_codec(codec, block)
+    side_n, payload_n = c.sizes(numel, dtype)
+    if side.numel() != side_n or payload.numel() != payload_n:
+        raise ValueError(
+            f"{codec} of {numel} values needs {side_n}+{payload_n} bytes, got "
+            f"{side.numel()}+{payload.numel()}"
+        )
+    return c.decode(side, payload, numel, dtype)
+
+
+def flat_sizes(
+    codec: str, numel: int, dtype: torch.dtype = torch.float32, *, block=None
+) -> tuple[int, int]:
+    """(side, payload) byte counts ``encode_flat`` produces."""
+    return _flat_codec(codec, block).sizes(numel, dtype)
 
 
 def _codec(name: str) -> _Codec:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aisyn.errors import RunFailedError
+from aisyn.link.codec import decode_flat, encode_flat, flat_sizes
 from aisyn.train import checkpoint as ckpt
 from aisyn.train import fsdp
 from aisyn.train.config import TrainConfig, per_rank_micro_batches
@@ -175,30 +176,27 @@ def _flag(name: str) -> str:
 # --- the delta on the wire ---------------------------------------------------------
 
 
+#: DiLoCo's precisions as the link's codecs (``link/codec.py``: one codec)
+_CODEC = {"fp32": "none", "bf16": "bf16", "fp16": "fp16", "int8": "int8"}
+
+
 def encode(delta: torch.Tensor, precision: str) -> list[torch.Tensor]:
-    """The flat fp32 ``delta`` as what crosses: itself, a half-precision copy,
-    or int8 codes with one fp32 scale per ``INT8_BLOCK`` (absmax / 127; a
-    block with a non-finite value gets a NaN scale, so the receiver sees it)."""
+    """The flat fp32 ``delta`` as what crosses: itself, or the link codec's
+    bytes of it -- a half-precision copy, or int8 codes with one fp32 scale
+    per ``INT8_BLOCK`` (absmax / 127; a block with a non-finite value decodes
+    to NaN, so the receiver sees it)."""
     if precision == "fp32":
         return [delta]
-    if precision in ("bf16", "fp16"):
-        return [delta.to(torch.bfloat16 if precision == "bf16" else torch.float16)]
-    n = delta.numel()
-    padded = torch.nn.functional.pad(delta, (0, (-n) % INT8_BLOCK))
-    blocks = padded.view(-1, INT8_BLOCK)
-    finite = torch.isfinite(blocks).all(dim=1)
-    absmax = blocks.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-    scale = torch.where(finite, absmax / 127.0, torch.full_like(absmax, math.nan))
-    codes = torch.round(torch.nan_to_num(blocks / absmax[:, None] * 127.0))
-    return [codes.clamp_(-127, 127).to(torch.int8), scale]
+    side, payload = encode_flat(delta, _CODEC[precision], block=INT8_BLOCK)
+    return [payload, side] if side.numel() else [payload]
 
 
 def decode(payload: list[torch.Tensor], precision: str, numel: int) -> torch.Tensor:
     """``encode``'s inverse (up to its rounding), as flat fp32."""
-    if precision != "int8":
+    if precision == "fp32":
         return payload[0].to(torch.float32)
-    codes, scale = payload
-    return (codes.to(torch.float32) * scale[:, None]).reshape(-1)[:numel]
+    side = payload[1] if len(payload) > 1 else torch.empty(0, dtype=torch.uint8)
+    return decode_flat(side, payload[0], _CODEC[precision], numel, block=INT8_BLOCK)
 
 
 def payload_bytes(payload: list[torch.Tensor]) -> int:
@@ -208,9 +206,7 @@ def payload_bytes(payload: list[torch.Tensor]) -> int:
 def encoded_bytes(numel: int, precision: str) -> int:
     """``payload_bytes(encode(delta, precision))`` for ``numel`` values,
     without encoding them."""
-    if precision == "int8":
-        return math.ceil(numel / INT8_BLOCK) * (INT8_BLOCK + 4)
-    return numel * (4 if precision == "fp32" else 2)
+    return sum(flat_sizes(_CODEC[precision], numel, block=INT8_BLOCK))
 
 
 def ring_bytes_sent(nbytes: int, centres: int, op: str) -> int:
