@@ -9,7 +9,7 @@ from pathlib import Path
 
 from flwr.supercore.task_identity import TaskIdentity
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 
 from test_federation_resume import nodes, settings  # noqa: E402
 

@@ -10,16 +10,14 @@ deterministic and a resumed run can be compared bit for bit.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from flwr.supercore.task_identity import TaskIdentity
+from sigkill import kill_once
 
 from aisyn.fl.federation import FEDERATION_FILE, FederationStateError
 from aisyn.fl.in_process import RUN_ID, InProcessGrid
@@ -182,16 +180,7 @@ def test_a_server_killed_with_sigkill_resumes_and_ends_bit_exact(
     run = tmp_path / "run"
     args = [sys.executable, str(HERE / "federation_proc.py"), str(base_run), str(run)]
     args += [f"{k}={v}" for k, v in sorted(sft_dirs.items())]
-    proc = subprocess.Popen(args, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (run / "server" / "checkpoints" / "latest").is_file():
-            assert proc.poll() is None, "the server ended before its first round"
-            assert time.monotonic() < deadline, "no round finished in 300 s"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+    kill_once(args, run / "server" / "checkpoints" / "latest")
     saved = ckpt.read_state(ckpt.latest(run / "server" / "checkpoints"))["round"]
     # Execute
     resumed = run_server(
@@ -376,16 +365,7 @@ def test_fl_simulate_killed_with_sigkill_resumes_with_resume(
     flags += ["--eval-items", "8", "--strategy", "fedadam", "--round-timeout", "120"]
     cmd = [sys.executable, "-m", "aisyn.cli", "fl", "simulate", "--base", str(base_run)]
     cmd += clients + ["--out", str(run)] + flags
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (run / "server" / "checkpoints" / "latest").is_file():
-            assert proc.poll() is None, "the run ended before its first round"
-            assert time.monotonic() < deadline, "no round finished in 300 s"
-            time.sleep(0.1)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+    kill_once(cmd, run / "server" / "checkpoints" / "latest")
     saved = ckpt.read_state(_latest(run))["round"]
     assert saved < 3
     # Execute

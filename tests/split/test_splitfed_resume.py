@@ -5,16 +5,13 @@ position, the strategy's state -- and ends where an uninterrupted run ends."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from sigkill import kill_once
 
 from aisyn.fl.federation import FEDERATION_FILE
 from aisyn.fl.settings import FLSettings
@@ -119,16 +116,7 @@ def test_a_consortium_killed_with_sigkill_resumes_and_ends_bit_exact(
     script = Path(__file__).parent / "splitfed_proc.py"
     args = [sys.executable, str(script), str(ft_base), str(out)]
     args += [f"{k}={v}" for k, v in sorted(parties.items())]
-    proc = subprocess.Popen(args, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (out / "global" / "checkpoints" / "latest").is_file():
-            assert proc.poll() is None, "the consortium ended before its first round"
-            assert time.monotonic() < deadline, "no round finished in 300 s"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+    kill_once(args, out / "global" / "checkpoints" / "latest")
     saved = ckpt.read_state(ckpt.latest(out / "global" / "checkpoints"))["round"]
     # Execute
     resumed = run_splitfed(ft_base, parties, out, settings(), log_every=1, resume=True)
