@@ -51,7 +51,7 @@ def split_session(name: str, seed: int, threads: int):
     party spawned on loopback, which holds the same weights' middle blocks."""
     from aisyn.model.segments import COMPUTE_PARTY, DATA_PARTY, parse_partition
     from aisyn.split import protocol as proto
-    from aisyn.split.data_party import DataSession
+    from aisyn.split.client.data_party import DataSession
     from aisyn.split.party import PartyState
     from aisyn.split.session import open_grpc, spawn_compute_party
     from aisyn.train import checkpoint as ckpt

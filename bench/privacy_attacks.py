@@ -4,7 +4,7 @@ size of B's inverter and its public text grow (issue 38, item 5).
 On the comparison's cached base and shards (``--preset``: news is A's text,
 reviews the public text, as ``aisyn privacy audit --preset`` uses them), the
 base sends rows at ``--cut``; for each forward noise multiplier of
-``--noise`` (0: undefended; else ``split.cut_dp``'s Gaussian mechanism on
+``--noise`` (0: undefended; else ``split.defence.cut_dp``'s Gaussian mechanism on
 the activations, its bound calibrated on the public rows) B fits, on public
 rows sent through the same mechanism:
 
@@ -46,8 +46,8 @@ from aisyn.privacy.inverters import (
     SimilarityInference,
     known_plaintext,
 )
-from aisyn.split import cut_dp as dp
-from aisyn.split.calibration import calibrate
+from aisyn.split.defence import cut_dp as dp
+from aisyn.split.defence.calibration import calibrate
 from aisyn.testbed.inputs import cached_base, cached_shards
 from aisyn.testbed.presets import get_preset
 from aisyn.train.models import load_run_model

@@ -48,8 +48,8 @@ from aisyn.model.plan import (
     plan,
 )
 from aisyn.model.segments import parse_partition
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import split_train
 from aisyn.train.config import TrainConfig
 from aisyn.train.memory import party_bytes, whole_model_bytes
 from aisyn.train.pretrain import train

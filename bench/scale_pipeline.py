@@ -11,7 +11,7 @@
   (each stage a 1/R share of B's compute, on a device of its own; A's share
   and the link are not in the ideal).
 
-* The data party on 2 ranks (``split.data_ranks``): the losses of the data
+* The data party on 2 ranks (``split.client.data_ranks``): the losses of the data
   party on one process, and of unsplit training, over 20 steps.
 
     python bench/scale_pipeline.py [--quick] [--only exactness|data|bubble]
@@ -39,8 +39,8 @@ from aisyn.data.shards import prepare
 from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.model.families import load_config
 from aisyn.net import free_port
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train.config import TrainConfig
 from aisyn.train.pretrain import train
@@ -164,7 +164,7 @@ def bubble_line(work: Path, data: Path, quick: bool) -> str:
 
 
 def data_party_line(work: Path, data: Path) -> str:
-    """The data party on 2 ranks (``split.data_ranks``: its blocks FSDP2-sharded,
+    """The data party on 2 ranks (``split.client.data_ranks``: its blocks FSDP2-sharded,
     rows shared), the compute party in rank 0's process: losses against the
     data party on one process and against unsplit training."""
     model = work / "data-ranks.json"

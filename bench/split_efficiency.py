@@ -81,8 +81,8 @@ from aisyn.model.segments import (
 from aisyn.net import free_port
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
-from aisyn.split.compute_party import ComputeParty
-from aisyn.split.data_party import DataSession
+from aisyn.split.backbone.compute_party import ComputeParty
+from aisyn.split.client.data_party import DataSession
 from aisyn.split.party import PartyState
 from aisyn.split.session import open_grpc, spawn_compute_party
 from aisyn.split.transport import link_options

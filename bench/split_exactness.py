@@ -25,8 +25,8 @@ from aisyn.data.shards import prepare
 from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.model.hf import HFConfig
 from aisyn.model.pangu import PanguConfig
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import split_train
 from aisyn.train.config import TrainConfig
 from aisyn.train.pretrain import train
 from aisyn.train.run import read_metrics

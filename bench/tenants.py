@@ -53,10 +53,10 @@ from aisyn.model.plan import (  # noqa: E402
 )
 from aisyn.model.segments import COMPUTE_PARTY, parse_partition  # noqa: E402
 from aisyn.net import free_port  # noqa: E402
-from aisyn.split.server import adapter_bytes  # noqa: E402
+from aisyn.split.centre.server import adapter_bytes  # noqa: E402
+from aisyn.split.centre.tenant_metrics import read_status  # noqa: E402
+from aisyn.split.client.train import split_train  # noqa: E402
 from aisyn.split.session import SplitOptions  # noqa: E402
-from aisyn.split.tenant_metrics import read_status  # noqa: E402
-from aisyn.split.train import split_train  # noqa: E402
 from aisyn.split.transport import LinkSettings  # noqa: E402
 from aisyn.train.config import TrainConfig  # noqa: E402
 from aisyn.train.lora import Method  # noqa: E402

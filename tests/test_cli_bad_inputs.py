@@ -333,14 +333,14 @@ def no_training(monkeypatch):
     """Fail a case that gets as far as building a model to train, rather than
     let it run: without the memory check, ``--batch-size 100000`` allocates
     until the OOM killer ends the test run (and whatever else it picks)."""
-    import aisyn.split.train
+    import aisyn.split.client.train
     import aisyn.train.pretrain
 
     def refuse(*args, **kwargs):
         raise AssertionError("a bad input got as far as building the model")
 
     monkeypatch.setattr(aisyn.train.pretrain, "build_model", refuse)
-    monkeypatch.setattr(aisyn.split.train, "PartyState", refuse)
+    monkeypatch.setattr(aisyn.split.client.train, "PartyState", refuse)
 
 
 def run(argv, capsys) -> tuple[int, str, str]:

@@ -1,6 +1,6 @@
 """The privacy budget ε of Gaussian mechanisms, by Google's ``dp-accounting``.
 
-Split training's cut defence (``split.cut_dp``) and federated client-level DP
+Split training's cut defence (``split.defence.cut_dp``) and federated client-level DP
 (``fl.dp``) both release Gaussian mechanisms and report ε; both account it
 here, with the RDP accountant, never by hand, so the two are comparable and
 the accountant's options are chosen once.

@@ -252,7 +252,7 @@ def cmd_eval(args) -> None:
 
     from aisyn.eval.flags import eval_options
     from aisyn.eval.report import evaluate_run, summary_lines
-    from aisyn.split.evaluate import evaluate_split_run
+    from aisyn.split.client.evaluate import evaluate_split_run
     from aisyn.train.run import RunDir
 
     options = eval_options(args)

@@ -93,7 +93,12 @@ def test_under_a_forward_defence_b_sees_its_blocks_on_what_crossed(tiny_config):
 
     from aisyn.model.families import build_model
     from aisyn.model.segments import parse_partition
-    from aisyn.split.calibration import back_logits, blocks_of, cut_traffic, front
+    from aisyn.split.defence.calibration import (
+        back_logits,
+        blocks_of,
+        cut_traffic,
+        front,
+    )
 
     model = build_model(tiny_config, seed=3).eval()
     partition = parse_partition("u:1,0", tiny_config)

@@ -26,7 +26,7 @@ def test_noise_on_the_cut_hides_the_labels_the_undefended_run_gives_away(
     from aisyn.data.sft import SFTData
     from aisyn.eval.cloze import encode_items
     from aisyn.privacy.yardstick import UNDEFENDED, Config, Inputs, measure
-    from aisyn.split.calibration import calibrate
+    from aisyn.split.defence.calibration import calibrate
     from aisyn.train.models import load_run_model
 
     # Prepare: B's public rows and A's private rows
@@ -108,8 +108,8 @@ def test_ci_preset_measures_every_piece(tmp_path, capsys):
 
 
 def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):
-    from aisyn.split.calibration import calibrate
-    from aisyn.split.cut_dp import defence_from_flags
+    from aisyn.split.defence.calibration import calibrate
+    from aisyn.split.defence.cut_dp import defence_from_flags
     from aisyn.train.models import load_run_model
 
     argv = ["privacy", "calibrate", "--base", str(base), "--public"]
@@ -143,7 +143,7 @@ def test_calibrate_prints_flags_split_train_takes(base, reviews_data, capsys):
 
 def test_a_point_names_and_builds_its_defence():
     from aisyn.privacy.frontier import defence_for
-    from aisyn.split.calibration import Clips
+    from aisyn.split.defence.calibration import Clips
 
     clips = Clips(forward=600.0, backward=0.001)
     both = Point("gaussian", forward=0.1, backward=0.1)
@@ -190,7 +190,7 @@ def test_calibrate_without_public_shards_reads_the_built_in_public_text(base, ca
     """The same rows `split train --defence recommended` calibrates on, and
     the bounds printed exactly (the flags then give that run)."""
     from aisyn.data.tokenizer import open_tokenizer
-    from aisyn.split.calibration import calibrate, public_rows
+    from aisyn.split.defence.calibration import calibrate, public_rows
     from aisyn.train.models import load_run_model
     from aisyn.train.run import TOKENIZER, RunDir
 
@@ -218,11 +218,11 @@ def test_defence_recommended_from_a_base_runs_the_flags_calibrate_prints(
     the whole base (B's blocks too) and the built-in public text: exactly the
     bounds `privacy calibrate --base` prints for the same batch size (and, to
     keep this fast, the same 16 rows instead of 256)."""
-    import aisyn.split.defence
-    from aisyn.split import cut_dp as dp
+    import aisyn.split.defence.attach
+    from aisyn.split.defence import cut_dp as dp
     from aisyn.train.models import load_run_model
 
-    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)
+    monkeypatch.setattr(aisyn.split.defence.attach, "CALIBRATION_ROWS", 16)
     argv = ["privacy", "calibrate", "--base", str(base), "--batch-size", "4"]
     argv += ["--samples", "16"]
     assert main(argv) in (0, None)

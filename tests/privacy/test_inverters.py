@@ -102,8 +102,8 @@ def test_under_noise_far_above_the_signal_the_inverter_falls_to_guessing(materia
     from dataclasses import replace
 
     from aisyn.privacy.frontier import mechanism
-    from aisyn.split import cut_dp as dp
-    from aisyn.split.calibration import calibrate
+    from aisyn.split.defence import cut_dp as dp
+    from aisyn.split.defence.calibration import calibrate
 
     # Prepare: the clip calibrated on the public rows, as for a real run
     clip = calibrate(material["model"], material["public_rows"], CUT, 8).forward
@@ -158,7 +158,7 @@ def test_nothing_crossed_backward_is_reported_as_such(
     B knows of the labels; the forward attacks measure as before."""
     from aisyn.privacy.frontier import Point, attack_point
     from aisyn.privacy.yardstick import worst
-    from aisyn.split import cut_dp as dp
+    from aisyn.split.defence import cut_dp as dp
     from aisyn.train.models import load_run_model
 
     model, _ = load_run_model(base)

@@ -137,7 +137,7 @@ def test_with_none_passing_the_best_trade_is_the_highest_dcs():
 
 
 def test_the_default_is_what_split_train_runs_without_flags():
-    from aisyn.split.cut_dp import Recommended, defence_from_flags
+    from aisyn.split.defence.cut_dp import Recommended, defence_from_flags
 
     # split train with no flag: its options' defaults, the recommended noise
     assert isinstance(defence_from_flags(), Recommended)
@@ -176,7 +176,7 @@ def test_measure_runs_scores_and_attacks_each_configuration_and_reuses_a_scored_
     from aisyn.data.shards import TokenShards
     from aisyn.eval.cloze import encode_items
     from aisyn.privacy.yardstick import Inputs, measure
-    from aisyn.split.calibration import calibrate
+    from aisyn.split.defence.calibration import calibrate
     from aisyn.train.config import TrainConfig
     from aisyn.train.models import load_run_model
 

@@ -174,8 +174,8 @@ def start_server(
 ) -> ServerThread:
     from aisyn.link.base import LinkOptions
     from aisyn.model.segments import parse_partition
-    from aisyn.split.compute_party import ComputeParty
-    from aisyn.split.server import SplitServer
+    from aisyn.split.backbone.compute_party import ComputeParty
+    from aisyn.split.centre.server import SplitServer
 
     party = ComputeParty(
         cfg,

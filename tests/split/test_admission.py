@@ -18,8 +18,8 @@ from aisyn.link import LinkOptions, PeerLostError, connect
 from aisyn.link.certs import TlsConfig, make_dev_certs
 from aisyn.model.segments import parse_partition
 from aisyn.split import protocol as proto
-from aisyn.split.compute_party import ComputeParty
-from aisyn.split.server import SplitServer
+from aisyn.split.backbone.compute_party import ComputeParty
+from aisyn.split.centre.server import SplitServer
 from aisyn.split.session import open_grpc
 from aisyn.split.transport import LinkSettings
 

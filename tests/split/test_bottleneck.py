@@ -1,4 +1,4 @@
-"""The trained bottleneck at the cut (``split.bottleneck``): its per-token
+"""The trained bottleneck at the cut (``split.defence.bottleneck``): its per-token
 clip holds against a front that scales up, its noise never falls below the
 floor, its capacity term and bound are the Gaussian channel's, and a split
 run trains it (through B's Jacobian, or the emulator with B frozen), saves it
@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import CUT, losses, train_cfg
 
-import aisyn.split.defence
-from aisyn.split import cut_dp as dp
-from aisyn.split.bottleneck import Bottleneck, BottleneckSpec, water_filling
+import aisyn.split.defence.attach
+from aisyn.split.client.train import split_train
+from aisyn.split.defence import cut_dp as dp
+from aisyn.split.defence.bottleneck import Bottleneck, BottleneckSpec, water_filling
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
-from aisyn.split.train import split_train
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.pretrain import train
 
@@ -160,7 +160,7 @@ def base(tmp_path_factory, news_data, split_config) -> Path:
 
 @pytest.fixture(autouse=True)
 def _fast_calibration(monkeypatch):
-    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)
+    monkeypatch.setattr(aisyn.split.defence.attach, "CALIBRATION_ROWS", 16)
 
 
 SPEC = BottleneckSpec(2.0, 0.5)
@@ -258,7 +258,7 @@ def test_a_bottleneck_run_resumes_to_the_uninterrupted_losses(
 def test_evaluation_after_training_sends_through_the_trained_bottleneck(
     tmp_path, news_data, split_config, base
 ):
-    from aisyn.split.evaluate import evaluate_split_run
+    from aisyn.split.client.evaluate import evaluate_split_run
 
     out = tmp_path / "run"
     run(out, news_data, split_config, base)
@@ -308,7 +308,7 @@ def test_a_compute_party_sending_nonsense_into_it_poisons_nothing(
     line; the bottleneck A saved stays finite and the step before is kept."""
     from test_hardening import Tamper, _nan
 
-    from aisyn.split.compute_party import ComputeParty
+    from aisyn.split.backbone.compute_party import ComputeParty
     from aisyn.train.update import SkippedStep
 
     serve = ComputeParty.serve_session

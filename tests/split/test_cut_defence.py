@@ -14,9 +14,9 @@ from conftest import CUT, losses, train_cfg
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from aisyn.split import cut_dp as dp
+from aisyn.split.client.train import split_train
+from aisyn.split.defence import cut_dp as dp
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
-from aisyn.split.train import split_train
 from aisyn.train.run import RunDir, read_metrics
 
 
@@ -317,13 +317,13 @@ def test_the_default_defence_is_the_recommended_one_and_the_run_of_its_flags(
     calibrates at the run's start (the seeded init) on the built-in public
     text, as train.dp_calibration does for `privacy calibrate`, and then runs
     exactly what the printed --dp-* flags run."""
-    import aisyn.split.defence
+    import aisyn.split.defence.attach
 
     # 16 public rows instead of 256: two calibration steps keep the test fast
-    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)
+    monkeypatch.setattr(aisyn.split.defence.attach, "CALIBRATION_ROWS", 16)
     from aisyn.data.tokenizer import open_tokenizer
     from aisyn.model.families import build_model
-    from aisyn.split.calibration import calibrate, public_rows
+    from aisyn.split.defence.calibration import calibrate, public_rows
 
     caplog.set_level(logging.INFO)
     # Execute: no defence flag at all
@@ -409,7 +409,7 @@ def test_a_named_defence_with_contradicting_flags_writes_nothing(
 def test_a_resumed_recommended_run_keeps_the_bounds_it_started_with(tmp_path):
     """Its budget spans the run: resuming reads the recorded bounds instead of
     calibrating again (the weights have moved), and refuses another defence."""
-    from aisyn.split.defence import recorded_defence
+    from aisyn.split.defence.attach import recorded_defence
     from aisyn.train.run import RunDir
 
     started = dp.recommended_defence(0.9, 0.08, delta=1e-6)

@@ -1,4 +1,4 @@
-"""The data party as a torchrun job (``split.data_ranks``): its blocks
+"""The data party as a torchrun job (``split.client.data_ranks``): its blocks
 FSDP2-sharded over 2 ranks, each micro-batch's rows shared, it trains what one
 process trains -- losses, validation, weights -- under a cut defence too, and
 a compute party cannot tell; a rank killed mid-run ends the job in one line,
@@ -23,7 +23,7 @@ from conftest import TOKEN, losses
 
 from aisyn.model.pangu import PanguConfig
 from aisyn.net import free_port
-from aisyn.split.data_ranks import DataRanks
+from aisyn.split.client.data_ranks import DataRanks
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.lora import Method
 
@@ -293,7 +293,7 @@ def test_both_parties_as_torchrun_jobs(tmp_path, six_json, news_data):
     assert_matches(losses(tmp_path / "two"), losses(tmp_path / "one"))
     # both halves, each from its ranks' checkpoints, merge into one model: the
     # one both parties in one process made
-    from aisyn.split.merge import merge
+    from aisyn.split.client.merge import merge
 
     got = merge(tmp_path / "two", tmp_path / "b", tmp_path / "m-two")
     want = merge(tmp_path / "one", tmp_path / "one" / "compute", tmp_path / "m-one")

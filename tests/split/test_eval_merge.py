@@ -12,10 +12,10 @@ from conftest import CUT, train_cfg
 from aisyn.cli import main
 from aisyn.data.cloze import ClozeItem, write_items
 from aisyn.eval.report import evaluate_run
-from aisyn.split.evaluate import evaluate_split_run, open_split_model
-from aisyn.split.merge import MergeError, merge
+from aisyn.split.client.evaluate import evaluate_split_run, open_split_model
+from aisyn.split.client.merge import MergeError, merge
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import split_train
 from aisyn.train.models import load_run_model
 
 CLOZE = [

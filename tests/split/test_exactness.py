@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import CUT, losses, start_server, train_cfg
 
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train.run import read_metrics
 

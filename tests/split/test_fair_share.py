@@ -1,4 +1,4 @@
-"""B's compute shared among tenants by weight (``split.fair_share``): under
+"""B's compute shared among tenants by weight (``split.centre.fair_share``): under
 contention each tenant's share of the compute follows its weight, however
 many sessions it runs; a tenant idle for a while cannot then starve the
 others; and with more than one slot, turns run at once."""
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from aisyn.split.fair_share import FairShare
+from aisyn.split.centre.fair_share import FairShare
 
 
 def contend(share: FairShare, sessions: dict[str, tuple[float, int]], seconds: float):

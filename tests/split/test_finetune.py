@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import CUT, losses, start_server, train_cfg
 
-from aisyn.split.merge import merge
+from aisyn.split.client.merge import merge
+from aisyn.split.client.train import split_train
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
-from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.finetune import finetune
@@ -361,7 +361,7 @@ def test_a_bad_lora_hello_is_refused(tmp_path, ft_config, base, lora, message):
     from aisyn.link.memory import IN_PROCESS
     from aisyn.model.segments import parse_partition
     from aisyn.split import protocol as proto
-    from aisyn.split.compute_party import ComputeParty
+    from aisyn.split.backbone.compute_party import ComputeParty
 
     cfg = ft_config
     party = ComputeParty(cfg, parse_partition(CUT, cfg), tmp_path, init_from=base)
@@ -389,14 +389,14 @@ def test_split_fine_tuning_runs_the_recommended_defence_calibrated_at_the_base(
     is accounted."""
     import json
 
-    import aisyn.split.defence
+    import aisyn.split.defence.attach
     from aisyn.data.sft import SFTData
     from aisyn.data.tokenizer import open_tokenizer
-    from aisyn.split import cut_dp as dp
-    from aisyn.split.calibration import calibrate, public_rows
+    from aisyn.split.defence import cut_dp as dp
+    from aisyn.split.defence.calibration import calibrate, public_rows
     from aisyn.train.models import load_run_model
 
-    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)  # fast
+    monkeypatch.setattr(aisyn.split.defence.attach, "CALIBRATION_ROWS", 16)  # fast
     out = tmp_path / "run"
     summary = split_train(
         ft_config,

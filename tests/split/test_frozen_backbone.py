@@ -18,16 +18,16 @@ from aisyn.link import memory as memory_link
 from aisyn.link.errors import HandshakeError
 from aisyn.model.segments import parse_partition, segments_of
 from aisyn.split import party as party_mod
-from aisyn.split.cut_dp import (
+from aisyn.split.client.train import split_train
+from aisyn.split.defence.cut_dp import (
     RECOMMENDED,
     CutDefence,
     Gaussian,
     Recommended,
     undefended_warning,
 )
-from aisyn.split.emulator import emulated_blocks
+from aisyn.split.defence.emulator import emulated_blocks
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
-from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.lora import Method
@@ -357,10 +357,10 @@ def test_a_warm_up_is_refused_where_it_cannot_run(
 def test_the_command_line_runs_it_and_says_which_channel_is_open(
     tmp_path, news_data, split_config, base, caplog, monkeypatch
 ):
-    import aisyn.split.defence
+    import aisyn.split.defence.attach
     from aisyn.cli import main
 
-    monkeypatch.setattr(aisyn.split.defence, "CALIBRATION_ROWS", 16)  # fast
+    monkeypatch.setattr(aisyn.split.defence.attach, "CALIBRATION_ROWS", 16)  # fast
 
     model = tmp_path / "model.json"
     model.write_text(json.dumps(split_config.to_dict()))

@@ -26,10 +26,10 @@ from aisyn.model.segments import (
     parse_partition,
 )
 from aisyn.split import protocol as proto
-from aisyn.split.compute_party import ComputeParty
+from aisyn.split.backbone.compute_party import ComputeParty
+from aisyn.split.client.train import secret_seed, split_train
 from aisyn.split.party import PartyState, SkippedStep
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import secret_seed, split_train
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.run import read_metrics
 

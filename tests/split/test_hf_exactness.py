@@ -10,8 +10,8 @@ from conftest import losses, start_server, train_cfg
 from test_exactness import assert_matches
 
 from aisyn.model.hf import HFConfig
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train.pretrain import train
 
@@ -170,7 +170,7 @@ def test_split_generation_of_an_hf_family_equals_unsplit(tmp_path, news_data, fa
     for Llama); greedy tokens and every step's logits equal the merged model's."""
     from test_split_generate import NEW, SAMPLINGS, assert_same, split, unsplit
 
-    from aisyn.split.merge import merge
+    from aisyn.split.client.merge import merge
     from aisyn.split.session import COMPUTE_DIR
 
     run = tmp_path / "run"

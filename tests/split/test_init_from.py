@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 
 from aisyn.link.errors import HandshakeError
 from aisyn.model.segments import DATA_PARTY, own_tensor_shapes, parse_partition
-from aisyn.split.compute_party import ComputeParty
+from aisyn.split.backbone.compute_party import ComputeParty
+from aisyn.split.client.train import split_train
 from aisyn.split.party import open_base
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.pretrain import train

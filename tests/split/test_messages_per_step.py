@@ -12,8 +12,8 @@ import pytest
 from conftest import CUT, train_cfg
 
 from aisyn.link import _core
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import split_train
 
 
 @pytest.mark.parametrize("window", [0, 2], ids=["lockstep", "pipelined"])

@@ -14,9 +14,9 @@ import pytest
 
 from aisyn.cli import main
 from aisyn.link.certs import make_dev_certs
-from aisyn.split import metrics_endpoint
-from aisyn.split.metrics_endpoint import MetricsTls
-from aisyn.split.tenant_metrics import SessionRecord, TenantMetrics
+from aisyn.split.centre import metrics_endpoint
+from aisyn.split.centre.metrics_endpoint import MetricsTls
+from aisyn.split.centre.tenant_metrics import SessionRecord, TenantMetrics
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_plain_http_off_loopback_is_served_with_a_warning(metrics, monkeypatch, 
 
     monkeypatch.setattr(metrics_endpoint._Server, "server_bind", bind_loopback)
 
-    with caplog.at_level(logging.INFO, logger="aisyn.split.metrics_endpoint"):
+    with caplog.at_level(logging.INFO, logger="aisyn.split.centre.metrics_endpoint"):
         port = metrics.serve("0.0.0.0:0")
 
     [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -131,7 +131,7 @@ def test_plain_http_off_loopback_is_served_with_a_warning(metrics, monkeypatch, 
 
 
 def test_plain_http_on_loopback_is_not_warned_about(metrics, caplog):
-    with caplog.at_level(logging.INFO, logger="aisyn.split.metrics_endpoint"):
+    with caplog.at_level(logging.INFO, logger="aisyn.split.centre.metrics_endpoint"):
         metrics.serve("127.0.0.1:0")
     assert [r.levelname for r in caplog.records] == ["INFO"]
 

@@ -25,11 +25,11 @@ from aisyn.model.generate import Sampling, decode, generate
 from aisyn.model.pangu import PanguConfig
 from aisyn.model.segments import Partition, PartitionError
 from aisyn.net import free_port
-from aisyn.split.evaluate import evaluate_split_run, open_data_session
-from aisyn.split.merge import merge
-from aisyn.split.pipeline import stage_blocks
+from aisyn.split.backbone.pipeline import stage_blocks
+from aisyn.split.client.evaluate import evaluate_split_run, open_data_session
+from aisyn.split.client.merge import merge
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.models import load_run_model

@@ -28,9 +28,9 @@ from aisyn.link.frames import SCALAR, TENSOR, FrameKey, scalar_frame, tensor_fra
 from aisyn.link.grpc_link import connect
 from aisyn.link.proto import tensor_link_pb2 as pb
 from aisyn.split import protocol as proto
-from aisyn.split.evaluate import open_split_model
+from aisyn.split.client.evaluate import open_split_model
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions
-from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train.config import TrainConfig
 from aisyn.train.run import RunDir

@@ -17,9 +17,9 @@ from aisyn.link.errors import HandshakeError
 from aisyn.link.memory import IN_PROCESS
 from aisyn.model.segments import parse_partition
 from aisyn.split import protocol as proto
-from aisyn.split.compute_party import OWNER, ComputeParty
+from aisyn.split.backbone.compute_party import OWNER, ComputeParty
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions, open_grpc
-from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 
 
@@ -186,7 +186,7 @@ def test_a_spawned_compute_partys_certificates_are_made_once_per_run(tmp_path):
 def test_a_spawned_run_resumes_and_evaluates_under_its_binding(
     tmp_path, split_config, news_data
 ):
-    from aisyn.split.evaluate import evaluate_split_run
+    from aisyn.split.client.evaluate import evaluate_split_run
 
     out = tmp_path / "a"
     opts = SplitOptions(cut=CUT, mode="grpc", spawn_backbone=True)

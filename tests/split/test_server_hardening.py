@@ -31,8 +31,8 @@ from aisyn.link.grpc_link import _ClientLink, _ServerLink
 from aisyn.link.memory import MemoryLink, memory_pair
 from aisyn.model.segments import COMPUTE_PARTY, init_seeds, parse_partition
 from aisyn.split import protocol as proto
-from aisyn.split.compute_party import Session
-from aisyn.split.server import SplitServer
+from aisyn.split.backbone.compute_party import Session
+from aisyn.split.centre.server import SplitServer
 from aisyn.split.session import SplitOptions, open_grpc, open_local
 from aisyn.split.transport import (
     COMPUTE_PARTY_IDLE_TIMEOUT_S,

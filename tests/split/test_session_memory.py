@@ -17,7 +17,7 @@ import pytest
 # MiB that freeing them gave back to the OS.
 STEP = """
 import sys, threading
-from aisyn.split.server import return_large_blocks_to_os
+from aisyn.split.centre.server import return_large_blocks_to_os
 
 def rss():
     for line in open("/proc/self/status"):
@@ -74,7 +74,7 @@ def test_split_serve_returns_freed_memory_before_it_loads_anything(
 ):
     """``aisyn split serve`` sets the policy first, before any session's
     thread (or the base) allocates; here it then stops at a bad tenants file."""
-    import aisyn.split.server as server
+    import aisyn.split.centre.server as server
     from aisyn.cli import main
 
     calls = []

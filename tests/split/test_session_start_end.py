@@ -69,7 +69,7 @@ def with_values(argv: list[str], **values: str) -> list[str]:
 
 def test_the_quick_start_pipeline_line_pipelines():
     from aisyn.cli import build_parser
-    from aisyn.split.train import check_pipeline
+    from aisyn.split.client.train import check_pipeline
     from aisyn.train.flags import train_config_from_args
 
     argv = docs_command("split.md", "aisyn split train --mode grpc --spawn-backbone")
@@ -141,7 +141,7 @@ def test_the_docs_serve_line_takes_the_docs_data_party(
     from aisyn.link.memory import IN_PROCESS
     from aisyn.model.families import load_config
     from aisyn.split import protocol as proto
-    from aisyn.split.compute_party import ComputeParty
+    from aisyn.split.backbone.compute_party import ComputeParty
 
     monkeypatch.chdir(tmp_path)  # the lines' files, relative as written
     certs = make_dev_certs(tmp_path / "certs")
@@ -181,9 +181,9 @@ def test_a_preset_vocabulary_at_b_trains_with_the_tokenizers_at_a(
 
     from conftest import start_server, train_cfg
 
-    from aisyn.split.merge import merge
+    from aisyn.split.client.merge import merge
+    from aisyn.split.client.train import split_train
     from aisyn.split.session import SplitOptions
-    from aisyn.split.train import split_train
     from aisyn.split.transport import LinkSettings
 
     preset = replace(split_config, vocab_size=40000)
@@ -217,7 +217,7 @@ def test_a_base_fixes_the_compute_partys_vocabulary(tmp_path, split_config, news
     from aisyn.link.memory import IN_PROCESS
     from aisyn.model.segments import DATA_PARTY
     from aisyn.split import protocol as proto
-    from aisyn.split.compute_party import ComputeParty
+    from aisyn.split.backbone.compute_party import ComputeParty
     from aisyn.split.party import open_base
     from aisyn.train.models import model_config_for
     from aisyn.train.pretrain import train
@@ -261,8 +261,8 @@ def test_a_refused_start_leaves_no_run_folder_and_the_retry_works(
 ):
     from conftest import start_server, train_cfg
 
+    from aisyn.split.client.train import split_train
     from aisyn.split.session import SplitOptions
-    from aisyn.split.train import split_train
     from aisyn.split.transport import LinkSettings
 
     listen = LinkSettings("127.0.0.1:0", token_file=str(token_file), insecure=True)
@@ -297,10 +297,10 @@ def test_a_failed_first_save_leaves_no_folder_at_the_compute_party(
 ):
     from conftest import train_cfg
 
-    from aisyn.split import compute_party
-    from aisyn.split.data_party import SplitError
+    from aisyn.split.backbone import compute_party
+    from aisyn.split.client.data_party import SplitError
+    from aisyn.split.client.train import split_train
     from aisyn.split.session import COMPUTE_DIR, SplitOptions
-    from aisyn.split.train import split_train
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -18,11 +18,11 @@ from test_tenants import Centre, client, fingerprint
 
 from aisyn.link.certs import make_dev_certs
 from aisyn.model.segments import COMPUTE_PARTY, parse_partition
-from aisyn.split.compute_party import ComputeParty
+from aisyn.split.backbone.compute_party import ComputeParty
+from aisyn.split.centre.tenants import load_tenants
+from aisyn.split.client.train import split_train
 from aisyn.split.party import PartyState, place_weights
 from aisyn.split.session import SplitOptions
-from aisyn.split.tenants import load_tenants
-from aisyn.split.train import split_train
 from aisyn.train import checkpoint as ckpt
 
 NAMES = ("alice", "bob", "carol")
@@ -81,8 +81,8 @@ def test_three_tenants_fine_tune_lora_at_once_on_one_base(
     tmp_path, ft_config, ft_base, ft_sft_dir, token_file, caplog, batched
 ):
     """``batched``: their micro-batches that wait at once go through the base
-    together (``split.tenant_batch``)."""
-    caplog.set_level(logging.INFO, logger="aisyn.split.compute_party")
+    together (``split.centre.tenant_batch``)."""
+    caplog.set_level(logging.INFO, logger="aisyn.split.backbone.compute_party")
     base, sft_dir = ft_base, ft_sft_dir
     # Prepare: the solo run each tenant's must equal, and the centre
     lora_split(tmp_path / "solo", ft_config, base, sft_dir)

@@ -15,10 +15,10 @@ from aisyn.model.families import config_from_dict
 from aisyn.model.generate import Decoder, Sampling, decode, generate
 from aisyn.model.segments import parse_partition
 from aisyn.split import protocol as proto
-from aisyn.split.evaluate import open_data_session
-from aisyn.split.merge import merge
+from aisyn.split.client.evaluate import open_data_session
+from aisyn.split.client.merge import merge
+from aisyn.split.client.train import split_train
 from aisyn.split.session import COMPUTE_DIR, SplitOptions, open_local
-from aisyn.split.train import split_train
 from aisyn.split.transport import LinkSettings
 from aisyn.train.models import load_run_model
 from aisyn.train.run import RunDir

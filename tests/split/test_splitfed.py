@@ -387,7 +387,7 @@ def test_the_cut_bound_is_the_federated_guards(monkeypatch):
     """The backbone bounds a member's cut tensors by the guard's own rule
     (``norm_bound``): k times the lower median of the members' values."""
     from aisyn.fl.strategy import norm_bound
-    from aisyn.split.consortium import SharedBackbone
+    from aisyn.split.centre.consortium import SharedBackbone
 
     b = SharedBackbone.__new__(SharedBackbone)
     b.cut_bound, b.cut_ratio, b.cut_rms = norm_bound, 3.0, {}

@@ -1,5 +1,5 @@
 """Tenants' micro-batches through the one frozen base together
-(``split.tenant_batch``): each session's output and gradients are its solo
+(``split.centre.tenant_batch``): each session's output and gradients are its solo
 ones, the rows of sessions waiting at once share one forward and one
 backward, and a session slow with its gradient holds nobody."""
 
@@ -16,9 +16,9 @@ from conftest import CUT
 from test_finetune import LORA, ft_cfg
 
 from aisyn.model.segments import COMPUTE_PARTY, parse_partition
-from aisyn.split.compute_party import ComputeParty
+from aisyn.split.backbone.compute_party import ComputeParty
+from aisyn.split.centre.tenant_batch import AdapterBatcher
 from aisyn.split.party import PartyState, place_weights
-from aisyn.split.tenant_batch import AdapterBatcher
 
 SEEDS = (1, 2, 3)
 
@@ -184,7 +184,7 @@ def test_a_session_slow_with_its_gradient_holds_nobody(ft_config, ft_base):
 
 
 def party_session(ac: bool):
-    from aisyn.split.compute_party import Session
+    from aisyn.split.backbone.compute_party import Session
 
     return Session("train", "r1", replace(ft_cfg(), activation_checkpointing=ac), 0)
 
@@ -195,7 +195,7 @@ def test_many_sessions_racing_for_two_turns_each_get_their_own_results(
     """Sessions that keep sending micro-batches while two turns run at once
     (the fair share's slots): whichever turn takes a micro-batch, each
     session gets back exactly its own rows, many times over."""
-    from aisyn.split.fair_share import FairShare
+    from aisyn.split.centre.fair_share import FairShare
 
     party, states = sessions(ft_config, ft_base)
     batcher = party.batcher_for(party_session(False), states[0])

@@ -27,9 +27,9 @@ from aisyn.link.base import LinkOptions
 from aisyn.link.certs import TlsConfig, make_dev_certs
 from aisyn.link.errors import PeerAbortedError
 from aisyn.split import protocol as proto
+from aisyn.split.centre.tenants import load_tenants
+from aisyn.split.client.train import split_train
 from aisyn.split.session import SplitOptions
-from aisyn.split.tenants import load_tenants
-from aisyn.split.train import split_train
 
 STEPS, EVERY = 30, 4
 

@@ -27,18 +27,18 @@ from aisyn.link import (
 from aisyn.link.certs import make_dev_certs
 from aisyn.link.errors import HandshakeError, LinkError
 from aisyn.model.segments import parse_partition
-from aisyn.split.compute_party import OWNER, ComputeParty
-from aisyn.split.server import SplitServer
-from aisyn.split.session import SplitOptions, open_grpc
-from aisyn.split.shards import complete_steps
-from aisyn.split.tenants import (
+from aisyn.split.backbone.compute_party import OWNER, ComputeParty
+from aisyn.split.backbone.shards import complete_steps
+from aisyn.split.centre.server import SplitServer
+from aisyn.split.centre.tenants import (
     QuotaError,
     Tenant,
     TenantError,
     Usage,
     load_tenants,
 )
-from aisyn.split.train import split_train
+from aisyn.split.client.train import split_train
+from aisyn.split.session import SplitOptions, open_grpc
 from aisyn.split.transport import LinkSettings
 
 BOB_TOKEN = "bob-own-token-0123456789abcdef"
@@ -519,7 +519,7 @@ def test_a_session_is_sized_by_what_it_holds_at_b(
 
     from aisyn.model.families import build_model
     from aisyn.model.segments import COMPUTE_PARTY
-    from aisyn.split.compute_party import Session
+    from aisyn.split.backbone.compute_party import Session
     from aisyn.train.lora import apply_method
 
     party = ComputeParty(

@@ -49,7 +49,7 @@ def evaluate_run(
         # the link, which the split package (a layer above this one) opens.
         raise ValueError(
             f"{run_dir.path}: a split run; evaluate it through the link with "
-            "aisyn.split.evaluate.evaluate_split_run (`aisyn eval` does)"
+            "aisyn.split.client.evaluate.evaluate_split_run (`aisyn eval` does)"
         )
     if model is None:
         model, config = load_run_model(run_dir.path, dev)

@@ -376,9 +376,9 @@ def split_finetuned(
     (both in this process, over the in-memory link): the same steps as
     standalone fine-tuning, at split's cost. Returns ``add_row``'s arguments,
     the model being the two halves merged."""
-    from aisyn.split.merge import merge
+    from aisyn.split.client.merge import merge
+    from aisyn.split.client.train import split_train
     from aisyn.split.session import COMPUTE_DIR, SplitOptions
-    from aisyn.split.train import split_train
     from aisyn.splitfed.run import default_cut
 
     mcfg = config_from_dict(base_cfg["model"])

@@ -159,7 +159,7 @@ class StepDecoder(Protocol):
     """What ``decode`` drives: logits of the next token after the prompt
     (``start``), then after each appended token (``step``). ``Decoder`` runs a
     whole model; a split run's data party runs its half and the link
-    (``aisyn.split.generate.SplitDecoder``)."""
+    (``aisyn.split.client.generate.SplitDecoder``)."""
 
     def start(self, prompt: Sequence[int]) -> torch.Tensor: ...
 

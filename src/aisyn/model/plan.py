@@ -24,9 +24,9 @@ A party on R devices is laid out as it runs (``party_layout``):
 * ``one`` (R = 1): one process holds the party's layers whole.
 * ``pipeline`` (the compute party B, R <= its layers): R pipeline stages
   (``pipeline_stage_blocks``), each holding its stage's layers whole
-  (``split.pipeline.PipelinedRounds``).
-* ``sharded`` (B with more devices than layers, ``split.pipeline.
-  ShardedRounds``; the data party A on any R > 1, ``split.data_ranks``): the
+  (``split.backbone.pipeline.PipelinedRounds``).
+* ``sharded`` (B with more devices than layers, ``split.backbone.pipeline.
+  ShardedRounds``; the data party A on any R > 1, ``split.client.data_ranks``): the
   party's ordinary blocks FSDP2-sharded over all R ranks (``split.sharding.
   shard_blocks``). Rank k keeps FSDP2's dim-0 chunk k (``torch.chunk``:
   ``ceil(d0 / R)`` rows of each parameter, fewer on the last ranks, so the

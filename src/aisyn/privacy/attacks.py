@@ -31,7 +31,7 @@ from aisyn.model.causal_lm import CausalLM
 
 # A's pieces, run as a split run runs them (one implementation, shared with
 # the calibration of the defences' clipping bounds).
-from aisyn.split.calibration import back_logits, front
+from aisyn.split.defence.calibration import back_logits, front
 
 
 def word_embedding(model: CausalLM) -> torch.Tensor:

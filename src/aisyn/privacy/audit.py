@@ -48,7 +48,7 @@ from aisyn.privacy.inverters import (
     SimilarityInference,
     known_plaintext,
 )
-from aisyn.split.calibration import blocks_of, cut_traffic
+from aisyn.split.defence.calibration import blocks_of, cut_traffic
 from aisyn.train.models import load_run_model
 
 log = logging.getLogger(__name__)

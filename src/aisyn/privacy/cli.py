@@ -107,7 +107,7 @@ def cmd_calibrate(args) -> None:
 
     from aisyn.data.shards import TokenShards
     from aisyn.data.tokenizer import open_tokenizer
-    from aisyn.split.calibration import calibrate, public_rows, split_partition
+    from aisyn.split.defence.calibration import calibrate, public_rows, split_partition
     from aisyn.train.models import load_run_model
     from aisyn.train.run import TOKENIZER
 
@@ -142,8 +142,8 @@ def cmd_calibrate(args) -> None:
 def register(sub) -> None:
     from aisyn.flagtable import REQUIRED, add_command, add_flags, add_group
     from aisyn.privacy.audit import AuditSettings
-    from aisyn.split.calibration import CALIBRATION_ROWS
-    from aisyn.split.cut_dp import RECOMMENDED
+    from aisyn.split.defence.calibration import CALIBRATION_ROWS
+    from aisyn.split.defence.cut_dp import RECOMMENDED
 
     psub = add_group(sub, "privacy", "measure what crosses in split training")
     a = add_command(psub, "audit", cmd_audit, "attack the cut as party B would")

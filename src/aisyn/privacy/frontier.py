@@ -38,9 +38,9 @@ from aisyn.privacy.audit import (
     public_crossing,
 )
 from aisyn.privacy.inverters import InverterSettings
-from aisyn.split import cut_dp as dp
-from aisyn.split.bottleneck import Bottleneck
-from aisyn.split.calibration import Clips, blocks_of
+from aisyn.split.defence import cut_dp as dp
+from aisyn.split.defence.bottleneck import Bottleneck
+from aisyn.split.defence.calibration import Clips, blocks_of
 
 log = logging.getLogger(__name__)
 

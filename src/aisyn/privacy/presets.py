@@ -45,8 +45,8 @@ from aisyn.privacy.yardstick import (
     summarise,
     write,
 )
-from aisyn.split.calibration import calibrate
-from aisyn.split.cut_dp import RECOMMENDED
+from aisyn.split.defence.calibration import calibrate
+from aisyn.split.defence.cut_dp import RECOMMENDED
 from aisyn.testbed.inputs import cached_base, cached_sft, cached_shards
 from aisyn.testbed.presets import get_preset
 from aisyn.train.config import TrainConfig

@@ -39,12 +39,12 @@ from aisyn.eval.cloze import encoded_accuracy
 from aisyn.model.families import ModelConfig, config_from_dict
 from aisyn.privacy.frontier import ATTACKS_EDITION, Point, attack_point, defence_for
 from aisyn.privacy.inverters import InverterSettings
-from aisyn.split.bottleneck import RHO_START, Bottleneck, BottleneckSpec
-from aisyn.split.calibration import Clips
-from aisyn.split.cut_dp import RECOMMENDED, CutDefence
-from aisyn.split.merge import merge
+from aisyn.split.client.merge import merge
+from aisyn.split.client.train import split_train
+from aisyn.split.defence.bottleneck import RHO_START, Bottleneck, BottleneckSpec
+from aisyn.split.defence.calibration import Clips
+from aisyn.split.defence.cut_dp import RECOMMENDED, CutDefence
 from aisyn.split.session import COMPUTE_DIR, SplitOptions
-from aisyn.split.train import split_train
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.models import load_run_model

@@ -3,13 +3,22 @@
 The data party A keeps the embedding and the head (tokens, labels and the loss
 never leave it); the compute party B runs the middle blocks. See docs/split.md.
 
-Modules: ``protocol`` (hello/reply and per-round control), ``schedule``
-(lockstep and 1F1B orders), ``party`` (one party's weights, optimizer, global
-clipping, checkpoints), ``data_party`` / ``compute_party`` (each side's
-rounds), ``session`` (``SplitOptions`` and ``open_session``: in-process or gRPC
-sessions, spawning a compute party), ``train`` (A's training loop), ``server``
-(``aisyn split serve``), ``evaluate`` (evaluation through the link), ``merge``,
-``transport``, ``cli``.
-The cut itself lives in ``aisyn.model.segments``, the planner in
-``aisyn.model.plan``.
+By party:
+
+* ``client/`` -- the data party A: its session and rounds (``data_party``),
+  its ranks (``data_ranks``), the split executor, and what it runs:
+  ``train``, ``evaluate``, ``generate``, ``merge``;
+* ``backbone/`` -- the compute party B: ``compute_party`` (sessions),
+  ``rounds``, ``pipeline`` (over ranks), ``shards`` (checkpoint shares);
+* ``centre/`` -- B serving many owners: ``server`` (``aisyn split serve``),
+  ``tenants``, ``tenant_batch``, ``fair_share``, ``tenant_metrics``,
+  ``metrics_endpoint``, ``consortium`` (SplitFed's shared backbone);
+* ``defence/`` -- what protects the cut, all at A: ``cut_dp``,
+  ``bottleneck``, ``calibration``, ``warmup``, ``emulator``, ``attach``.
+
+Both parties share ``protocol`` (hello/reply and per-round control),
+``schedule`` (lockstep and 1F1B orders), ``party`` (one party's weights,
+optimizer, clipping, checkpoints), ``session`` (``SplitOptions``,
+``open_session``), ``transport``, ``sharding`` and ``cli``. The cut itself
+lives in ``aisyn.model.segments``, the planner in ``aisyn.model.plan``.
 """

@@ -23,9 +23,9 @@ from aisyn.flagtable import (
 )
 from aisyn.link.codec import CODECS
 from aisyn.model.plan import RUNTIME_BYTES, SCHEDULES, format_bytes
-from aisyn.split.cut_dp import DEFENCES, RECOMMENDED
-from aisyn.split.emulator import DEFAULT_BLOCKS as DEFAULT_EMULATOR_BLOCKS
-from aisyn.split.emulator import FRONT_VIA
+from aisyn.split.defence.cut_dp import DEFENCES, RECOMMENDED
+from aisyn.split.defence.emulator import DEFAULT_BLOCKS as DEFAULT_EMULATOR_BLOCKS
+from aisyn.split.defence.emulator import FRONT_VIA
 from aisyn.split.protocol import BACKBONES
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
@@ -224,7 +224,12 @@ def cmd_train(args) -> None:
     rows; rank 0 alone holds the data, the run folder and the link
     (docs/split.md)."""
 
-    from aisyn.split.data_ranks import DataRanks, DataRanksFailed, end_words, follow
+    from aisyn.split.client.data_ranks import (
+        DataRanks,
+        DataRanksFailed,
+        end_words,
+        follow,
+    )
     from aisyn.train import distributed
     from aisyn.train.device import resolve_device
 
@@ -261,9 +266,13 @@ def cmd_train(args) -> None:
 
 def _train_rank0(args, ranks) -> None:
     """``cmd_train`` in one process, or on rank 0 of a data party's job."""
-    from aisyn.split.cut_dp import CutDefence, defence_from_flags, undefended_warning
+    from aisyn.split.client.train import secret_seed, split_train
+    from aisyn.split.defence.cut_dp import (
+        CutDefence,
+        defence_from_flags,
+        undefended_warning,
+    )
     from aisyn.split.session import SplitOptions
-    from aisyn.split.train import secret_seed, split_train
     from aisyn.train.flags import (
         print_summary,
         resume_from_args,
@@ -363,7 +372,7 @@ def _train_rank0(args, ranks) -> None:
 def _metrics_tls(args):
     """--metrics-tls-cert/-key/-ca: all three (the endpoint asks every scraper
     for a client certificate), and only with --metrics-listen."""
-    from aisyn.split.metrics_endpoint import MetricsTls
+    from aisyn.split.centre.metrics_endpoint import MetricsTls
 
     given = {
         flag: value
@@ -400,9 +409,9 @@ def cmd_serve(args) -> None:
 
     from aisyn.model.families import hf_folder, load_config
     from aisyn.model.segments import parse_partition
-    from aisyn.split.compute_party import ComputeParty
-    from aisyn.split.pipeline import Ranks, serve_ranks
-    from aisyn.split.server import SplitServer, return_large_blocks_to_os
+    from aisyn.split.backbone.compute_party import ComputeParty
+    from aisyn.split.backbone.pipeline import Ranks, serve_ranks
+    from aisyn.split.centre.server import SplitServer, return_large_blocks_to_os
     from aisyn.train import distributed
     from aisyn.train.device import resolve_device
 
@@ -412,7 +421,7 @@ def cmd_serve(args) -> None:
     return_large_blocks_to_os()
     tenants = None
     if args.tenants:  # checked before anything is loaded
-        from aisyn.split.tenants import load_tenants
+        from aisyn.split.centre.tenants import load_tenants
 
         tenants = load_tenants(args.tenants)
         log.info("serving %d tenant(s): %s", len(tenants), ", ".join(tenants.by_name))
@@ -474,7 +483,7 @@ def cmd_eval(args) -> None:
 
     from aisyn.eval.flags import eval_options
     from aisyn.eval.report import summary_lines
-    from aisyn.split.evaluate import evaluate_split_run
+    from aisyn.split.client.evaluate import evaluate_split_run
 
     options = eval_options(args)
     peer = _settings(args, args.peer) if args.peer else None
@@ -495,7 +504,7 @@ def cmd_generate(args) -> None:
     import sys
 
     from aisyn.eval.flags import sampling_from_args
-    from aisyn.split.generate import split_generate
+    from aisyn.split.client.generate import split_generate
     from aisyn.train.device import resolve_device
 
     sampling = sampling_from_args(args)
@@ -524,7 +533,7 @@ def cmd_merge(args) -> None:
     """Combines the data party's and compute party's checkpoints of the same step
     into a run folder `aisyn eval` and `load_run_model` read."""
 
-    from aisyn.split.merge import merge
+    from aisyn.split.client.merge import merge
 
     folder = merge(args.data_party, args.compute_party, args.out, step=args.step)
     print(f"merged checkpoint: {folder}  (run folder {args.out})")
@@ -557,7 +566,7 @@ def cmd_status(args) -> None:
     import urllib.error
     import urllib.request
 
-    from aisyn.split.tenant_metrics import format_status, read_status
+    from aisyn.split.centre.tenant_metrics import format_status, read_status
 
     context = _status_tls(args)
     url = f"{'https' if context else 'http'}://{args.metrics}/metrics"
@@ -875,7 +884,7 @@ def _add_train(ssub: argparse._SubParsersAction) -> None:
     )
     _add_link_args(t, server=False)
     add_train_args(t)
-    # A split run's seed is secret unless given (see split.train.secret_seed).
+    # A split run's seed is secret unless given (see split.client.train.secret_seed).
     t.set_defaults(seed=None)
     add_config_flag(t, "split-train")
 

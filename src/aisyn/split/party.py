@@ -29,7 +29,7 @@ from aisyn.model.segments import (
     own_tensor_shapes,
     segments_of,
 )
-from aisyn.split import shards
+from aisyn.split.backbone import shards
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import autocast_for
@@ -257,7 +257,7 @@ class PartyState:
     def load(self, folder: Path, *, rank: int = 0, world: int = 1) -> dict:
         """Load this party's weights, optimizer and RNG from a checkpoint folder;
         returns its state.json. ``rank`` of ``world``: which rank of a
-        pipelined compute party this is (``split.shards``: any world size
+        pipelined compute party this is (``split.backbone.shards``: any world size
         reads a checkpoint any other saved)."""
         state = ckpt.read_state(folder)
         if state.get("party") not in (None, self.party):

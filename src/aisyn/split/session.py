@@ -31,8 +31,8 @@ from aisyn.model.segments import Partition
 from aisyn.net import join_host_port
 from aisyn.procs import ChildProcess, child_env
 from aisyn.split import protocol as proto
-from aisyn.split.compute_party import ComputeParty
-from aisyn.split.emulator import DEFAULT_BLOCKS, FRONT_VIA
+from aisyn.split.backbone.compute_party import ComputeParty
+from aisyn.split.defence.emulator import DEFAULT_BLOCKS, FRONT_VIA
 from aisyn.split.transport import (
     DATA_PARTY_CONNECT_TIMEOUT_S,
     DATA_PARTY_RECV_TIMEOUT_S,
@@ -72,14 +72,14 @@ class SplitOptions:
     connect_timeout_s: float = DATA_PARTY_CONNECT_TIMEOUT_S
     recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S  # None: forever
     #: "frozen": B runs its blocks forward only and no gradient crosses the
-    #: cut (``split.emulator``); "train": B's blocks train too
+    #: cut (``split.defence.emulator``); "train": B's blocks train too
     backbone: str = "train"
     #: with a frozen backbone, how A's front blocks learn: through a local
     #: ``emulator`` of B's middle, or not at all (``frozen``)
     front_via: str = "emulator"
     emulator_blocks: int = DEFAULT_BLOCKS  # of B's middle blocks in the emulator
     #: steps A trains alone on its data, through the emulator, before any
-    #: activation leaves it (``split.warmup``)
+    #: activation leaves it (``split.defence.warmup``)
     private_warmup: int = 0
 
     def __post_init__(self) -> None:

@@ -13,8 +13,8 @@ the others over ``torch.distributed``:
   the shards; ``shard_sq_norm`` and ``gathered_tensors`` are the norm and the
   checkpoint of such a party.
 
-The compute party's sharded ranks (``split.pipeline.ShardedRounds``) and the
-data party's ranks (``split.data_ranks``) are built from these.
+The compute party's sharded ranks (``split.backbone.pipeline.ShardedRounds``) and the
+data party's ranks (``split.client.data_ranks``) are built from these.
 """
 
 from __future__ import annotations

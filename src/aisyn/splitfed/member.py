@@ -1,8 +1,8 @@
 """One data party of a SplitFed consortium: its own segments and data, the
 consortium's backbone at the compute party.
 
-A member is a split data party (``split.data_party``) whose session runs
-against the consortium's shared backbone (``split.consortium``) instead of a
+A member is a split data party (``split.client.data_party``) whose session runs
+against the consortium's shared backbone (``split.centre.consortium``) instead of a
 backbone of its own. Each federated round it takes the global front and back
 (the average of every member's), trains its local steps through the backbone
 -- under the one regime, as ``aisyn split train --sft`` does -- and returns
@@ -22,8 +22,8 @@ import torch
 from aisyn.data.sft import SFTData
 from aisyn.fl.task import add_proximal_grad
 from aisyn.link.base import Link
-from aisyn.split.data_party import DataSession, SplitModel
-from aisyn.split.executor import SplitExecutor
+from aisyn.split.client.data_party import DataSession, SplitModel
+from aisyn.split.client.executor import SplitExecutor
 from aisyn.split.party import PartyState
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.engine import Engine

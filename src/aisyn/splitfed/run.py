@@ -3,7 +3,7 @@ compute party, the parties' own segments averaged by a Flower strategy.
 
 Each party keeps its embedding, front, back and head (``splitfed.member``)
 and its data; the compute party keeps one backbone that every party's steps
-train (``split.consortium``: SFLV2, the parties' steps taken one after
+train (``split.centre.consortium``: SFLV2, the parties' steps taken one after
 another). Every ``local_steps`` steps the parties' segments are averaged by
 the strategy the federated regime uses (``fl.strategy.make_strategy``:
 FedAvg, FedProx, FedAdam, FedAvgM, the robust aggregations and client DP,
@@ -23,7 +23,7 @@ refused, as is chunking.
 
 A party whose step fails -- its cut tensors not finite (its step skipped on
 both sides), or out of the bound the backbone keeps on them
-(``split.consortium``: its session ended by B) -- is dropped from the
+(``split.centre.consortium``: its session ended by B) -- is dropped from the
 consortium: its reply to the round is an error, which the strategy's guard
 rejects in one line naming the party, its session ends, and every later
 round it is left out the same way. The honest parties' run goes on to its
@@ -74,10 +74,10 @@ from aisyn.link.errors import LinkError
 from aisyn.link.memory import memory_pair
 from aisyn.model.segments import DATA_PARTY, parse_partition
 from aisyn.split import protocol as proto
-from aisyn.split.compute_party import ComputeParty
-from aisyn.split.consortium import SharedBackbone
-from aisyn.split.cut_dp import CutDefence
-from aisyn.split.merge import merge
+from aisyn.split.backbone.compute_party import ComputeParty
+from aisyn.split.centre.consortium import SharedBackbone
+from aisyn.split.client.merge import merge
+from aisyn.split.defence.cut_dp import CutDefence
 from aisyn.split.party import PartyState, compute_lora_hello, open_base, place_weights
 from aisyn.split.session import SplitOptions, failure_reason
 from aisyn.split.transport import link_options

@@ -51,7 +51,7 @@ LossOf = Callable[
 class RowsLoss:
     """A micro-batch's loss as a sum over its rows: the cross-entropy summed
     over the targets that count (not ``IGNORE``), over ``divisor``. Ranks
-    that share a micro-batch's rows (``split.data_ranks``) each compute it on
+    that share a micro-batch's rows (``split.client.data_ranks``) each compute it on
     theirs, and their losses (and gradients) sum to the micro-batch's; it is
     plain data, so rank 0 can hand it to the others."""
 

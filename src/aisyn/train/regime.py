@@ -4,7 +4,7 @@
 this project trains: pre-training, fine-tuning and data fusion (``LMObjective``
 / ``SFTObjective`` x ``LocalExecutor``), a federated client's local steps (the
 same, with its round's schedule and FedProx's term), and the split data party
-(either objective x ``split.executor.SplitExecutor``). Each step takes the
+(either objective x ``split.client.executor.SplitExecutor``). Each step takes the
 objective's next batch to the executor; validation scores the executor's model
 on the objective's split; a checkpoint is the executor's tensors plus the
 engine's and the objective's resume state.
@@ -25,7 +25,7 @@ from aisyn.train.run import RunDir
 class Executor:
     """Where a regime's steps run: the whole model here
     (``train.executor.LocalExecutor``) or split with a compute party
-    (``split.executor.SplitExecutor``). A new one -- the backbone over several
+    (``split.client.executor.SplitExecutor``). A new one -- the backbone over several
     devices, several data parties on one backbone -- implements this and plugs
     into the one regime."""
 

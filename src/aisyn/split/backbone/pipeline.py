@@ -19,7 +19,7 @@ goes to A from a hook. The squared gradient norms of the ranks are summed;
 rank 0 exchanges the sum with A and broadcasts A's, and every rank steps its
 own optimizer with the same two numbers, so the update is the single
 process's. An EVAL round runs the same pipeline forward only; a SAVE round
-has every rank save its share (``split.shards``).
+has every rank save its share (``split.backbone.shards``).
 
 Failures: a round refused before it starts (a step out of order) ends the
 session on every rank alike, and B goes on serving. A failure inside a round
@@ -57,7 +57,7 @@ from aisyn.model.plan import pipeline_stage_blocks
 from aisyn.model.segments import Partition
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
-from aisyn.split.rounds import Rounds
+from aisyn.split.backbone.rounds import Rounds
 from aisyn.split.sharding import (
     IDLE_WAIT,
     RankGroup,

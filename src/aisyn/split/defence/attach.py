@@ -1,12 +1,12 @@
 """``aisyn split train --defence recommended``: the recommended cut defence
-(``split.cut_dp.RECOMMENDED``), its clipping bounds calibrated at the data party
+(``split.defence.cut_dp.RECOMMENDED``), its clipping bounds calibrated at the data party
 before the run starts, as ``aisyn privacy calibrate`` calibrates them; and a
-trained bottleneck's (``split.bottleneck``) centre and bound, calibrated on the
+trained bottleneck's (``split.defence.bottleneck``) centre and bound, calibrated on the
 same public text through A's own front as the run starts.
 
 Where the calibration's text and model come from, and why:
 
-* the text is the built-in public corpus (``split.calibration``), encoded
+* the text is the built-in public corpus (``split.defence.calibration``), encoded
   with the run's own tokenizer: never A's rows, so nothing of A's data sets
   the bounds (the accounting takes them for constants), and the user needs
   no file of public text;
@@ -26,9 +26,9 @@ import torch
 
 from aisyn.data.tokenizer import open_tokenizer
 from aisyn.model.families import ModelConfig, build_model
-from aisyn.split import cut_dp as dp
-from aisyn.split.bottleneck import Bottleneck
-from aisyn.split.calibration import CALIBRATION_ROWS, calibrate, public_rows
+from aisyn.split.defence import cut_dp as dp
+from aisyn.split.defence.bottleneck import Bottleneck
+from aisyn.split.defence.calibration import CALIBRATION_ROWS, calibrate, public_rows
 from aisyn.split.party import PartyState
 from aisyn.train.config import TrainConfig
 from aisyn.train.memory import check_fits, whole_model_bytes

@@ -7,7 +7,7 @@ that starts from the base sends, in its first steps, exactly the base's
 activations of A's text. ``--private-warmup STEPS`` (ADMI, arXiv 2606.14210,
 warms the owner's part up privately for the same reason) first trains A's
 own blocks and head locally on A's data, through the emulator of B's middle
-(``split.emulator``) in B's place, so that the front A then runs in the
+(``split.defence.emulator``) in B's place, so that the front A then runs in the
 session has already drifted from the public weights where A's text pulled
 it. Nothing of the warm-up crosses: B is not even connected yet, and A's
 weights never are sent.

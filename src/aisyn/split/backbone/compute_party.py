@@ -34,21 +34,21 @@ from aisyn.model.segments import (
     own_tensor_shapes,
 )
 from aisyn.split import protocol as proto
-from aisyn.split import shards
+from aisyn.split.backbone import shards
+from aisyn.split.backbone.pipeline import (
+    PipelinedRounds,
+    Ranks,
+    ShardedRounds,
+    announce_session,
+)
+from aisyn.split.backbone.rounds import Rounds
+from aisyn.split.centre.tenant_batch import AdapterBatcher
 from aisyn.split.party import (
     PartyState,
     base_label,
     open_base,
     place_weights,
 )
-from aisyn.split.pipeline import (
-    PipelinedRounds,
-    Ranks,
-    ShardedRounds,
-    announce_session,
-)
-from aisyn.split.rounds import Rounds
-from aisyn.split.tenant_batch import AdapterBatcher
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import resolve_device
@@ -80,7 +80,7 @@ class Session:
     #: the hello it was agreed from (the other ranks of a pipelined compute
     #: party agree to it again, each against its own checkpoints)
     hello: str = ""
-    #: the tenant it is for when a centre serves several (``split.tenants``):
+    #: the tenant it is for when a centre serves several (``split.centre.tenants``):
     #: its runs live under ``root/<tenant>/``
     tenant: str = ""
     #: the session's hold on its tenant's quotas (``tenants.Lease``), if any
@@ -128,11 +128,11 @@ class ComputeParty:
         self._frozen: dict[str, torch.Tensor] | None = None
         self._frozen_lock = threading.Lock()
         #: whether LoRA sessions over that base run their micro-batches
-        #: through it together (``split.tenant_batch``; a centre's option)
+        #: through it together (``split.centre.tenant_batch``; a centre's option)
         self.batch_tenants = False
         self._batchers: dict[tuple, AdapterBatcher] = {}
         #: the torchrun job this party's blocks are spread over (None: this
-        #: process holds them all); see ``split.pipeline``
+        #: process holds them all); see ``split.backbone.pipeline``
         self.ranks: Ranks | None = None
         self.own_parameters = partition.parameter_names(
             build_model(cfg, device="meta"), COMPUTE_PARTY
@@ -391,7 +391,8 @@ class ComputeParty:
             "partition": self.partition.to_dict(),
             "train": proto.compute_party_train(session.train),
             "device": str(self.device),
-            # the ranks of the torchrun job B's blocks ran over (split.pipeline)
+            # the ranks of the torchrun job B's blocks ran over
+            # (split.backbone.pipeline)
             "world_size": 1 if self.ranks is None else self.ranks.world,
             # LoRA: B's checkpoints hold its adapters; its weights are the base's
             "lora": (
@@ -505,7 +506,7 @@ class ComputeParty:
 
     def save_share(self, rounds: Rounds, r: int, c: proto.Control) -> None:
         """A SAVE round on every rank of a pipelined party: each saves its
-        share (``split.shards``); rank 0 makes the run folder first and
+        share (``split.backbone.shards``); rank 0 makes the run folder first and
         answers A once all have saved."""
         ranks = self.ranks
         assert ranks is not None

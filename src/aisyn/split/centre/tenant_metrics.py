@@ -2,7 +2,7 @@
 
 Live, on a Prometheus endpoint (``aisyn split serve --metrics-listen
 HOST:PORT``, over mutual TLS with ``--metrics-tls-*``:
-``split.metrics_endpoint``; ``aisyn split status --metrics HOST:PORT`` reads
+``split.centre.metrics_endpoint``; ``aisyn split status --metrics HOST:PORT`` reads
 it back as a table): per tenant, the steps and tokens trained, the compute
 seconds B spent on them, the bytes each way, the sessions open and the memory they
 hold, the time sessions waited to be admitted, and the refusals by quota.
@@ -25,7 +25,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
-from aisyn.split.metrics_endpoint import MetricsTls, serve_metrics
+from aisyn.split.centre.metrics_endpoint import MetricsTls, serve_metrics
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ import torch
 
 from aisyn import accountant
 from aisyn.accountant import DEFAULT_DELTA
-from aisyn.split.bottleneck import Bottleneck, BottleneckSpec
+from aisyn.split.defence.bottleneck import Bottleneck, BottleneckSpec
 from aisyn.validate import check_number
 
 
@@ -85,7 +85,7 @@ class CutDefence:
     backward: Gaussian | None = None  # on the gradient A returns for B's output
     embedding_dp: float | None = None  # EmbeddingDP's ε per coordinate (forward)
     delta: float = DEFAULT_DELTA
-    # a trained bottleneck on the activations (``split.bottleneck``)
+    # a trained bottleneck on the activations (``split.defence.bottleneck``)
     bottleneck: BottleneckSpec | None = None
 
     def __post_init__(self) -> None:
@@ -265,7 +265,7 @@ def defence_from_flags(
     is reported at, not the run). No defence flag (``--dp-delta`` aside)
     asks for the recommended defence: the safe choice is the default, and
     ``--defence none`` is how to run undefended. ``--bottleneck-floor`` (and
-    ``-beta``) put a trained bottleneck (``split.bottleneck``) in place of
+    ``-beta``) put a trained bottleneck (``split.defence.bottleneck``) in place of
     the forward noise, of the recommended defence or beside ``--dp-backward-*``."""
     if bottleneck_beta is not None and bottleneck_floor is None:
         raise ValueError(

@@ -53,10 +53,10 @@ from aisyn.errors import RunFailedError
 from aisyn.model.causal_lm import document_index, eod_reset_masks
 from aisyn.model.families import config_from_dict
 from aisyn.model.segments import DATA_PARTY, Partition
-from aisyn.split import cut_dp as dp
 from aisyn.split import protocol as proto
-from aisyn.split.data_party import DataSession
-from aisyn.split.executor import SplitExecutor
+from aisyn.split.client.data_party import DataSession
+from aisyn.split.client.executor import SplitExecutor
+from aisyn.split.defence import cut_dp as dp
 from aisyn.split.party import PartyState, open_base, place_weights
 from aisyn.split.sharding import (
     IDLE_WAIT,

@@ -21,10 +21,10 @@ import torch
 
 from aisyn.model.families import config_from_dict
 from aisyn.model.segments import DATA_PARTY, Partition
-from aisyn.split import cut_dp as dp
 from aisyn.split import protocol as proto
-from aisyn.split.data_party import DataSession, SplitModel
-from aisyn.split.defence import attach_bottleneck
+from aisyn.split.client.data_party import DataSession, SplitModel
+from aisyn.split.defence import cut_dp as dp
+from aisyn.split.defence.attach import attach_bottleneck
 from aisyn.split.party import (
     PartyState,
     compute_lora_hello,

@@ -2,7 +2,7 @@
 
 Up to ``max_sessions`` sessions at once (default one), each on a thread of
 its own; a caller beyond that is told the server is busy and queued. With
-``tenants`` (``split.tenants``) every session belongs to the tenant its
+``tenants`` (``split.centre.tenants``) every session belongs to the tenant its
 credentials prove, runs in that tenant's folder, and holds a lease on its
 quotas (sessions, memory, steps per hour) that its end gives back.
 A session that fails -- bad frames, a refused hello, a vanished peer, even a
@@ -35,12 +35,12 @@ from aisyn.link.grpc_link import Accept, GrpcLinkServer
 from aisyn.model.families import build_model
 from aisyn.model.plan import Workload, module_sizes, party_load
 from aisyn.model.segments import COMPUTE_PARTY
-from aisyn.split.compute_party import ComputeParty, Session
-from aisyn.split.metrics_endpoint import MetricsTls
-from aisyn.split.pipeline import RanksOutOfStep, stop_ranks
+from aisyn.split.backbone.compute_party import ComputeParty, Session
+from aisyn.split.backbone.pipeline import RanksOutOfStep, stop_ranks
+from aisyn.split.centre.metrics_endpoint import MetricsTls
+from aisyn.split.centre.tenant_metrics import SessionRecord, TenantMetrics
+from aisyn.split.centre.tenants import QuotaError, Tenant, TenantError, Tenants, Usage
 from aisyn.split.session import failure_reason
-from aisyn.split.tenant_metrics import SessionRecord, TenantMetrics
-from aisyn.split.tenants import QuotaError, Tenant, TenantError, Tenants, Usage
 from aisyn.split.transport import (
     COMPUTE_PARTY_HELLO_TIMEOUT_S,
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
@@ -179,7 +179,7 @@ class SplitServer:
             max_sessions=max_sessions,
         )
         self._threads: list[threading.Thread] = []
-        #: per-tenant figures (``split.tenant_metrics``); served on
+        #: per-tenant figures (``split.centre.tenant_metrics``); served on
         #: ``metrics_listen`` once started
         self.metrics = TenantMetrics()
         self.metrics_listen = metrics_listen

@@ -9,8 +9,9 @@ backward runs once with the gradient received for its output
 (``torch.autograd.backward(output, grad)``), so no forward is ever recomputed
 and every parameter gets the gradient of the unsplit model. The loss is
 accumulated exactly as ``train.executor.LocalExecutor`` does. Under a cut
-defence (``split.cut_dp``) the model computed is the defended one: B's blocks see
-the noised activations and gradient, A's residual stream stays clean
+defence (``split.defence.cut_dp``) the model computed is the defended one:
+B's blocks see the noised activations and gradient, A's residual stream
+stays clean
 (``DataSession._restore``).
 """
 
@@ -26,7 +27,7 @@ from aisyn.link.base import Link
 from aisyn.model.causal_lm import document_index
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
-from aisyn.split.cut_dp import CutGuard
+from aisyn.split.defence.cut_dp import CutGuard
 from aisyn.split.party import PartyState
 from aisyn.train.device import autocast_for
 from aisyn.train.objective import LossOf, MicroBatch, StepBatch
@@ -52,7 +53,7 @@ class DataSession:
         emulator: nn.Module | None = None,
     ) -> None:
         """``frozen_backbone``: B runs its blocks forward only and no gradient
-        crosses (``split.emulator``); A's front then learns through
+        crosses (``split.defence.emulator``); A's front then learns through
         ``emulator`` (A's stand-in for B's middle), or not at all (None)."""
         if emulator is not None and not frozen_backbone:
             raise ValueError("an emulator stands in for a frozen backbone only")
@@ -60,7 +61,7 @@ class DataSession:
         self.link = link
         self.eod_id = eod_id
         self.window = window
-        self.guard = guard  # the defence on what A sends (split.cut_dp), if any
+        self.guard = guard  # the defence on what A sends (split.defence.cut_dp), if any
         self.frozen_backbone = frozen_backbone
         self.emulator = emulator
         self.front, self.back = state.segments
@@ -129,7 +130,7 @@ class DataSession:
         pre-training and fine-tuning differ only in their micro-batches and
         ``loss_of``. What crosses to B goes through the ``_send`` / ``_recv``
         hooks, which a data party over several ranks
-        (``split.data_ranks``) routes through its rank 0.
+        (``split.client.data_ranks``) routes through its rank 0.
         """
         cfg = self.state.train_cfg
         mb, T = self._micro_size(micro), micro[0][0].shape[1]

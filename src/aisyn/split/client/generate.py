@@ -19,7 +19,7 @@ import torch
 from aisyn.eval.generate import Generator, prompt_ids, run_tokenizer
 from aisyn.model.families import config_from_dict
 from aisyn.model.generate import Sampling, check_request
-from aisyn.split.evaluate import open_data_session, split_run_config
+from aisyn.split.client.evaluate import open_data_session, split_run_config
 from aisyn.split.transport import LinkSettings
 from aisyn.train.run import RunDir
 

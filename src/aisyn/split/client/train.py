@@ -30,23 +30,24 @@ from aisyn.model.segments import (
     init_seeds,
     parse_partition,
 )
-from aisyn.split import cut_dp as dp
 from aisyn.split import protocol as proto
-from aisyn.split.data_party import DataSession
-from aisyn.split.data_ranks import (
+from aisyn.split.client.data_party import DataSession
+from aisyn.split.client.data_ranks import (
     DataRanks,
     RankedDataSession,
     RankedSplitExecutor,
     start_words,
 )
-from aisyn.split.defence import (
+from aisyn.split.client.executor import SplitExecutor
+from aisyn.split.defence import cut_dp as dp
+from aisyn.split.defence.attach import (
     attach_bottleneck,
     calibrate_bottleneck,
     calibrated_defence,
     recorded_defence,
 )
-from aisyn.split.emulator import Emulator
-from aisyn.split.executor import SplitExecutor
+from aisyn.split.defence.emulator import Emulator
+from aisyn.split.defence.warmup import private_warmup
 from aisyn.split.party import (
     PartyState,
     compute_lora_hello,
@@ -55,7 +56,6 @@ from aisyn.split.party import (
     run_methods,
 )
 from aisyn.split.session import SPAWN_DIR, SplitOptions, open_session
-from aisyn.split.warmup import private_warmup
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import autocast_on, resolve_device
@@ -106,12 +106,12 @@ def split_train(
     """Train as the data party; returns a summary like ``train.pretrain.train``.
 
     ``ranks``: this is rank 0 of a data party over a torchrun job
-    (``split.data_ranks``), the other ranks following it.
+    (``split.client.data_ranks``), the other ranks following it.
 
-    ``defence``: clipping and noise on what A sends (``split.cut_dp``); its
+    ``defence``: clipping and noise on what A sends (``split.defence.cut_dp``); its
     privacy budget is in each metrics record (``dp_epsilon``), the summary
     and the run's ``privacy.json``. B is not told. ``dp.Recommended()``: the
-    recommended defence, calibrated here on public text (``split.defence``).
+    recommended defence, calibrated here on public text (``split.defence.attach``).
 
     ``method`` / ``compute_method``: full training or LoRA of the data party's
     / the compute party's blocks (default: full for both). A LoRA party keeps
@@ -313,7 +313,7 @@ def split_train(
             )
             log.info(
                 "an emulator of B's blocks %s stands in for them at this party "
-                "(split/emulator.py)",
+                "(split/defence/emulator.py)",
                 emulator.indices,
             )
         warmed = opts.private_warmup > 0 and not a_steps

@@ -23,7 +23,7 @@ from aisyn.model.segments import (
     Partition,
     own_tensor_shapes,
 )
-from aisyn.split import shards
+from aisyn.split.backbone import shards
 from aisyn.split.party import run_methods
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.lora import ADAPTER_NAME, Method

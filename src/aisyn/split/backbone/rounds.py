@@ -3,7 +3,7 @@
 ``ComputeParty.serve_session`` runs one ``Rounds`` per session: it reads each
 round's control tensor from the data party and runs it -- a TRAIN step over
 the micro-batches in ``split.schedule``'s order, an EVAL forward, a generation
-step on B's share of the KV cache, a SAVE. ``split.pipeline`` runs the same
+step on B's share of the KV cache, a SAVE. ``split.backbone.pipeline`` runs the same
 rounds over the ranks of a torchrun job.
 """
 
@@ -27,7 +27,7 @@ from aisyn.train import checkpoint as ckpt
 from aisyn.train.device import autocast_for
 
 if TYPE_CHECKING:
-    from aisyn.split.compute_party import ComputeParty, Session
+    from aisyn.split.backbone.compute_party import ComputeParty, Session
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Rounds:
         #: the KV cache of B's blocks for the sequence being generated
         self.gen_cache: StageCache | None = None
         #: other tenants' micro-batches go through the base with this
-        #: session's (``split.tenant_batch``), or None: on its own
+        #: session's (``split.centre.tenant_batch``), or None: on its own
         self.batcher = None
         if session.purpose == "train":
             self.batcher = party.batcher_for(session, state)

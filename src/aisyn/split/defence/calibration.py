@@ -1,4 +1,4 @@
-"""Clipping bounds for the cut defences (``split.cut_dp``), from public text.
+"""Clipping bounds for the cut defences (``split.defence.cut_dp``), from public text.
 
 A bound is the median L2 norm of a row (one sequence) of what a split run at
 the cut sends: the activations of the front cut and the gradient A returns

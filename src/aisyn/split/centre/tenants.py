@@ -37,7 +37,7 @@ from pathlib import Path
 
 from aisyn.link import PeerHello, certificate_identity, token_identity
 from aisyn.model.plan import PlanError, format_bytes, parse_bytes
-from aisyn.split.fair_share import FairShare
+from aisyn.split.centre.fair_share import FairShare
 
 #: A tenant's name is a folder name: no separators, no dots first.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -335,7 +335,7 @@ class Lease:
 
     def compute(self) -> AbstractContextManager[None]:
         """A turn at B's compute, shared among tenants by weight
-        (``split.fair_share``)."""
+        (``split.centre.fair_share``)."""
         return self._usage.fair.turn(self.tenant.name, self.tenant.weight)
 
     def fits_round(self, micro_batches: int, rows: int, seq_len: int, window: int):

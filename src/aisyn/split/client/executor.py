@@ -22,8 +22,8 @@ from torch import nn
 
 from aisyn.accountant import finite_or_none
 from aisyn.model.segments import DATA_PARTY
-from aisyn.split import cut_dp as dp
-from aisyn.split.data_party import DataSession, SplitModel
+from aisyn.split.client.data_party import DataSession, SplitModel
+from aisyn.split.defence import cut_dp as dp
 from aisyn.split.party import place_weights
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.models import BaseModel
@@ -100,7 +100,7 @@ class SplitExecutor(Executor):
             keep=keep,
         )
 
-    #: A's weights are in place from a private warm-up (``split.warmup``): a
+    #: A's weights are in place from a private warm-up (``split.defence.warmup``): a
     #: fresh start keeps them instead of the base's
     warmed = False
 

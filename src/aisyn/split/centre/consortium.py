@@ -45,9 +45,9 @@ import torch
 
 from aisyn.link.base import Link
 from aisyn.split import protocol as proto
-from aisyn.split.compute_party import ComputeParty, Session
+from aisyn.split.backbone.compute_party import ComputeParty, Session
+from aisyn.split.backbone.rounds import Rounds
 from aisyn.split.party import SkippedStep
-from aisyn.split.rounds import Rounds
 
 log = logging.getLogger(__name__)
 
