@@ -54,7 +54,7 @@ def test_every_module_the_readme_layout_names_exists():
     layout = text[text.index("## Layout") :].split("```")[1]
     names = set(re.findall(r"\b([a-z_0-9]+\.py)\b", layout))
     folders = set(re.findall(r"^  ([a-z_]+)/ ", layout, re.M))
-    assert {"diloco.py", "federation.py", "consortium.py"} <= names
+    assert {"guard.py", "federation.py", "consortium.py"} <= names
     assert sorted(n for n in names if not exists(n)) == []
     assert sorted(f for f in folders if not (SRC / f).is_dir()) == []
     # and every package of src/aisyn has its line

@@ -17,7 +17,7 @@ import torch
 
 from aisyn.net import free_port
 from aisyn.train import checkpoint as ckpt
-from aisyn.train.delta_guard import HISTORY, DeltaGuard, consistent
+from aisyn.train.diloco.guard import HISTORY, DeltaGuard, consistent
 from aisyn.train.run import read_metrics
 
 # --- the rules, on reported numbers ---------------------------------------------

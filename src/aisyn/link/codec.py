@@ -184,7 +184,7 @@ class _Int8Blockwise(_Codec):
 
     def __init__(self, block: int = 64) -> None:
         #: values per scale: 64 on the link (cut tensors: one outlier costs
-        #: little); DiLoCo's deltas take larger blocks (``train/diloco.py``)
+        #: little); DiLoCo's deltas take larger blocks (``train/diloco/wire.py``)
         self.block = block
 
     def sizes(self, numel: int, dtype: torch.dtype) -> tuple[int, int]:
