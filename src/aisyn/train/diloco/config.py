@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass
 
 from aisyn.validate import number_problem
-
-log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 #: elements per int8 scale of the flat delta (a scale per tensor would let

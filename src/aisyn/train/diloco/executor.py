@@ -4,7 +4,6 @@ outer step every H steps.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -19,8 +18,6 @@ from aisyn.train.diloco.topology import Topology
 from aisyn.train.objective import StepBatch
 from aisyn.train.regime import Executor
 from aisyn.train.run import RunDir
-
-log = logging.getLogger(__name__)
 
 # --- the executor ------------------------------------------------------------------
 

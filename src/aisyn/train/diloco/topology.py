@@ -10,8 +10,6 @@ import torch.distributed as dist
 
 from aisyn.train.distributed import DistContext
 
-log = logging.getLogger(__name__)
-
 # --- centres of ranks ------------------------------------------------------------
 
 

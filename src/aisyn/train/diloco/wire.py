@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from aisyn.link.codec import decode_flat, encode_flat, flat_sizes
 from aisyn.train.diloco.config import INT8_BLOCK
-
-log = logging.getLogger(__name__)
 
 # --- the delta on the wire ---------------------------------------------------------
 
