@@ -10,10 +10,12 @@ deterministic and a resumed run can be compared bit for bit.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from flwr.supercore.task_identity import TaskIdentity
@@ -110,30 +112,50 @@ def assert_same_run(resumed: dict, whole: dict, a: Path, b: Path) -> None:
     assert lines == [1, 2, 3, 3]  # one line a round and the final one, no repeats
 
 
+#: the runs a resume must reproduce: server optimisers with state of their
+#: own, and server-side DP, whose noise comes from the server's random state
+VARIANTS = {
+    "fedadam": {},
+    "fedavgm": {"strategy": "fedavgm"},
+    "server-dp": {"strategy": "fedavg", "dp": "server", "dp_clipping_norm": 0.5},
+}
+
+
+def same_draws() -> None:
+    """The server's random state as the uninterrupted run had it: its DP
+    noise and client sampling are unseeded (secret) by design, so the runs
+    compared must start from one state; the resumed run restores its own."""
+    np.random.seed(0)
+    random.seed(0)
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory, base_run, sft_dirs) -> dict:
-    """Uninterrupted runs, by strategy."""
+    """Uninterrupted runs, by variant."""
     out = {}
-    for strategy in ("fedadam", "fedavgm"):
-        run = tmp_path_factory.mktemp(f"whole-{strategy}")
+    for variant in ("fedadam", "fedavgm", "server-dp"):
+        run = tmp_path_factory.mktemp(f"whole-{variant}")
+        same_draws()
         result = run_server(
-            settings(strategy=strategy),
+            settings(**VARIANTS[variant]),
             ServerNode(base_run, run / "server"),
             InProcessGrid(nodes(base_run, sft_dirs, run)),
         )
-        out[strategy] = (run, result)
+        out[variant] = (run, result)
     return out
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("strategy", ["fedadam", "fedavgm"])
+@pytest.mark.parametrize("variant", ["fedadam", "fedavgm", "server-dp"])
 def test_a_server_that_dies_after_round_2_resumes_and_ends_bit_exact(
-    strategy, whole, base_run, sft_dirs, tmp_path
+    variant, whole, base_run, sft_dirs, tmp_path
 ):
-    # Prepare: a run that dies before round 3 (FedAdam's moments and FedAvgM's
-    # momentum are the server's own state: a resume that lost them would differ)
-    s = settings(strategy=strategy)
+    # Prepare: a run that dies before round 3 (FedAdam's moments, FedAvgM's
+    # momentum and the DP noise's random state are the server's own: a resume
+    # that lost them would differ)
+    s = settings(**VARIANTS[variant])
     run = tmp_path / "run"
+    same_draws()
     with pytest.raises(Killed):
         run_server(
             s,
@@ -141,7 +163,9 @@ def test_a_server_that_dies_after_round_2_resumes_and_ends_bit_exact(
             DyingGrid(nodes(base_run, sft_dirs, run), 4),
         )
     assert ckpt.read_state(ckpt.latest(run / "server" / "checkpoints"))["round"] == 2
-    # Execute
+    # Execute: in a process whose random state is not the dead one's
+    np.random.seed(12345)
+    random.seed(12345)
     resumed = run_server(
         s,
         ServerNode(base_run, run / "server", resume=True),
@@ -149,7 +173,7 @@ def test_a_server_that_dies_after_round_2_resumes_and_ends_bit_exact(
     )
     # Assert
     assert resumed["resumed_at_round"] == 3
-    whole_run, whole_result = whole[strategy]
+    whole_run, whole_result = whole[variant]
     assert_same_run(resumed, whole_result, run, whole_run)
 
 
