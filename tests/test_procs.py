@@ -136,3 +136,49 @@ def _gone_or_zombie(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+# A command whose SIGTERM arrives while a C extension initialises: the
+# SystemExit the handler raises surfaces as ImportError (matplotlib's first
+# import did this on a torchrun rank that its agent stopped).
+_SIGTERM_IN_AN_IMPORT = """
+import argparse, os, signal, sys, time
+from aisyn import cli
+
+def command(args):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    except SystemExit as e:
+        raise ImportError("initialization failed") from e
+
+class Parser:
+    def parse_args(self, argv):
+        return argparse.Namespace(func=command, verbose=False)
+
+cli.build_parser = Parser
+sys.exit(cli.main([]))
+"""
+
+
+@pytest.mark.parametrize("world", ["1", "2"], ids=["one process", "a rank"])
+def test_sigterm_ends_a_command_as_terminated_even_inside_an_import(world):
+    import signal
+    import subprocess
+
+    env = {**os.environ, "WORLD_SIZE": world}
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_IN_AN_IMPORT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_terminated_names_no_signal_until_one_arrives():
+    from aisyn import procs
+
+    assert procs.terminated() is None

@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
-from aisyn import validate
+from aisyn import procs, validate
 
 log = logging.getLogger("aisyn")
 
@@ -489,10 +488,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _terminate(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
@@ -505,12 +500,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from aisyn.errors import USER_ERRORS
 
-    # SIGTERM ends the command like Ctrl-C does: through the ``finally`` blocks
-    # that stop the processes it started (Flower's SuperLink and SuperNodes, a
-    # spawned compute party), instead of leaving them running.
-    signal.signal(signal.SIGTERM, _terminate)
+    procs.end_on_sigterm()
     try:
         args.func(args)
+    except SystemExit:
+        if procs.terminated() is None:
+            raise
+        # Returned, not raised: a torchrun rank must end through exit_rank.
+        return 128 + procs.terminated()
     except USER_ERRORS as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         # A job of several ranks prints the line once: the first rank to stop
@@ -522,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
         print("aisyn: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        if procs.terminated() is not None:  # SIGTERM's exit, raised in an import
+            log.debug("terminated", exc_info=True)
+            return 128 + procs.terminated()
         if _several_ranks():
             code = _rank_failure(e)
             if code is not None:

@@ -79,6 +79,32 @@ def end_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+#: the signal that asked this command to end, once one has (end_on_sigterm)
+_ended_by: int | None = None
+
+
+def end_on_sigterm() -> None:
+    """Make SIGTERM end the command like Ctrl-C does: a ``SystemExit(128 +
+    signal)`` raised where the command is, so that its ``finally`` blocks stop
+    the processes it started (Flower's SuperLink and SuperNodes, a spawned
+    compute party) instead of leaving them running."""
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum, frame) -> None:
+    global _ended_by
+    _ended_by = signum
+    raise SystemExit(128 + signum)
+
+
+def terminated() -> int | None:
+    """The signal that asked this process to end, if one has. The
+    ``SystemExit`` it raised may reach its catcher as another error: raised
+    while a C extension initialises (matplotlib's first import, say), it
+    surfaces as ``ImportError: initialization failed``."""
+    return _ended_by
+
+
 def exit_rank(code: int) -> None:
     """End a torchrun rank now, with ``code``, once its output is flushed,
     without the interpreter's teardown. Two-rank jobs whose work was done

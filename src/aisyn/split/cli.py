@@ -250,17 +250,18 @@ def cmd_train(args) -> None:
         return
     try:
         _train_rank0(args, ranks)
-    except SystemExit as e:
-        # SIGTERM, from torchrun when another rank ended (or the job was stopped)
+    except BaseException as e:
+        if not (isinstance(e, SystemExit) or procs.terminated()):
+            if not ranks.busy:  # the other ranks wait for a word: the end
+                end_words(ranks, e)
+            raise
+        # SIGTERM, from torchrun when another rank ended (or the job was
+        # stopped); its SystemExit may surface as another error (procs.terminated)
         raise DataRanksFailed(
             "the data party's ranks fell out of step: torchrun stopped rank 0 "
             "(a rank ended, or the job was stopped); the last checkpoint is "
             "intact (resume with --resume)"
         ) from e
-    except BaseException as e:
-        if not ranks.busy:  # the other ranks wait for a word: the end
-            end_words(ranks, e)
-        raise
     end_words(ranks)
 
 
