@@ -38,17 +38,13 @@ import torch
 from aisyn.data.corpora import load_corpus
 from aisyn.data.shards import prepare
 from aisyn.data.tokenizer import PanguTokenizer
+from aisyn.model.cost import format_bytes
 from aisyn.model.families import load_config, with_vocab
+from aisyn.model.memory import Workload
 from aisyn.model.pangu import PanguConfig
-from aisyn.model.plan import (
-    PartySpec,
-    Workload,
-    evaluate,
-    format_bytes,
-    plan,
-)
 from aisyn.model.segments import parse_partition
 from aisyn.split.client.train import split_train
+from aisyn.split.planner import PartySpec, evaluate, plan
 from aisyn.split.session import SplitOptions
 from aisyn.train.config import TrainConfig
 from aisyn.train.memory import party_bytes, whole_model_bytes

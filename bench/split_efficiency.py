@@ -63,15 +63,9 @@ from aisyn.data.shards import open_many, prepare
 from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.link import ShapedProxy
 from aisyn.link.memory import memory_pair
+from aisyn.model.cost import block_forward_flops_per_token, head_forward_flops_per_token
 from aisyn.model.families import build_model, load_config
-from aisyn.model.plan import (
-    PartySpec,
-    Workload,
-    block_forward_flops_per_token,
-    evaluate,
-    head_forward_flops_per_token,
-    plan,
-)
+from aisyn.model.memory import Workload
 from aisyn.model.segments import (
     COMPUTE_PARTY,
     DATA_PARTY,
@@ -84,6 +78,7 @@ from aisyn.split import schedule
 from aisyn.split.backbone.compute_party import ComputeParty
 from aisyn.split.client.data_party import DataSession
 from aisyn.split.party import PartyState
+from aisyn.split.planner import PartySpec, evaluate, plan
 from aisyn.split.session import open_grpc, spawn_compute_party
 from aisyn.split.transport import link_options
 from aisyn.train.config import TrainConfig

@@ -43,14 +43,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from split_efficiency import prepare_data  # noqa: E402
 
+from aisyn.model.cost import format_bytes, module_sizes
 from aisyn.model.families import build_model  # noqa: E402
+from aisyn.model.memory import Workload, party_load
 from aisyn.model.pangu import PanguConfig  # noqa: E402
-from aisyn.model.plan import (  # noqa: E402
-    Workload,
-    format_bytes,
-    module_sizes,
-    party_load,
-)
 from aisyn.model.segments import COMPUTE_PARTY, parse_partition  # noqa: E402
 from aisyn.net import free_port  # noqa: E402
 from aisyn.split.centre.server import adapter_bytes  # noqa: E402

@@ -13,7 +13,7 @@ and the median is reported, which keeps a busy machine from favouring either.
 Prints tokens/s, peak training memory (CPU: growth of resident memory during
 training; CUDA: peak allocated) and the ratio ours / GPT-2 (goal >= 1.0x);
 then per config one line for scripts, with our model's MFU on a GPU (the
-planner's FLOPs per token, ``model/plan.py``, against the device's dense bf16
+cost model's FLOPs per token, ``model/cost.py``, against the device's dense bf16
 peak: known for A100/H100/H200, else ``--peak-tflops``)::
 
     train small on cuda: ours N tok/s, MFU N.N % of N TFLOPS (bf16)
@@ -150,11 +150,11 @@ def peak_tflops(device: str, given: float | None) -> float | None:
 
 def train_flops_per_token(config: str) -> float:
     """Forward and backward (3x the forward) of every block and the head."""
-    from aisyn.model.families import load_config
-    from aisyn.model.plan import (
+    from aisyn.model.cost import (
         block_forward_flops_per_token,
         head_forward_flops_per_token,
     )
+    from aisyn.model.families import load_config
 
     cfg = load_config(config)
     forward = cfg.num_layers * block_forward_flops_per_token(cfg, cfg.seq_len)

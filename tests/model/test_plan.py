@@ -14,21 +14,18 @@ import math
 
 import pytest
 
-from aisyn.model.families import build_model, load_config
-from aisyn.model.plan import (
+from aisyn.model.cost import (
     RUNTIME_BYTES,
-    PartySpec,
     PlanError,
-    Workload,
     block_activation_bytes,
-    evaluate,
-    exposure_warning,
     module_sizes,
     parse_bytes,
     pipeline_stage_blocks,
-    plan,
 )
+from aisyn.model.families import build_model, load_config
+from aisyn.model.memory import Workload
 from aisyn.model.segments import parse_partition
+from aisyn.split.planner import PartySpec, evaluate, exposure_warning, plan
 
 # name: (layers incl. top query, hidden, V, seq)
 REFERENCE = {

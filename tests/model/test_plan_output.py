@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from aisyn.model.cost import PlanError
 from aisyn.model.families import load_config
-from aisyn.model.plan import PartySpec, PlanError, Workload, evaluate, plan
+from aisyn.model.memory import Workload
 from aisyn.model.segments import parse_partition
+from aisyn.split.planner import PartySpec, evaluate, plan
 
 
 def parties(a: str, b: str) -> dict[str, PartySpec]:
@@ -50,7 +52,7 @@ def test_identical_ranks_print_as_one_line(plan_200b):
 
 
 def test_ranks_that_differ_keep_their_own_lines():
-    from aisyn.model.plan import rank_groups
+    from aisyn.split.planner import rank_groups
 
     cfg = load_config("tiny")
     # 3 ranks of A: hidden 128 and FFN 512 split 43/43/42 rows, and a
@@ -128,7 +130,7 @@ def test_the_readme_and_docs_say_why_their_2p6b_plans_differ(capsys):
 
 
 def test_a_slow_plan_says_how_far_it_is(monkeypatch, caplog):
-    from aisyn.model import plan as planner
+    from aisyn.split.planner import search as planner
 
     # a box where every cut is slow: the first word at once
     monkeypatch.setattr(planner, "PROGRESS_AFTER_S", 0.0)
@@ -136,7 +138,7 @@ def test_a_slow_plan_says_how_far_it_is(monkeypatch, caplog):
     cfg = load_config("tiny")
     specs = list(parties("A:1:inf", "B:4:inf").values())
     # Execute
-    with caplog.at_level(logging.INFO, logger="aisyn.model.plan"):
+    with caplog.at_level(logging.INFO, logger="aisyn.split.planner.search"):
         planner.plan("tiny", cfg, specs, Workload())
     # Assert: one line, naming the model and how many cuts there are
     n = len(planner.candidates(cfg, "u", planner.MIN_A_BLOCKS))

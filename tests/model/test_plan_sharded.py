@@ -17,16 +17,11 @@ import textwrap
 import pytest
 import torch
 
+from aisyn.model.cost import PlanError, block_activation_bytes
 from aisyn.model.families import build_model, load_config
-from aisyn.model.plan import (
-    PartySpec,
-    PlanError,
-    Workload,
-    block_activation_bytes,
-    evaluate,
-    plan,
-)
+from aisyn.model.memory import Workload
 from aisyn.model.segments import parse_partition
+from aisyn.split.planner import PartySpec, evaluate, plan
 
 #: tiny with 6 ordinary blocks (+ the top query layer); cut u:2,2 leaves A
 #: h[0:2] + h[4:6] and the ends, B h[2:4]

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from aisyn.model.families import load_config
-from aisyn.model.plan import PartySpec, Workload, plan
+from aisyn.model.memory import Workload
 from aisyn.split import schedule
+from aisyn.split.planner import PartySpec, plan
 from aisyn.train.config import TrainConfig
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "split_efficiency.py"

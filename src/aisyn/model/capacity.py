@@ -142,7 +142,7 @@ def check_buildable(cfg, *, meta: bool) -> None:
     free = available_bytes(torch.device("cpu"))
     if free is None or needed <= free:
         return
-    from aisyn.model.plan import format_bytes
+    from aisyn.model.cost import format_bytes
 
     field = _largest_term(cfg)
     raise ValueError(

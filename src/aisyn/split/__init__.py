@@ -20,5 +20,5 @@ Both parties share ``protocol`` (hello/reply and per-round control),
 ``schedule`` (lockstep and 1F1B orders), ``party`` (one party's weights,
 optimizer, clipping, checkpoints), ``session`` (``SplitOptions``,
 ``open_session``), ``transport``, ``sharding`` and ``cli``. The cut itself
-lives in ``aisyn.model.segments``, the planner in ``aisyn.model.plan``.
+lives in ``aisyn.model.segments``, the planner in ``aisyn.split.planner``.
 """

@@ -22,7 +22,8 @@ from aisyn.flagtable import (
     model_flag,
 )
 from aisyn.link.codec import CODECS
-from aisyn.model.plan import RUNTIME_BYTES, SCHEDULES, format_bytes
+from aisyn.model.cost import RUNTIME_BYTES, format_bytes
+from aisyn.model.memory import SCHEDULES
 from aisyn.split.defence.cut_dp import DEFENCES, RECOMMENDED
 from aisyn.split.defence.emulator import DEFAULT_BLOCKS as DEFAULT_EMULATOR_BLOCKS
 from aisyn.split.defence.emulator import FRONT_VIA
@@ -95,7 +96,7 @@ def _add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
 
 
 def _memory(text: str) -> float:
-    from aisyn.model.plan import PlanError, parse_bytes
+    from aisyn.model.cost import PlanError, parse_bytes
 
     try:
         value = parse_bytes(text)
@@ -144,17 +145,11 @@ def cmd_plan(args) -> None:
     step; refuses a device set a rank does not fit. Works for any preset (350M
     ... 200B) without allocating it."""
 
+    from aisyn.model.cost import PlanError, parse_bytes
     from aisyn.model.families import load_config
-    from aisyn.model.plan import (
-        PartySpec,
-        PlanError,
-        Workload,
-        evaluate,
-        exposure_warning,
-        parse_bytes,
-        plan,
-    )
+    from aisyn.model.memory import Workload
     from aisyn.model.segments import parse_partition
+    from aisyn.split.planner import PartySpec, evaluate, exposure_warning, plan
 
     cfg = load_config(args.model)
     if args.data:

@@ -2,7 +2,7 @@
 
 A batch far too large for the machine otherwise runs until the kernel's OOM
 killer ends the process (no message, possibly after minutes of swapping) or
-CUDA raises mid-step. The estimate is the split planner's (``model.plan``):
+CUDA raises mid-step. The estimate is the split planner's (``model.memory``):
 the step's peak of runtime, weights, AdamW state, gradients and the
 activations of the micro-batches in flight; the available
 memory is what the OS (or the cgroup the process runs in) or CUDA says is free.
@@ -21,14 +21,9 @@ from aisyn.model.capacity import (  # noqa: F401  (cgroup_available: re-exported
     cgroup_available,
     memory_check_skipped,
 )
+from aisyn.model.cost import format_bytes, module_sizes
 from aisyn.model.families import ModelConfig, build_model
-from aisyn.model.plan import (
-    Workload,
-    format_bytes,
-    module_sizes,
-    party_load,
-    rank_load,
-)
+from aisyn.model.memory import Workload, party_load, rank_load
 from aisyn.model.segments import Partition
 
 
@@ -45,7 +40,7 @@ def whole_model_bytes(
     shard: tuple[int, int] | None = None,
 ) -> float:
     """Peak training memory of the unsplit model: the planner's formula
-    (``model.plan.rank_load``) for one process holding every piece.
+    (``model.memory.rank_load``) for one process holding every piece.
 
     ``autocast``: bf16 autocast over fp32 parameters; ``trains_all_weights=
     False`` (LoRA): the frozen weights alone, no gradients or AdamW state;
@@ -101,11 +96,11 @@ def rank_bytes(
     activation_checkpointing: bool = False,
 ) -> list[float]:
     """Peak training memory of each of ``ranks`` ranks of ``party``, in the
-    layout its torchrun job runs (``model.plan.party_layout``): what ``aisyn
+    layout its torchrun job runs (``model.memory.party_layout``): what ``aisyn
     split plan --party NAME:...:RxMEM`` prints per rank.
 
     * the compute party on up to one rank per layer: pipeline stages
-      (``model.plan.pipeline_stage_blocks``), holding ``micro_batches``
+      (``model.cost.pipeline_stage_blocks``), holding ``micro_batches``
       micro-batches a step under ``schedule`` (``window``: ``in_flight`` each);
     * the data party on more than one rank, or the compute party on more
       ranks than layers: the blocks FSDP2-sharded over the ranks, the

@@ -52,8 +52,8 @@ from torch.distributed.pipelining.schedules import (
 
 from aisyn.errors import RunFailedError
 from aisyn.model.causal_lm import masks_from_documents
+from aisyn.model.cost import pipeline_stage_blocks
 from aisyn.model.families import ModelConfig
-from aisyn.model.plan import pipeline_stage_blocks
 from aisyn.model.segments import Partition
 from aisyn.split import protocol as proto
 from aisyn.split import schedule
@@ -84,7 +84,7 @@ class RanksOutOfStep(RunFailedError):
 
 def stage_blocks(middle: range, ranks: int) -> list[range]:
     """B's middle blocks as ``ranks`` pipeline stages: the planner's rule
-    (``model.plan.pipeline_stage_blocks``), numbered as the model's blocks."""
+    (``model.cost.pipeline_stage_blocks``), numbered as the model's blocks."""
     at = middle.start
     return [
         range(at + r.start, at + r.stop)
@@ -542,7 +542,7 @@ def _check_memory(
     top, with A's batch) do not fit this machine: the host's memory, which
     the ranks on it share (``LOCAL_WORLD_SIZE``), or each rank's GPU."""
     from aisyn.model.capacity import available_bytes, memory_check_skipped
-    from aisyn.model.plan import format_bytes
+    from aisyn.model.cost import format_bytes
     from aisyn.model.segments import COMPUTE_PARTY
     from aisyn.train.memory import rank_bytes
 

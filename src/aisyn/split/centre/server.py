@@ -32,8 +32,9 @@ from pathlib import Path
 from aisyn.link.base import LinkOptions, PeerHello
 from aisyn.link.errors import HandshakeError, LinkError
 from aisyn.link.grpc_link import Accept, GrpcLinkServer
+from aisyn.model.cost import module_sizes
 from aisyn.model.families import build_model
-from aisyn.model.plan import Workload, module_sizes, party_load
+from aisyn.model.memory import Workload, party_load
 from aisyn.model.segments import COMPUTE_PARTY
 from aisyn.split.backbone.compute_party import ComputeParty, Session
 from aisyn.split.backbone.pipeline import RanksOutOfStep, stop_ranks

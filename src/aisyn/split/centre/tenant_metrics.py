@@ -187,7 +187,7 @@ def read_status(text: str) -> dict[str, dict[str, float]]:
 
 def format_status(rows: dict[str, dict[str, float]]) -> str:
     """``aisyn split status``'s table."""
-    from aisyn.model.plan import format_bytes
+    from aisyn.model.cost import format_bytes
 
     head = ["tenant", *(label for _, label in COLUMNS)]
     lines = [head]

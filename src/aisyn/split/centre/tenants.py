@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aisyn.link import PeerHello, certificate_identity, token_identity
-from aisyn.model.plan import PlanError, format_bytes, parse_bytes
+from aisyn.model.cost import PlanError, format_bytes, parse_bytes
 from aisyn.split.centre.fair_share import FairShare
 
 #: A tenant's name is a folder name: no separators, no dots first.

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aisyn.model.families import ModelConfig, hf_folder
-from aisyn.model.plan import exposure_warning
 from aisyn.model.segments import (
     COMPUTE_PARTY,
     DATA_PARTY,
@@ -55,6 +54,7 @@ from aisyn.split.party import (
     place_weights,
     run_methods,
 )
+from aisyn.split.planner import exposure_warning
 from aisyn.split.session import SPAWN_DIR, SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig

@@ -22,16 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from aisyn.model.cost import DTYPE_BYTES, PlanError, format_bytes
 from aisyn.model.families import ModelConfig
-from aisyn.model.plan import (
-    DTYPE_BYTES,
-    PartySpec,
-    PlanError,
-    Workload,
-    format_bytes,
-    party_load,
-)
+from aisyn.model.memory import Workload, party_load
 from aisyn.model.segments import COMPUTE_PARTY, DATA_PARTY, PARTIES, Partition
+from aisyn.split.planner.plan import PartySpec
 
 #: device memory sizes sold (GB), from which a size is suggested when no
 #: number of a party's own devices holds what each of its ranks keeps whole
