@@ -178,7 +178,22 @@ def test_sigterm_ends_a_command_as_terminated_even_inside_an_import(world):
     assert "Traceback" not in done.stderr, done.stderr
 
 
-def test_terminated_names_no_signal_until_one_arrives():
+def test_each_command_starts_with_no_signal_recorded():
+    """A process that survived a SIGTERM (pytest itself, whose tests run
+    commands in-process) must not have its next command end as terminated."""
+    import signal
+
     from aisyn import procs
 
-    assert procs.terminated() is None
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        procs.end_on_sigterm()
+        assert procs.terminated() is None
+        with pytest.raises(SystemExit):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert procs.terminated() == signal.SIGTERM
+        procs.end_on_sigterm()  # the next command
+        assert procs.terminated() is None
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -87,7 +87,11 @@ def end_on_sigterm() -> None:
     """Make SIGTERM end the command like Ctrl-C does: a ``SystemExit(128 +
     signal)`` raised where the command is, so that its ``finally`` blocks stop
     the processes it started (Flower's SuperLink and SuperNodes, a spawned
-    compute party) instead of leaving them running."""
+    compute party) instead of leaving them running. Each command starts with
+    no signal recorded (commands run in one process, as the tests run them,
+    do not inherit an earlier one's)."""
+    global _ended_by
+    _ended_by = None
     signal.signal(signal.SIGTERM, _terminate)
 
 
