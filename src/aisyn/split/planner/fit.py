@@ -6,7 +6,7 @@ planner would choose were memory no limit (the balanced one; and that the
 other fits there, where it does), and the fewest
 devices per party on which some cut fits, as ``--party`` specs
 (``A:1:16x80GB``), with the micro-batch size that lets a sharded party's
-ranks each run a row (``plan``'s module docstring: a party sharded over R
+ranks each run a row (``model.memory``'s docstring: a party sharded over R
 ranks needs micro-batches of at least R rows) and, where no number of the
 party's devices can hold what every rank keeps whole, the smallest common
 device size that can.
