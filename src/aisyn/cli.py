@@ -219,27 +219,16 @@ def cmd_train(args) -> None:
     """Train PanGu-α on prepared data; writes config.json, metrics.jsonl, loss.png
     and checkpoints to --out."""
 
-    from aisyn.train.flags import (
-        print_summary,
-        resume_from_args,
-        sync_from_args,
-        train_config_from_args,
-    )
+    from aisyn.train.flags import job_from_args, print_summary, train_config_from_args
     from aisyn.train.pretrain import train
 
-    sync = sync_from_args(args)
     summary = train(
         args.model,
         args.data,
         args.out,
         train_config_from_args(args),
-        resume=resume_from_args(args, sync),
         init_from=args.init_from,
-        progress=not args.quiet,
-        tensorboard=args.tensorboard,
-        sync=sync,
-        sync_timeout_s=args.sync_timeout if args.sync == "diloco" else None,
-        parallel=args.data_parallel,
+        **job_from_args(args),
     )
     print_summary(
         summary, f"({summary['tokens']} tokens, {summary['elapsed_s']:.1f} s)"

@@ -192,7 +192,9 @@ def test_client_that_drops_out_mid_round_does_not_stop_the_server(
     assert result["final_global_valid_loss"] is not None
 
 
-@pytest.mark.heavy
+# slow: the default suite runs Flower end to end in test_client_dp.py, and LoRA
+# on each family's own layers and its payload in test_local_training.py
+@pytest.mark.slow
 def test_lora_federated_fine_tuning_of_a_llama_base(
     tokenizer, sft_dirs, tmp_path, base_run_factory
 ):

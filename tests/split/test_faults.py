@@ -292,6 +292,8 @@ def test_sigterm_of_data_party_stops_the_spawned_compute_party(
     args += ["--spawn-backbone", "--insecure", "--model", str(model), "--cut", CUT]
     args += ["--data", str(news_data), "--out", str(tmp_path / "run")]
     args += ["--steps", "100000", "--batch-size", "2", "--quiet"]
+    # (undefended: the default defence's calibration adds seconds, not behaviour)
+    args += ["--defence", "none"]
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
     try:
         spawned = None

@@ -69,7 +69,7 @@ def with_values(argv: list[str], **values: str) -> list[str]:
 
 def test_the_quick_start_pipeline_line_pipelines():
     from aisyn.cli import build_parser
-    from aisyn.split.client.train import check_pipeline
+    from aisyn.split.client.options import check_pipeline
     from aisyn.train.flags import train_config_from_args
 
     argv = docs_command("split.md", "aisyn split train --mode grpc --spawn-backbone")

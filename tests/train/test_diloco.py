@@ -794,7 +794,9 @@ def test_a_centre_killed_mid_phase_stops_the_other_and_both_resume_exactly(
     resumed_as_whole(model_file, news_data, out, whole, per)
 
 
-@pytest.mark.heavy
+# slow: the default suite kills a centre mid-phase and resumes it exactly (above);
+# this one times its kill by the metrics file going quiet, which a loaded box skews
+@pytest.mark.slow
 def test_a_centre_killed_during_the_exchange_stops_the_other_and_both_resume(
     tmp_path, news_data, model_file, whole_run
 ):
@@ -1117,7 +1119,9 @@ def losses_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
 
-@pytest.mark.heavy
+# slow: FSDP2 inside centres is in the default suite (pre-training, with a
+# resume), and fine-tuning across centres (LoRA)
+@pytest.mark.slow
 def test_full_fine_tuning_with_fsdp_inside_two_centres(tmp_path, ft_parts):
     """``aisyn finetune --method full --ranks-per-centre 2 --data-parallel
     fsdp``: two centres of two FSDP2 ranks fine-tune what two centres of one
@@ -1270,8 +1274,8 @@ def test_fine_tuning_lora_across_two_centres(tmp_path, ft_parts, model_file, per
         ({"outer_lr": 0.0}, "--outer-lr"),
         ({"outer_momentum": 1.0}, "--outer-momentum"),
         ({"outer_momentum": -0.1}, "--outer-momentum"),
-        ({"precision": "int4"}, "--delta-precision 'int4'"),
-        ({"data": "mine"}, "--centre-data 'mine'"),
+        ({"precision": "int4"}, "--delta-precision must be one of .*, got 'int4'"),
+        ({"data": "mine"}, "--centre-data must be one of .*, got 'mine'"),
         ({"ranks_per_centre": 0}, "--ranks-per-centre must be"),
     ],
 )
@@ -1313,6 +1317,9 @@ def test_the_cli_refuses_bad_sync_flags_in_one_line(capsys, tmp_path):
 
     args = ["train", "--data", "D", "--out", str(tmp_path / "o"), "--sync",
             "diloco", "--outer-momentum", "1.5", "--steps", "10"]  # fmt: skip
-    rc = main(args)
-    [line] = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and "--outer-momentum" in line
+    # refused by the flag's own type, from DiLoCoConfig's declared range
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    *usage, line = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2
+    assert "argument --outer-momentum: must be < 1, got 1.5" in line

@@ -99,26 +99,15 @@ def cmd_finetune(args) -> None:
     format."""
 
     from aisyn.train.finetune import finetune
-    from aisyn.train.flags import (
-        print_summary,
-        resume_from_args,
-        sync_from_args,
-        train_config_from_args,
-    )
+    from aisyn.train.flags import job_from_args, print_summary, train_config_from_args
 
-    sync = sync_from_args(args)
     summary = finetune(
         args.base,
         args.data,
         args.out,
         train_config_from_args(args),
         Method(args.method, rank=args.lora_rank, alpha=args.lora_alpha),
-        resume=resume_from_args(args, sync),
-        progress=not args.quiet,
-        tensorboard=args.tensorboard,
-        sync=sync,
-        sync_timeout_s=args.sync_timeout if args.sync == "diloco" else None,
-        parallel=args.data_parallel,
+        **job_from_args(args),
     )
     print_summary(
         summary,

@@ -24,12 +24,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from aisyn.link.base import Link
+from aisyn.link.codec import CODECS
 from aisyn.link.errors import CertificateError, LinkError, LinkTimeoutError
 from aisyn.link.memory import memory_pair
 from aisyn.model.families import ModelConfig, hf_folder
 from aisyn.model.segments import Partition
 from aisyn.net import join_host_port
 from aisyn.procs import ChildProcess, child_env
+from aisyn.setting import check_fields, setting
 from aisyn.split import protocol as proto
 from aisyn.split.backbone.compute_party import ComputeParty
 from aisyn.split.defence.emulator import DEFAULT_BLOCKS, FRONT_VIA
@@ -62,47 +64,84 @@ SPAWN_DIR = "spawned"  # certificates, token and log of a spawned compute party
 
 @dataclass
 class SplitOptions:
-    cut: str = "u:1,1"
-    mode: str = "local"
-    window: int = 0  # micro-batches in flight; 0 = lockstep
-    codec: str = "none"
+    """How the data party trains against B, each option declared once
+    (``aisyn.setting``): the flags of ``aisyn split train`` and the checks of
+    a recorded run's options."""
+
+    cut: str = setting("u:1,1", "--cut", "u:FRONT,BACK blocks kept by A (see plan)")
+    mode: str = setting(
+        "local", "--mode", "local: both parties in this process", choices=MODES
+    )
+    window: int = setting(
+        0, "--pipeline", "micro-batches in flight (1F1B); 0: lockstep", low=0
+    )
+    codec: str = setting(
+        "none",
+        "--compress",
+        "cut-layer codec for activations and gradients",
+        choices=CODECS,
+    )
     peer: LinkSettings | None = None  # grpc mode, unless spawning
-    spawn_backbone: bool = False
-    spawn_insecure: bool = False
-    connect_timeout_s: float = DATA_PARTY_CONNECT_TIMEOUT_S
-    recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S  # None: forever
+    spawn_backbone: bool = setting(
+        False,
+        "--spawn-backbone",
+        "start the compute party on this machine (grpc mode; ended at exit)",
+    )
+    spawn_insecure: bool = False  # (--insecure with --spawn-backbone)
+    connect_timeout_s: float = setting(
+        DATA_PARTY_CONNECT_TIMEOUT_S,
+        "--connect-timeout",
+        "seconds to keep trying while the compute party is unreachable or busy "
+        "(queued, in order of arrival)",
+        low=0, low_open=True,
+    )  # fmt: skip
+    #: None: forever (its flag, ``--recv-timeout``, takes 0 or none for it)
+    recv_timeout_s: float | None = DATA_PARTY_RECV_TIMEOUT_S
     #: "frozen": B runs its blocks forward only and no gradient crosses the
     #: cut (``split.defence.emulator``); "train": B's blocks train too
-    backbone: str = "train"
+    backbone: str = setting(
+        "train",
+        "--backbone",
+        "frozen: the compute party runs its blocks forward only, as the base "
+        "has them, and no gradient crosses the cut (nothing A sends depends "
+        "on its labels within a step); A trains its back blocks and head "
+        "exactly (needs --init-from or --model hf:DIR; docs/privacy.md)",
+        choices=proto.BACKBONES,
+    )
     #: with a frozen backbone, how A's front blocks learn: through a local
     #: ``emulator`` of B's middle, or not at all (``frozen``)
-    front_via: str = "emulator"
-    emulator_blocks: int = DEFAULT_BLOCKS  # of B's middle blocks in the emulator
+    front_via: str = setting(
+        "emulator",
+        "--front-via",
+        "with --backbone frozen, how A's front learns: through a local "
+        "emulator of B's blocks built from the public base "
+        "(split/defence/emulator.py), or not at all (frozen)",
+        choices=FRONT_VIA,
+    )
+    emulator_blocks: int = setting(
+        DEFAULT_BLOCKS,
+        "--emulator-blocks",
+        "of B's blocks in A's emulator, uniformly spaced (0: pass the "
+        "gradient straight through)",
+        low=0,
+    )
     #: steps A trains alone on its data, through the emulator, before any
     #: activation leaves it (``split.defence.warmup``)
-    private_warmup: int = 0
+    private_warmup: int = setting(
+        0,
+        "--private-warmup",
+        "train A's blocks and head alone on its own data for this many steps, "
+        "through the emulator, before any activation leaves A: the front B "
+        "then sees has drifted from the public base (needs --init-from)",
+        low=0,
+    )
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"--mode {self.mode!r}: use local or grpc")
-        if self.window < 0:
-            raise ValueError(f"--pipeline {self.window}: must be >= 0")
+        check_fields(self)
         if self.mode == "grpc" and self.peer is None and not self.spawn_backbone:
             raise ValueError("--mode grpc needs --peer HOST:PORT or --spawn-backbone")
         if self.mode == "local" and (self.peer is not None or self.spawn_backbone):
             raise ValueError("--peer/--spawn-backbone need --mode grpc")
-        if self.backbone not in proto.BACKBONES:
-            raise ValueError(
-                f"--backbone {self.backbone!r}: use one of {list(proto.BACKBONES)}"
-            )
-        if self.front_via not in FRONT_VIA:
-            raise ValueError(
-                f"--front-via {self.front_via!r}: use one of {list(FRONT_VIA)}"
-            )
-        if self.private_warmup < 0:
-            raise ValueError(f"--private-warmup {self.private_warmup}: must be >= 0")
-        if self.emulator_blocks < 0:
-            raise ValueError(f"--emulator-blocks {self.emulator_blocks}: must be >= 0")
 
     @property
     def frozen(self) -> bool:

@@ -10,30 +10,14 @@ these declarations, so a default or a bound is changed in one place.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
+from aisyn.setting import check_fields, problem, setting
 from aisyn.train.schedule import lr_at
-from aisyn.validate import SEED_RANGE, number_problem
+from aisyn.validate import SEED_RANGE
 
 #: ``--autocast``: bf16 on CUDA only, everywhere (CPU too), or nowhere
 AUTOCAST_MODES = ("auto", "bf16", "off")
-
-
-def setting(
-    default,
-    flag: str | None = None,
-    help: str = "",
-    *,
-    choices: tuple[str, ...] | None = None,
-    **bounds,
-):
-    """A ``TrainConfig`` field: its default, its range (``validate``'s
-    ``number_problem`` keywords; None stays allowed where it is the default)
-    or its ``choices``, and, when users set it, its ``--flag`` and help text."""
-    return field(
-        default=default,
-        metadata={"flag": flag, "help": help, "bounds": bounds, "choices": choices},
-    )
 
 
 @dataclass
@@ -79,7 +63,10 @@ class TrainConfig:
     eod_reset: bool = setting(  # reset attention/positions at each EOD
         False, "--eod-reset", "reset attention and positions at each end of document"
     )
-    device: str = setting("auto")  # its flag is every command's (``flagtable``)
+    # its flag is every command's (``flagtable``); checked where it is used
+    # (``resolve_device``): a config from a run folder or a peer may name a
+    # device this machine does not have
+    device: str = setting("auto", check=False)
     autocast: str = setting(
         "auto",
         "--autocast",
@@ -97,8 +84,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # Range checks here, not only on flags: a TrainConfig also comes from
         # run folders, federated TOML files and the data party's hello.
-        for f in fields(self):
-            check_setting(f.name, getattr(self, f.name), f.name)
+        check_fields(self, lambda f: f.name)
         mb = self.micro
         if self.batch_size % mb:
             raise ValueError(
@@ -142,31 +128,7 @@ SETTINGS = {f.name: f for f in fields(TrainConfig)}
 def setting_problem(name: str, value) -> str | None:
     """Why ``value`` is not a valid ``TrainConfig.<name>`` ("must be >= 1, got
     0"), or None: the one range check of each field."""
-    f = SETTINGS[name]
-    if value is None and f.default is None:
-        return None
-    if isinstance(f.default, bool):
-        return (
-            None if isinstance(value, bool) else f"must be true or false, not {value!r}"
-        )
-    if f.metadata["choices"]:
-        ok = value in f.metadata["choices"]
-        return None if ok else f"must be one of {', '.join(f.metadata['choices'])}"
-    if name == "device":
-        # Checked where it is used (``resolve_device``): a config from a run
-        # folder or a peer may name a device this machine does not have.
-        return None
-    integer = f.type in ("int", "int | None")
-    if integer and (isinstance(value, bool) or not isinstance(value, int)):
-        return f"must be an integer, got {value!r}"
-    return number_problem(value, **f.metadata["bounds"])
-
-
-def check_setting(name: str, value, shown: str) -> None:
-    """ValueError ``"<shown> must be ..."`` unless ``value`` fits field ``name``."""
-    problem = setting_problem(name, value)
-    if problem:
-        raise ValueError(f"{shown} {problem}")
+    return problem(SETTINGS[name], value)
 
 
 def per_rank_micro_batches(cfg: TrainConfig, world: int) -> TrainConfig:

@@ -138,6 +138,15 @@ class LocalExecutor(Executor):
             else loss
         )
 
+    def release(self) -> None:
+        """Drop the DDP wrapper while the process group is still up. Freed
+        after ``destroy_process_group``, its reducer would be the group's last
+        holder and join gloo's worker threads holding the GIL, which one of
+        them may need to free a finished collective: a hang at exit, seen on
+        one rank in three (pytorch#56297)."""
+        if isinstance(self.loss, DDP):
+            self.loss = self.loss.module
+
     def step(self, step: int, batch: StepBatch) -> dict:
         lr = self.lr_at(step)
         micro = batch.micro

@@ -18,7 +18,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from aisyn.model.families import ModelConfig, hf_folder
@@ -38,6 +38,7 @@ from aisyn.split.client.data_ranks import (
     start_words,
 )
 from aisyn.split.client.executor import SplitExecutor
+from aisyn.split.client.options import base_of, check_options, check_resume
 from aisyn.split.defence import cut_dp as dp
 from aisyn.split.defence.attach import (
     attach_bottleneck,
@@ -52,19 +53,18 @@ from aisyn.split.party import (
     compute_lora_hello,
     open_base,
     place_weights,
-    run_methods,
 )
 from aisyn.split.planner import exposure_warning
 from aisyn.split.session import SPAWN_DIR, SplitOptions, open_session
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import autocast_on, resolve_device
-from aisyn.train.engine import Engine, finished
+from aisyn.train.engine import finished
+from aisyn.train.job import open_engine
 from aisyn.train.lora import Method
 from aisyn.train.memory import check_fits, party_bytes, rank_bytes
 from aisyn.train.models import BaseModel, check_base_tokenizer, model_config_for
 from aisyn.train.objective import LMObjective, Objective, SFTObjective
-from aisyn.train.regime import Regime
 from aisyn.train.run import RunDir, write_json_atomic
 
 log = logging.getLogger("aisyn.split")
@@ -129,158 +129,34 @@ def split_train(
     compute party cannot tell the difference: it gets the same rounds, with a
     sequence length that changes from step to step.
     """
-    if init_from is None and isinstance(model_config, str | Path):
-        if hf_folder(model_config) is not None:
-            init_from = model_config  # a pretrained folder brings its weights
-    if init_from is not None and not (hf_folder(init_from) or Path(init_from)).exists():
-        raise ValueError(
-            f"--init-from {init_from}: no such base model (a run folder, "
-            "checkpoint folder or .safetensors file)"
-        )
-    check_pipeline(opts.window, cfg)
-    method, compute_method = method or Method(), compute_method or Method()
-    lora = method.name == "lora" or compute_method.name == "lora"
-    recorded = resume and (Path(out) / "config.json").is_file()
-    needs_base = lora or opts.frozen or opts.private_warmup
-    if needs_base and recorded and init_from is None:
-        # LoRA's base, or the frozen backbone's (A's emulator reads it)
-        init_from = RunDir(out).read_config().get("init_from")
-    if lora and init_from is None:
-        raise ValueError(
-            "LoRA trains adapters on a base model: give --init-from BASE (or "
-            "--model hf:DIR); the compute party needs the same base"
-        )
-    if sft and init_from is None and not resume:
-        raise ValueError(
-            "--sft: split fine-tuning starts from a pre-trained base; give "
-            "--init-from BASE (the compute party starts from the same base)"
-        )
-    if ranks is not None and (why := ranks.problem_with(cfg.micro, method)):
-        raise ValueError(why)
-    if opts.frozen and isinstance(defence, dp.Recommended):
-        defence = replace(defence, gradient=False)  # no gradient to noise
-    if opts.frozen:
-        check_frozen_backbone(opts, init_from, compute_method, defence, ranks, resume)
-    if opts.private_warmup:
-        check_warmup(opts, init_from, method, ranks, resume)
+    methods = (method or Method(), compute_method or Method())
+    init_from = base_of(
+        model_config, init_from, out, opts, methods, sft=sft, resume=resume
+    )
+    defence = check_options(opts, cfg, init_from, methods, defence, ranks, resume)
     objective = (SFTObjective if sft else LMObjective)(data_dirs, cfg)
     tok = objective.tokenizer
     mcfg = model_config_for(model_config, tok, objective.seq_len, data_dirs)
     if init_from is not None and str(init_from) != str(model_config):
         if sft or hf_folder(init_from) is not None:  # hf:DIR as --model: checked
             check_base_tokenizer(init_from, tok, data_dirs[0])
-    partition = parse_partition(opts.cut, mcfg)
-    if not partition.is_u_shape:
-        raise PartitionError(
-            f"--cut {opts.cut}: split training needs a U-shape cut (u:FRONT,BACK) "
-            "so that labels and the loss stay with the data party"
-        )
-    if (warning := exposure_warning(partition)) is not None:
-        log.warning("%s (docs/split.md#security)", warning)
+    partition = u_shape(opts.cut, mcfg)
     if opts.peer is not None:
         opts.peer.validate()
     device = resolve_device(cfg.device)
-    # A compute party started here (in-process or spawned) shares this memory.
-    on_this_machine = [DATA_PARTY] + (
-        [COMPUTE_PARTY] if opts.mode == "local" or opts.spawn_backbone else []
-    )
-    sizing = dict(
-        in_flight=opts.window + 1,
-        autocast=autocast_on(device, cfg.autocast),
-        activation_checkpointing=cfg.activation_checkpointing,
-    )
-    needed = sum(
-        party_bytes(mcfg, partition, party, cfg.micro, objective.seq_len, **sizing)
-        for party in on_this_machine
-        if party != DATA_PARTY or ranks is None
-    )
-    parties = list(on_this_machine)
-    if ranks is not None:
-        # A's ranks on this machine: they share its memory (CPU), or rank 0's
-        # device holds rank 0's share
-        per_rank = rank_bytes(
-            mcfg, partition, DATA_PARTY, ranks.world, cfg.micro, objective.seq_len,
-            cfg.grad_accum, **sizing,
-        )  # fmt: skip
-        here = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
-        needed += sum(per_rank[:here]) if device.type == "cpu" else per_rank[0]
-        parties[0] = f"{DATA_PARTY} on {here} rank(s)"
-    what = f"split training (party {' and '.join(parties)})"
-    check_fits(needed, device, f"{what} with micro-batches of {cfg.micro}")
+    check_memory(mcfg, partition, opts, cfg, objective.seq_len, device, ranks)
     base = open_base(init_from, mcfg, partition, DATA_PARTY) if init_from else None
     run = RunDir(out)
-    run_id = None
-    if isinstance(defence, dp.Recommended):
-        if resume and (run.path / "config.json").is_file():
-            defence = recorded_defence(defence, run.path)
-        else:
-            defence = calibrated_defence(
-                defence,
-                mcfg,
-                opts.cut,
-                tok,
-                Path(data_dirs[0]) / tok["file"],
-                objective.seq_len,
-                cfg,
-                init_from,
-                device,
-            )
-    defence = defence or dp.CutDefence()
-    if defence.bottleneck is not None and ranks is not None:
-        raise ValueError(
-            "--bottleneck-floor: a trained bottleneck runs with a data party of "
-            "one process (this one runs over ranks)"
-        )
-    if resume and (run.path / "config.json").is_file():
-        old = run.read_config()
-        if old.get("kind") != "split":
-            raise ValueError(f"{run.path}: not a split run; cannot --resume it here")
-        was = old.get("objective", LMObjective.name)
-        if was != objective.name:
-            flag = "--sft" if was == SFTObjective.name else "--data"
-            raise ValueError(
-                f"{run.path}: a split run of objective {was!r}; resume it with {flag}"
-            )
-        run_id = old["run_id"]
-        was_defence = dp.CutDefence.from_dict(old.get("cut_defence"))
-        if was_defence != defence:
-            raise ValueError(
-                f"{run.path}: trained with cut defence {was_defence.describe()}; "
-                "resume it with the same defence flags (its privacy budget "
-                "is accounted over the whole run)"
-            )
-        was_split = old.get("split", {})
-        for key, flag in FROZEN_FLAGS.items():
-            was = was_split.get(key, SplitOptions.__dataclass_fields__[key].default)
-            if was != getattr(opts, key):
-                raise ValueError(
-                    f"{run.path}: trained with {flag} {was}; resume it with that"
-                )
-        if run_methods(old) != (method, compute_method):
-            raise ValueError(
-                f"{run.path}: trained with method {run_methods(old)[0].name} / "
-                f"compute method {run_methods(old)[1].name}; resume it with those"
-            )
-    run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(4)
-    config = {
-        "kind": "split",
-        "party": DATA_PARTY,
-        "run_id": run_id,
-        "model": mcfg.to_dict(),
-        "partition": partition.to_dict(),
-        "train": cfg.to_dict(),
-        "split": opts.record(),
-        "objective": objective.name,  # "sft": aisyn eval scores prompts
-        "data": [str(Path(d).resolve()) for d in data_dirs],
-        "tokenizer": tok,
-        "seq_len": objective.seq_len,
-        "init_from": str(base.checkpoint) if base else None,
-        "method": method.to_dict(),
-        "compute_method": compute_method.to_dict(),
-        # A's own file: the compute party is never told the defence.
-        "cut_defence": defence.to_dict(),
-        "world_size": 1 if ranks is None else ranks.world,  # its ranks (torchrun)
-    }
+    old = run.read_config() if resume and (run.path / "config.json").is_file() else None
+    defence = resolve_defence(
+        defence, old, run, mcfg, opts, objective, cfg, init_from, device, ranks
+    )
+    config = split_config(
+        old, mcfg, partition, cfg, opts, objective, data_dirs, base, methods, defence,
+        ranks,
+    )  # fmt: skip
+    if old is not None:
+        check_resume(run, old, config)
     a_steps = ckpt.complete_steps(run.checkpoints) if resume else []
     if a_steps:
         run.check_same_model(config)
@@ -293,87 +169,220 @@ def split_train(
     before = FolderBefore.take(run.path)
     try:
         run.start(config, resume=resume, tokenizer=objective.tokenizer_file)
-        state = PartyState(mcfg, partition, DATA_PARTY, cfg, device, method=method)
-        bottleneck = attach_bottleneck(state, defence)  # None without one
-        if ranks is not None:
-            start_words(
-                ranks,
-                state,
-                eod_id=objective.eod_id,
-                window=opts.window,
-                defence=defence,
-                init_from=str(base.checkpoint) if base else None,
-            )
-        objective.start(device)
-        emulator = None
-        if (opts.frozen and opts.front_via == "emulator") or opts.private_warmup:
-            assert base is not None  # check_frozen_backbone, check_warmup
-            emulator = Emulator.from_base(
-                str(base.checkpoint), mcfg, partition, opts.emulator_blocks, device
-            )
-            log.info(
-                "an emulator of B's blocks %s stands in for them at this party "
-                "(split/defence/emulator.py)",
-                emulator.indices,
-            )
-        warmed = opts.private_warmup > 0 and not a_steps
-        if warmed:
-            # Before B is even dialled: the front it will see has drifted.
-            place_weights(state, base, None, fresh_train=True)
-            record = private_warmup(
-                state,
-                emulator,
-                lambda c: (SFTObjective if sft else LMObjective)(data_dirs, c),
-                opts.private_warmup,
-            )
-            write_json_atomic(run.path / "warmup.json", record)
-        hello = proto.hello(
-            purpose="train",
-            run_id=run_id,
-            model=mcfg.to_dict(),
-            partition=partition.to_dict(),
-            train=cfg,
-            # B's own parameters' seeds, keyed by the run's seed: B learns
-            # nothing from them about A's parameters, which it could otherwise
-            # rebuild and invert the activations with.
-            init_seeds=(
-                None if base else init_seeds(mcfg, partition, COMPUTE_PARTY, cfg.seed)
-            ),
-            lora=compute_lora_hello(mcfg, partition, compute_method, cfg.seed),
-            resume=resume,
-            a_steps=a_steps,
-            codec=opts.codec,
-            init=base.fingerprint if base else None,
-            backbone=opts.backbone,
-        )
-        b_init = base.checkpoint if base else None
-        session = contextlib.ExitStack()
-        opened = session.enter_context(
-            open_session(run, mcfg, partition, hello, opts, cfg.device, b_init)
-        )
+        started = _start(
+            run, config, mcfg, partition, objective, cfg, opts, methods[0],
+            methods[1], defence, base, device, ranks, a_steps, resume, sft, data_dirs,
+        )  # fmt: skip
     except BaseException:
         before.restore()
         raise
-    with session:
+    with started.session:
         return _train_loop(
-            run,
-            opened,
-            state,
-            objective,
-            cfg,
-            opts,
-            a_steps,
-            base,
-            progress,
-            resume,
-            tensorboard,
-            # The noise follows from the run's seed, secret like it (whoever
-            # knows it could subtract the noise, or rebuild A's init).
-            dp.CutGuard(defence, cfg.seed, bottleneck) if defence.active else None,
-            ranks,
-            emulator if opts.frozen and opts.front_via == "emulator" else None,
-            warmed,
+            run, started, objective, cfg, opts, a_steps, base, progress, resume,
+            tensorboard, ranks,
+        )  # fmt: skip
+
+
+def u_shape(cut: str, mcfg: ModelConfig):
+    """The partition ``--cut`` names, refused unless labels and the loss stay
+    with the data party (a U-shape); warned about when it exposes A's data."""
+    partition = parse_partition(cut, mcfg)
+    if not partition.is_u_shape:
+        raise PartitionError(
+            f"--cut {cut}: split training needs a U-shape cut (u:FRONT,BACK) "
+            "so that labels and the loss stay with the data party"
         )
+    if (warning := exposure_warning(partition)) is not None:
+        log.warning("%s (docs/split.md#security)", warning)
+    return partition
+
+
+def check_memory(
+    mcfg: ModelConfig,
+    partition,
+    opts: SplitOptions,
+    cfg: TrainConfig,
+    seq_len: int,
+    device,
+    ranks: DataRanks | None,
+) -> None:
+    """Refuse, in one line, a split run whose parties on this machine do not
+    fit its memory: A (on its ranks), and B when started here (in-process or
+    spawned) -- it shares this machine's memory."""
+    on_this_machine = [DATA_PARTY] + (
+        [COMPUTE_PARTY] if opts.mode == "local" or opts.spawn_backbone else []
+    )
+    sizing = dict(
+        in_flight=opts.window + 1,
+        autocast=autocast_on(device, cfg.autocast),
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+    needed = sum(
+        party_bytes(mcfg, partition, party, cfg.micro, seq_len, **sizing)
+        for party in on_this_machine
+        if party != DATA_PARTY or ranks is None
+    )
+    parties = list(on_this_machine)
+    if ranks is not None:
+        # A's ranks on this machine: they share its memory (CPU), or rank 0's
+        # device holds rank 0's share
+        per_rank = rank_bytes(
+            mcfg, partition, DATA_PARTY, ranks.world, cfg.micro, seq_len,
+            cfg.grad_accum, **sizing,
+        )  # fmt: skip
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
+        needed += sum(per_rank[:here]) if device.type == "cpu" else per_rank[0]
+        parties[0] = f"{DATA_PARTY} on {here} rank(s)"
+    what = f"split training (party {' and '.join(parties)})"
+    check_fits(needed, device, f"{what} with micro-batches of {cfg.micro}")
+
+
+def resolve_defence(
+    defence, old: dict | None, run: RunDir, mcfg, opts, objective, cfg, init_from,
+    device, ranks,
+) -> dp.CutDefence:  # fmt: skip
+    """The cut defence the run trains with: the recommended one calibrated here
+    on public text (or, resumed, as the run recorded it), or the flags' own."""
+    if isinstance(defence, dp.Recommended):
+        if old is not None:
+            defence = recorded_defence(defence, run.path)
+        else:
+            defence = calibrated_defence(
+                defence,
+                mcfg,
+                opts.cut,
+                objective.tokenizer,
+                objective.tokenizer_file,
+                objective.seq_len,
+                cfg,
+                init_from,
+                device,
+            )
+    defence = defence or dp.CutDefence()
+    if defence.bottleneck is not None and ranks is not None:
+        raise ValueError(
+            "--bottleneck-floor: a trained bottleneck runs with a data party of "
+            "one process (this one runs over ranks)"
+        )
+    return defence
+
+
+def split_config(
+    old: dict | None, mcfg, partition, cfg, opts, objective, data_dirs, base,
+    methods: tuple[Method, Method], defence: dp.CutDefence, ranks,
+) -> dict:  # fmt: skip
+    """A's ``config.json``: a resumed run keeps its ``run_id``."""
+    run_id = (old or {}).get("run_id")
+    if not isinstance(run_id, str):
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(4)
+    return {
+        "kind": "split",
+        "party": DATA_PARTY,
+        "run_id": run_id,
+        "model": mcfg.to_dict(),
+        "partition": partition.to_dict(),
+        "train": cfg.to_dict(),
+        "split": opts.record(),
+        "objective": objective.name,  # "sft": aisyn eval scores prompts
+        "data": [str(Path(d).resolve()) for d in data_dirs],
+        "tokenizer": objective.tokenizer,
+        "seq_len": objective.seq_len,
+        "init_from": str(base.checkpoint) if base else None,
+        "method": methods[0].to_dict(),
+        "compute_method": methods[1].to_dict(),
+        # A's own file: the compute party is never told the defence.
+        "cut_defence": defence.to_dict(),
+        "world_size": 1 if ranks is None else ranks.world,  # its ranks (torchrun)
+    }
+
+
+@dataclass
+class Started:
+    """A's side of a split run, up: its state, the open session with B, the
+    emulator of B's blocks (if any), the cut's guard."""
+
+    state: PartyState
+    opened: object
+    session: contextlib.ExitStack
+    guard: dp.CutGuard | None
+    emulator: Emulator | None
+    warmed: bool
+
+
+def _start(
+    run, config, mcfg, partition, objective, cfg, opts, method, compute_method,
+    defence, base, device, ranks, a_steps, resume, sft, data_dirs,
+) -> Started:  # fmt: skip
+    """Build A's state, warm it up in private if asked, and open the session
+    with B (whose hello tells it only what it needs to compute)."""
+    state = PartyState(mcfg, partition, DATA_PARTY, cfg, device, method=method)
+    bottleneck = attach_bottleneck(state, defence)  # None without one
+    if ranks is not None:
+        start_words(
+            ranks,
+            state,
+            eod_id=objective.eod_id,
+            window=opts.window,
+            defence=defence,
+            init_from=str(base.checkpoint) if base else None,
+        )
+    objective.start(device)
+    emulator = None
+    if (opts.frozen and opts.front_via == "emulator") or opts.private_warmup:
+        assert base is not None  # check_frozen_backbone, check_warmup
+        emulator = Emulator.from_base(
+            str(base.checkpoint), mcfg, partition, opts.emulator_blocks, device
+        )
+        log.info(
+            "an emulator of B's blocks %s stands in for them at this party "
+            "(split/defence/emulator.py)",
+            emulator.indices,
+        )
+    warmed = opts.private_warmup > 0 and not a_steps
+    if warmed:
+        # Before B is even dialled: the front it will see has drifted.
+        place_weights(state, base, None, fresh_train=True)
+        record = private_warmup(
+            state,
+            emulator,
+            lambda c: (SFTObjective if sft else LMObjective)(data_dirs, c),
+            opts.private_warmup,
+        )
+        write_json_atomic(run.path / "warmup.json", record)
+    hello = proto.hello(
+        purpose="train",
+        run_id=config["run_id"],
+        model=config["model"],
+        partition=config["partition"],
+        train=cfg,
+        # B's own parameters' seeds, keyed by the run's seed: B learns
+        # nothing from them about A's parameters, which it could otherwise
+        # rebuild and invert the activations with.
+        init_seeds=(
+            None if base else init_seeds(mcfg, partition, COMPUTE_PARTY, cfg.seed)
+        ),
+        lora=compute_lora_hello(mcfg, partition, compute_method, cfg.seed),
+        resume=resume,
+        a_steps=a_steps,
+        codec=opts.codec,
+        init=base.fingerprint if base else None,
+        backbone=opts.backbone,
+    )
+    b_init = base.checkpoint if base else None
+    session = contextlib.ExitStack()
+    opened = session.enter_context(
+        open_session(run, mcfg, partition, hello, opts, cfg.device, b_init)
+    )
+    return Started(
+        state,
+        opened,
+        session,
+        # The noise follows from the run's seed, secret like it (whoever
+        # knows it could subtract the noise, or rebuild A's init).
+        dp.CutGuard(defence, cfg.seed, bottleneck) if defence.active else None,
+        emulator if opts.frozen and opts.front_via == "emulator" else None,
+        warmed,
+    )
 
 
 @dataclass
@@ -428,95 +437,9 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
-#: the options of a frozen backbone a resumed run must keep (key -> flag)
-FROZEN_FLAGS = {
-    "backbone": "--backbone",
-    "front_via": "--front-via",
-    "emulator_blocks": "--emulator-blocks",
-}
-
-
-def check_frozen_backbone(
-    opts: SplitOptions,
-    init_from: str | Path | None,
-    compute_method: Method,
-    defence: object,
-    ranks: DataRanks | None,
-    resume: bool,
-) -> None:
-    """Refuse, in one line, what cannot go with ``--backbone frozen``."""
-    if init_from is None and not resume:
-        raise ValueError(
-            "--backbone frozen runs the compute party's blocks as a base model has "
-            "them: give --init-from BASE (or --model hf:DIR); both parties start "
-            "from it"
-        )
-    if compute_method.name == "lora":
-        raise ValueError(
-            "--backbone frozen: the compute party trains nothing, so "
-            "--compute-method lora has nothing to adapt; leave it out"
-        )
-    if isinstance(defence, dp.CutDefence) and defence.backward is not None:
-        raise ValueError(
-            "--backbone frozen: no gradient crosses the cut, so there is none to "
-            "clip or noise; leave out --dp-backward-* (--dp-forward-* and "
-            "--defence recommended, its noise on the activations alone, apply)"
-        )
-    if ranks is not None:
-        raise ValueError(
-            "--backbone frozen runs with a data party of one process (this one "
-            "runs over ranks)"
-        )
-
-
-def check_warmup(
-    opts: SplitOptions,
-    init_from: str | Path | None,
-    method: Method,
-    ranks: DataRanks | None,
-    resume: bool,
-) -> None:
-    """Refuse, in one line, what cannot go with ``--private-warmup``."""
-    if init_from is None and not resume:
-        raise ValueError(
-            "--private-warmup trains through an emulator of B's blocks built from "
-            "the public base: give --init-from BASE (or --model hf:DIR)"
-        )
-    if method.name == "lora":
-        raise ValueError(
-            "--private-warmup trains this party's blocks themselves; with "
-            "--method lora leave it out"
-        )
-    if ranks is not None:
-        raise ValueError(
-            "--private-warmup runs on a data party of one process (this one runs "
-            "over ranks)"
-        )
-
-
-def check_pipeline(window: int, cfg: TrainConfig) -> None:
-    """Refuse ``--pipeline`` where a step has one micro-batch: there would be
-    nothing to overlap, and the run would silently be lockstep."""
-    if not window or cfg.grad_accum >= 2:
-        return
-    b = cfg.batch_size
-    fix = (
-        f"set --micro-batch-size to a divisor of {b} below it, e.g. "
-        f"{max(d for d in range(1, b) if b % d == 0)}"
-        if b >= 2
-        else "set --batch-size to 2 or more and --micro-batch-size below it"
-    )
-    raise ValueError(
-        f"--pipeline {window} overlaps the micro-batches of a step, and a step of "
-        f"--batch-size {b} with --micro-batch-size {cfg.micro} has only one: "
-        f"{fix} (or leave out --pipeline)"
-    )
-
-
 def _train_loop(
     run: RunDir,
-    opened,
-    state: PartyState,
+    started: Started,
     objective: Objective,
     cfg: TrainConfig,
     opts: SplitOptions,
@@ -524,12 +447,10 @@ def _train_loop(
     base: BaseModel | None,
     progress: bool,
     resume: bool,
-    tensorboard: bool = False,
-    guard: dp.CutGuard | None = None,
-    ranks: DataRanks | None = None,
-    emulator: Emulator | None = None,
-    warmed: bool = False,
+    tensorboard: bool,
+    ranks: DataRanks | None,
 ) -> dict:
+    state, opened, guard = started.state, started.opened, started.guard
     kw = dict(eod_id=objective.eod_id, window=opts.window, guard=guard)
     if ranks is None:
         session = DataSession(
@@ -537,7 +458,7 @@ def _train_loop(
             opened.link,
             **kw,
             frozen_backbone=opts.frozen,
-            emulator=emulator,
+            emulator=started.emulator,
         )
         executor = SplitExecutor(session, run.read_config()["run_id"], objective, base)
     else:
@@ -546,7 +467,7 @@ def _train_loop(
             session, run.read_config()["run_id"], objective, base
         )
     # A's weights came from a private warm-up: a fresh start keeps them
-    executor.warmed = warmed
+    executor.warmed = started.warmed
     if guard is not None and guard.bottleneck is not None:
         # a fresh start calibrates it through A's front as it starts; a
         # resumed one loads it with A's checkpoint
@@ -557,14 +478,6 @@ def _train_loop(
             objective.tokenizer_file,
             objective.seq_len,
         )
-    regime = Regime(objective, executor, cfg, run)
-    engine = Engine.for_config(
-        run,
-        cfg,  # (the objective validates exactly when cfg.eval_every is set)
-        desc=f"split {objective.desc}",
-        progress=progress,
-        tensorboard=tensorboard,
-    )
     start_step = opened.reply["start_step"]
     if a_steps and start_step < a_steps[-1]:
         log.warning(
@@ -573,7 +486,12 @@ def _train_loop(
             start_step,
         )
     folder = ckpt.step_folder(run.checkpoints, start_step) if start_step else None
-    start_step = engine.restore(regime, folder, resume=resume)
+    regime, engine, start_step = open_engine(
+        run, objective, executor, cfg, folder,
+        device=None,  # (started before the session opened)
+        resume=resume, progress=progress, tensorboard=tensorboard,
+        desc=f"split {objective.desc}",
+    )  # fmt: skip
     if folder is None and base is not None:  # B did the same (the hello says so)
         log.info("initialised from %s", base.checkpoint)
     summary = engine.run(regime, range(start_step, cfg.steps))

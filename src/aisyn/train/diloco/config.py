@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from aisyn.validate import number_problem
+from aisyn.setting import check_fields, setting
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 #: elements per int8 scale of the flat delta (a scale per tensor would let
@@ -24,61 +24,94 @@ class OuterStepError(FloatingPointError):
 
 @dataclass(frozen=True)
 class DiLoCoConfig:
-    inner_steps: int = 100
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    precision: str = "fp32"
-    data: str = "split"
-    max_skipped: int = 3
+    """DiLoCo's settings, each declared once (``aisyn.setting``): the flags of
+    ``--sync diloco`` and the checks of a config a centre reads back."""
+
+    inner_steps: int = setting(
+        100, "--inner-steps", "diloco: each centre's own steps between outer steps (H)",
+        low=1,
+    )  # fmt: skip
+    outer_lr: float = setting(
+        0.7, "--outer-lr", "diloco: the outer SGD's learning rate",
+        low=0, low_open=True,
+    )  # fmt: skip
+    outer_momentum: float = setting(
+        0.9, "--outer-momentum", "diloco: the outer SGD's Nesterov momentum (0: none)",
+        low=0, high=1, high_open=True,
+    )  # fmt: skip
+    precision: str = setting(
+        "fp32",
+        "--delta-precision",
+        "diloco: what the centres' deltas cross as (int8: a scale per 4096 values)",
+        choices=PRECISIONS,
+    )
+    data: str = setting(
+        "split",
+        "--centre-data",
+        "diloco: split: every centre reads its share of every batch of the "
+        "same --data (as DDP's ranks); own: centre i reads the i-th --data alone",
+        choices=DATA_MODES,
+    )
+    #: outer steps skipped (a non-finite mean, or a centre out of bound) in a
+    #: row before the run stops
+    max_skipped: int = setting(3, low=1)
     #: torchrun's ranks per centre: DDP inside a centre, the outer step
     #: across centres (each of a centre's ranks exchanging its own share)
-    ranks_per_centre: int = 1
+    ranks_per_centre: int = setting(
+        1,
+        "--ranks-per-centre",
+        "diloco: torchrun's ranks per centre (a node's, say), contiguous: DDP "
+        "inside a centre, the outer step across centres",
+        low=1,
+    )
     #: Streaming DiLoCo: the model in ``fragments`` of about equal size, each
     #: exchanged every H steps, H / fragments steps after the one before it
-    fragments: int = 1
+    fragments: int = setting(
+        1,
+        "--fragments",
+        "diloco: Streaming DiLoCo: the model in this many fragments, each "
+        "exchanged every H steps, H/fragments steps apart (a fragment's bytes "
+        "at a time)",
+        low=1,
+    )
     #: inner steps an exchange overlaps (< H / fragments): started that many
     #: steps before the fragment's outer step, it crosses while the centre
     #: trains on; the fragment is then ``mixing`` x local + the rest global
-    overlap_steps: int = 0
-    mixing: float = 0.5
+    overlap_steps: int = setting(
+        0,
+        "--overlap-steps",
+        "diloco: inner steps a fragment's exchange overlaps (< H/fragments): it "
+        "crosses while the centre trains on",
+        low=0,
+    )
+    mixing: float = setting(
+        0.5,
+        "--overlap-mixing",
+        "diloco, with --overlap-steps: the local model's share of a fragment "
+        "after its exchange (the rest: the new global model)",
+        low=0, high=1, high_open=True,
+    )  # fmt: skip
     #: a centre's delta whose norm is above this many times the other
     #: centres' median (or its own last accepted one) is left out (delta_guard)
-    delta_bound: float = 4.0
+    delta_bound: float = setting(
+        4.0,
+        "--delta-bound",
+        "diloco: a centre's delta is left out when its norm is above this many "
+        "times the other centres' median (or, with no fair other, its own last "
+        "accepted norm) (> 1)",
+        low=1, low_open=True,
+    )  # fmt: skip
     #: ... and one whose cosine to the run's recent direction is below this
-    delta_min_cosine: float = -0.5
+    delta_min_cosine: float = setting(
+        -0.5,
+        "--delta-min-cosine",
+        "diloco: a centre's delta is left out when its cosine to the run's "
+        "recent direction (the outer momentum) is below this (-1 to 1)",
+        low=-1, high=1,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        checks = {
-            "inner_steps": dict(low=1),
-            "ranks_per_centre": dict(low=1),
-            "fragments": dict(low=1),
-            "overlap_steps": dict(low=0),
-            "mixing": dict(low=0, high=1, high_open=True),
-            "outer_lr": dict(low=0, low_open=True),
-            "outer_momentum": dict(low=0, high=1, high_open=True),
-            "max_skipped": dict(low=1),
-            "delta_bound": dict(low=1, low_open=True),
-            "delta_min_cosine": dict(low=-1, high=1),
-        }
-        for name, bounds in checks.items():
-            value = getattr(self, name)
-            integer = name not in (
-                "outer_lr",
-                "outer_momentum",
-                "mixing",
-                "delta_bound",
-                "delta_min_cosine",
-            )
-            if integer and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"--{_flag(name)} must be an integer, got {value!r}")
-            if problem := number_problem(value, **bounds):
-                raise ValueError(f"--{_flag(name)} {problem}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"--delta-precision {self.precision!r}: one of {', '.join(PRECISIONS)}"
-            )
-        if self.data not in DATA_MODES:
-            raise ValueError(f"--centre-data {self.data!r}: one of {DATA_MODES}")
+        check_fields(self, lambda f: f.metadata["flag"] or "--max-skipped")
         if self.inner_steps % self.fragments:
             raise ValueError(
                 f"--inner-steps {self.inner_steps} does not split into --fragments "
@@ -111,8 +144,3 @@ class DiLoCoConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _flag(name: str) -> str:
-    special = {"precision": "delta-precision", "mixing": "overlap-mixing"}
-    return special.get(name, name.replace("_", "-"))

@@ -39,6 +39,10 @@ class DiLoCoExecutor(Executor):
         self.under_way: dict[int, Exchange] = {}  # fragment -> its exchange
         inner.extra_files = lambda: {OUTER_FILE: self._state_tensors()}
 
+    def release(self) -> None:
+        """The inner executor's DDP, dropped before the groups go."""
+        self.inner.release()
+
     def step(self, step: int, batch: StepBatch) -> dict:
         try:
             record = self.inner.step(step, batch)
