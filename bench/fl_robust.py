@@ -16,7 +16,7 @@ takes them) runs against each attack; every final global model is scored like
 the comparison scores models (cloze accuracy and test loss per domain).
 
 The federation runs in this process: the real ServerApp code
-(``aisyn.fl.task.run_server``) drives the guarded Flower strategy over an
+(``aisyn.fl.server.run_server``) drives the guarded Flower strategy over an
 in-memory grid whose nodes answer with the real ClientApp
 (``aisyn.fl.client_app.app``). Only the attacker's reply is changed, after its
 ClientApp built it, so the shipped client has no attack hook. Clients run one
@@ -52,7 +52,7 @@ from aisyn.experiments.compare import federated_settings, prepare_inputs
 from aisyn.fl.in_process import RUN_ID, InProcessGrid
 from aisyn.fl.partition import partition_iid
 from aisyn.fl.records import WEIGHT_KEY
-from aisyn.fl.task import ServerNode, run_server
+from aisyn.fl.server import ServerNode, run_server
 from aisyn.testbed.presets import get_preset
 from aisyn.train.models import load_run_model
 

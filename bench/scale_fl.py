@@ -9,7 +9,7 @@ half of every batch). Prints the max |difference| of the two global models.
 
 The round is the real code on both sides -- the server's ``ChunkedGrid`` and
 guarded FedAvg (``aisyn.fl.chunks``, ``aisyn.fl.strategy``), the client's
-chunk handlers and ``task.client_train`` with its ranks (``aisyn.fl.ranks``)
+chunk handlers and ``fl.client.client_train`` with its ranks (``aisyn.fl.ranks``)
 -- over an in-process grid that hands each message to the client's handler,
 not Flower's SuperLink and SuperNodes: every Flower message costs a fresh
 ClientApp process (seconds each), which would make this a 10-minute bench
@@ -31,10 +31,11 @@ from flwr.app.message_type import MessageType
 
 from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.fl import chunks
+from aisyn.fl.client import ClientNode, client_train
 from aisyn.fl.records import tensors_to_record
+from aisyn.fl.round_message import round_config
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import guard_of, make_strategy
-from aisyn.fl.task import ClientNode, client_train, round_config
 from aisyn.model.families import build_model
 from aisyn.model.pangu import PanguConfig
 from aisyn.testbed.inputs import cached_sft

@@ -14,7 +14,7 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 from test_federation_resume import nodes, settings  # noqa: E402
 
 from aisyn.fl.in_process import RUN_ID, InProcessGrid  # noqa: E402
-from aisyn.fl.task import ServerNode, run_server  # noqa: E402
+from aisyn.fl.server import ServerNode, run_server  # noqa: E402
 
 if __name__ == "__main__":
     base, out = Path(sys.argv[1]), Path(sys.argv[2])

@@ -17,7 +17,7 @@ from aisyn.train.lora import apply_method, trainable_tensors
 
 
 def _round(base_run, **kw):
-    from aisyn.fl.task import round_config
+    from aisyn.fl.round_message import round_config
     from aisyn.train.models import describe_base, load_base
 
     settings = FLSettings.from_dict(
@@ -43,7 +43,7 @@ def _round(base_run, **kw):
 
 @pytest.mark.heavy
 def test_two_rank_client_trains_what_one_rank_does(base_run, sft_dirs, tmp_path):
-    from aisyn.fl.task import ClientNode, client_train
+    from aisyn.fl.client import ClientNode, client_train
 
     config, glob = _round(base_run, lr=1e-4)
     out = {}
@@ -87,8 +87,8 @@ def _rank_pids(out: Path) -> dict[int, int]:
 def test_a_rank_killed_mid_step_fails_the_round_in_one_line(
     base_run, sft_dirs, tmp_path
 ):
+    from aisyn.fl.client import ClientNode, client_train
     from aisyn.fl.ranks import RanksFailed
-    from aisyn.fl.task import ClientNode, client_train
 
     config, glob = _round(base_run, local_steps=400, round_timeout=60)
     out = tmp_path / "client"

@@ -21,10 +21,11 @@ import torch
 from flwr.supercore.task_identity import TaskIdentity
 from sigkill import kill_once
 
+from aisyn.fl.client import ClientContext, ClientNode
 from aisyn.fl.federation import FEDERATION_FILE, FederationStateError
 from aisyn.fl.in_process import RUN_ID, InProcessGrid
+from aisyn.fl.server import ServerNode, run_server
 from aisyn.fl.settings import FLSettings
-from aisyn.fl.task import ClientContext, ClientNode, ServerNode, run_server
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.run import read_metrics
 

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from aisyn.fl.client import add_proximal_grad
 from aisyn.fl.records import tensors_to_record
 from aisyn.fl.settings import FLSettings
-from aisyn.fl.task import add_proximal_grad
 from aisyn.model.families import build_model
 from aisyn.train.config import TrainConfig
 from aisyn.train.executor import LocalExecutor
@@ -118,7 +118,8 @@ def test_merged_lora_weights_give_the_same_model(fl_config):
 def test_client_round_in_process(base_run, sft_dirs, tmp_path):
     from flwr.app import ConfigRecord
 
-    from aisyn.fl.task import ClientNode, client_train, round_config
+    from aisyn.fl.client import ClientNode, client_train
+    from aisyn.fl.round_message import round_config
     from aisyn.train.models import describe_base, load_base
 
     # Prepare: the server's view (global tensors, round config)

@@ -1,4 +1,4 @@
-"""The Flower ``ClientApp``: thin handlers around ``aisyn.fl.task``.
+"""The Flower ``ClientApp``: thin handlers around ``aisyn.fl.client``.
 
 Each SuperNode runs this once per message, in a fresh process. The node's own
 settings (its data, base model copy and run folder) come from the SuperNode's
@@ -6,7 +6,7 @@ settings (its data, base model copy and run folder) come from the SuperNode's
 
 Flower's mods wrap the handlers, each acting only on the messages it is for:
 SecAgg+'s (``--secure-aggregation``: its key stages never reach the handlers,
-so ``aisyn.fl.task`` and torch are imported only where they are needed) and
+so ``aisyn.fl.client`` and torch are imported only where they are needed) and
 client-side DP clipping (``--dp client``); see ``aisyn.fl.secure``.
 """
 
@@ -46,10 +46,10 @@ def _setup_logging() -> None:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     _setup_logging()
-    from aisyn.fl import task
+    from aisyn.fl import client
 
-    node = task.ClientNode.from_node_config(dict(context.node_config))
-    arrays, metrics = task.client_train(
+    node = client.ClientNode.from_node_config(dict(context.node_config))
+    arrays, metrics = client.client_train(
         node,
         msg.content["config"],
         msg.content.array_records.get("arrays"),  # None: a chunked round
@@ -66,10 +66,10 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     _setup_logging()
-    from aisyn.fl import task
+    from aisyn.fl import client
 
-    node = task.ClientNode.from_node_config(dict(context.node_config))
-    metrics = task.client_evaluate(
+    node = client.ClientNode.from_node_config(dict(context.node_config))
+    metrics = client.client_evaluate(
         node,
         msg.content["config"],
         msg.content.array_records.get("arrays"),

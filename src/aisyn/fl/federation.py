@@ -1,6 +1,6 @@
 """One federation: a guarded Flower strategy driven round by round over a grid.
 
-The federated server (``fl.task``) and SplitFed's coordinator
+The federated server (``fl.server``) and SplitFed's coordinator
 (``splitfed.run``) both run their rounds here. After each round the round's
 metrics line is written and the driver checkpoints with what this module adds
 to it -- the global arrays, the server optimiser's state (FedAdam's moments,

@@ -31,8 +31,9 @@ from aisyn.fl.node_keys import (
     check_public_key,
     make_node_keys,
 )
+from aisyn.fl.round_message import RESULT_FILE
+from aisyn.fl.server import ServerNode, server_run_config
 from aisyn.fl.settings import FLSettings
-from aisyn.fl.task import RESULT_FILE, ServerNode, server_run_config
 from aisyn.net import free_port
 from aisyn.procs import ChildProcess
 from aisyn.train.models import check_data_matches, describe_base

@@ -6,7 +6,7 @@ the ClientApp process checks the global model and scores it as before, then
 starts ``torchrun --nproc-per-node N -m aisyn.fl.ranks FOLDER`` (a
 ``procs.ChildProcess``: its own process group, ended with the client) on
 127.0.0.1 and a free port. Every rank is the local executor under the one
-regime (``task.local_steps``) with DDP (gloo on CPU, NCCL on GPU; its
+regime (``fl.client.local_steps``) with DDP (gloo on CPU, NCCL on GPU; its
 ``train.distributed`` context): all draw the same global batch, each keeps
 its contiguous share of the rows, each share's loss is over the whole batch's
 answer tokens, so a step computes what one process would on the whole batch.
@@ -57,7 +57,7 @@ class RanksFailed(RuntimeError):
 def train_on_ranks(
     ctx, config: ConfigRecord, anchor: dict[str, torch.Tensor], timeout: float
 ) -> tuple[dict[str, torch.Tensor], float, float]:
-    """The round's local steps of ``ctx`` (a ``task.ClientContext`` holding
+    """The round's local steps of ``ctx`` (a ``fl.client.ClientContext`` holding
     the global model ``anchor``) on ``ctx.node.ranks`` ranks; returns the
     trained tensors, the mean loss and the training seconds."""
     node = ctx.node
@@ -163,12 +163,8 @@ def _first_error(log_path: Path, offset: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """One rank (under torchrun): train the round's share, rank 0 writes back."""
-    from aisyn.fl.task import (
-        ClientContext,
-        ClientNode,
-        local_steps,
-        settings_from_record,
-    )
+    from aisyn.fl.client import ClientContext, ClientNode, local_steps
+    from aisyn.fl.round_message import settings_from_record
     from aisyn.train import distributed
     from aisyn.train.config import per_rank_micro_batches
     from aisyn.train.device import resolve_device

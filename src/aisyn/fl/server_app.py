@@ -1,4 +1,4 @@
-"""The Flower ``ServerApp``: reads the run config, hands over to ``aisyn.fl.task``."""
+"""The Flower ``ServerApp``: reads the run config, hands over to ``aisyn.fl.server``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from aisyn.fl import task
+from aisyn.fl import server
 from aisyn.fl.settings import FLSettings
 
 app = ServerApp()
@@ -21,9 +21,9 @@ def main(grid: Grid, context: Context) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     run_config = dict(context.run_config)
     settings = FLSettings.from_run_config(run_config)
-    node = task.ServerNode(
+    node = server.ServerNode(
         base=Path(run_config["base"]),
         out=Path(run_config["out"]),
         resume=bool(run_config.get("resume", False)),
     )
-    task.run_server(settings, node, grid)
+    server.run_server(settings, node, grid)

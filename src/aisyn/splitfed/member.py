@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from aisyn.data.sft import SFTData
-from aisyn.fl.task import add_proximal_grad
+from aisyn.fl.client import add_proximal_grad
 from aisyn.link.base import Link
 from aisyn.split.client.data_party import DataSession, SplitModel
 from aisyn.split.client.executor import SplitExecutor
