@@ -12,8 +12,9 @@ import pytest
 from flower_fakes import configured, reply_to
 from flwr.serverapp.strategy import Bulyan, FedMedian, FedTrimmedAvg, Krum, MultiKrum
 
+from aisyn.fl.guard import UpdateGuard
 from aisyn.fl.settings import FLSettings
-from aisyn.fl.strategy import UpdateGuard, make_strategy
+from aisyn.fl.strategy import make_strategy
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 

@@ -386,7 +386,7 @@ def test_a_lying_party_is_dropped_and_the_honest_one_finishes(
 def test_the_cut_bound_is_the_federated_guards(monkeypatch):
     """The backbone bounds a member's cut tensors by the guard's own rule
     (``norm_bound``): k times the lower median of the members' values."""
-    from aisyn.fl.strategy import norm_bound
+    from aisyn.fl.guard import norm_bound
     from aisyn.split.centre.consortium import SharedBackbone
 
     b = SharedBackbone.__new__(SharedBackbone)

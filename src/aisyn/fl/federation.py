@@ -29,8 +29,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from aisyn.fl.guard import OPTIMIZER_STATE
 from aisyn.fl.settings import FLSettings
-from aisyn.fl.strategy import OPTIMIZER_STATE, guard_of
+from aisyn.fl.strategy import guard_of
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.run import RunDir
 from aisyn.validate import name_differences

@@ -14,7 +14,7 @@ decoded array), all values finite, and a sample count that is a whole number
 declared cap and a bound relative to the round's other reports
 (``counted_examples``, ``round_examples_bound``); the magnitude of the update
 itself is checked against the round's other updates by
-``aisyn.fl.strategy.UpdateGuard``.
+``aisyn.fl.guard.UpdateGuard``.
 """
 
 from __future__ import annotations

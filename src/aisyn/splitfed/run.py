@@ -65,12 +65,13 @@ from flwr.app import (
 from flwr.common.constant import ErrorCode
 
 from aisyn.fl.federation import FEDERATION_FILE, Federation
+from aisyn.fl.guard import norm_bound
 from aisyn.fl.launch import check_client
 from aisyn.fl.records import payload_bytes, record_to_tensors, tensors_to_record
 from aisyn.fl.round_message import round_config, setting_differences
 from aisyn.fl.server import plot_global
 from aisyn.fl.settings import FLSettings
-from aisyn.fl.strategy import make_strategy, norm_bound
+from aisyn.fl.strategy import make_strategy
 from aisyn.link.errors import LinkError
 from aisyn.link.memory import memory_pair
 from aisyn.model.segments import DATA_PARTY, parse_partition

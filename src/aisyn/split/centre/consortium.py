@@ -20,7 +20,7 @@ values skip its step on both sides (``PartyState.checked``), as in any
 session. Finite but huge ones (activations or gradients x1e6) are bounded
 relative to the other members': B ends the session of a member whose step's
 cut tensors exceed ``cut_bound`` of the other members' (the federated guard's
-rule: k times their lower median, ``fl.strategy.norm_bound``, passed in by
+rule: k times their lower median, ``fl.guard.norm_bound``, passed in by
 the federation's driver) before that step touches the backbone. What is
 compared, per kind: the RMS of the step's activations, and of its output
 gradients times the activations' RMS (the back's layer norm makes the
@@ -172,7 +172,7 @@ CUT_KINDS = {
     "activations": "the RMS of its activations",
     "gradients": "the RMS of its output gradients times its activations'",
 }
-#: ``cut_bound(values, ratio)`` (``fl.strategy.norm_bound``)
+#: ``cut_bound(values, ratio)`` (``fl.guard.norm_bound``)
 CutBound = Callable[[list[float], float], float | None]
 
 
