@@ -27,7 +27,8 @@ from aisyn.link import (
     connect,
 )
 from aisyn.link.errors import FrameError, FrameOrderError
-from aisyn.link.grpc_link import _ClientLink, _ServerLink
+from aisyn.link.grpc_link import _ClientLink
+from aisyn.link.grpc_server import _ServerLink
 from aisyn.link.memory import MemoryLink, memory_pair
 from aisyn.model.segments import COMPUTE_PARTY, init_seeds, parse_partition
 from aisyn.split import protocol as proto

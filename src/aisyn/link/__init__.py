@@ -95,12 +95,11 @@ from .errors import (
     PeerLostError,
     SessionAbortedError,
 )
-from .grpc_link import (
+from .grpc_link import GrpcLink, connect
+from .grpc_server import (
     Accept,
-    GrpcLink,
     GrpcLinkServer,
     certificate_subject,
-    connect,
     token_identity,
 )
 from .memory import memory_pair

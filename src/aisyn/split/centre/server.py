@@ -31,7 +31,7 @@ from pathlib import Path
 
 from aisyn.link.base import LinkOptions, PeerHello
 from aisyn.link.errors import HandshakeError, LinkError
-from aisyn.link.grpc_link import Accept, GrpcLinkServer
+from aisyn.link.grpc_server import Accept, GrpcLinkServer
 from aisyn.model.cost import module_sizes
 from aisyn.model.families import build_model
 from aisyn.model.memory import Workload, party_load
