@@ -30,7 +30,7 @@ from flwr.app import Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 
 from aisyn.data.tokenizer import PanguTokenizer
-from aisyn.fl import chunks
+from aisyn.fl import chunked_grid, chunks
 from aisyn.fl.client import ClientNode, client_train
 from aisyn.fl.records import tensors_to_record
 from aisyn.fl.round_message import round_config
@@ -94,7 +94,7 @@ def one_round(base: Path, data: Path, out: Path, ranks: int, settings: FLSetting
     strategy = make_strategy(settings)
     guard = guard_of(strategy)
     node = ClientNode("news", data, base, out / f"client-{ranks}", ranks)
-    grid = chunks.ChunkedGrid(
+    grid = chunked_grid.ChunkedGrid(
         InProcessGrid(1, client_handler(node)),
         spec,
         plan,

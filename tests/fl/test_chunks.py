@@ -14,7 +14,7 @@ from flower_fakes import FakeGrid, configured, metrics, record, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 
-from aisyn.fl import chunks
+from aisyn.fl import chunked_grid, chunks
 from aisyn.fl.records import UpdateRejected, payload_bytes
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import guard_of, make_strategy
@@ -166,7 +166,7 @@ def chunked_round(aggregation: str, clients: dict, g, server_round: int = 1):
     grid = RoutingGrid(clients)
     plan = chunks.plan_for(s, SPEC)
     out = clients[min(clients)].out.parent / "server"
-    guard.chunked = chunks.ChunkedGrid(grid, SPEC, plan, LIMIT, out)
+    guard.chunked = chunked_grid.ChunkedGrid(grid, SPEC, plan, LIMIT, out)
     msgs = strategy.configure_train(
         server_round, record(g), ConfigRecord(), guard.chunked
     )

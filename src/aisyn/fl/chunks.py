@@ -10,8 +10,8 @@ about it has to be believed from the wire. A chunk is one ``ArrayRecord``
 whose keys are its pieces (``name`` for a whole tensor, ``name[a:b]`` for rows
 a..b-1 of one) and a ``ConfigRecord`` ``chunk`` saying round, index and count.
 
-The exchange of a round (``ChunkedGrid`` on the server, the ``query`` handlers
-of ``client_app`` on the client):
+The exchange of a round (``fl.chunked_grid.ChunkedGrid`` on the server, the
+``query`` handlers of ``client_app`` on the client):
 
 1. the server sends the global model chunk by chunk to every sampled node
    (``query.global_chunk``); each client checks and stages it as a safetensors
@@ -51,9 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.app.message_type import MessageType
-from flwr.serverapp import Grid
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from aisyn.fl.records import WIRE_DTYPE, UpdateRejected, decode_checked, payload_bytes
 
@@ -287,7 +285,7 @@ def plan_for(settings, spec: dict[str, tuple[int, ...]]) -> Plan | None:
 # --- client side ------------------------------------------------------------------
 
 
-def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
     from safetensors.numpy import save_file
 
     tmp = path.with_name(path.name + ".tmp")
@@ -295,7 +293,7 @@ def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
-def _load(path: Path) -> dict[str, np.ndarray]:
+def load_arrays(path: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return load_file(str(path))
@@ -337,7 +335,7 @@ def stage_global(out: Path, run_id: int, content: RecordDict) -> int:
         if not np.isfinite(value).all():
             raise ValueError(f"global chunk {index}: {key}: non-finite values")
         arrays[key] = value
-    _save(path, arrays)
+    save_arrays(path, arrays)
     return index
 
 
@@ -361,7 +359,7 @@ def load_staged_global(
         path = folder / f"global-{i}.safetensors"
         if not path.is_file():
             raise ValueError(f"global chunk {i} of {count} never arrived")
-        arrays = _load(path)
+        arrays = load_arrays(path)
         expected = chunk_spec(spec, chunk)
         got = {k: tuple(v.shape) for k, v in arrays.items()}
         if got != expected:
@@ -375,7 +373,7 @@ def save_update(
     out: Path, run_id: int, server_round: int, arrays: dict[str, np.ndarray]
 ) -> Path:
     path = _private_dir(staging_dir(out, run_id, server_round)) / UPDATE_FILE
-    _save(path, arrays)
+    save_arrays(path, arrays)
     return path
 
 
@@ -412,195 +410,3 @@ def update_chunk(out: Path, run_id: int, config: ConfigRecord) -> RecordDict:
             CHUNK_META: chunk_meta(r, index, len(plan), limit),
         }
     )
-
-
-# --- server side ------------------------------------------------------------------
-
-
-@dataclass
-class NodeUpdate:
-    """What the server kept of one node's chunked update: where it spilled it,
-    its distance to the global model, or why it was rejected."""
-
-    folder: Path
-    sqdist: float = 0.0
-    problem: str | None = None
-    bytes: int = 0
-
-    @property
-    def norm(self) -> float:
-        return math.sqrt(self.sqdist)
-
-    def chunk(self, index: int) -> dict[str, np.ndarray]:
-        return _load(self.folder / f"chunk-{index}.safetensors")
-
-
-class ChunkedGrid:
-    """The Grid a chunked run's strategy sees: a train or evaluate message's
-    global model goes out chunk by chunk, and a train reply's update is pulled
-    chunk by chunk into ``updates`` (checked, spilled to ``spill``); everything
-    else passes through to ``grid``."""
-
-    def __init__(
-        self,
-        grid: Grid,
-        spec: dict[str, tuple[int, ...]],
-        plan: Plan,
-        limit: int,
-        spill: Path,
-    ) -> None:
-        self.grid, self.spec, self.plan, self.limit = grid, spec, plan, limit
-        self.spill = spill
-        self.updates: dict[int, NodeUpdate] = {}
-        self.global_arrays: dict[str, np.ndarray] = {}
-
-    def __getattr__(self, name: str):
-        return getattr(self.grid, name)
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        messages = list(messages)
-        kinds = {m.metadata.message_type for m in messages}
-        if not messages or kinds - {MessageType.TRAIN, MessageType.EVALUATE}:
-            return self.grid.send_and_receive(messages, timeout=timeout)
-        # Flower's strategies put the round in the config (and leave group_id)
-        server_round = int(messages[0].content["config"]["server-round"])
-        arrays: ArrayRecord = messages[0].content["arrays"]  # type: ignore[assignment]
-        global_arrays = {k: a.numpy() for k, a in arrays.items()}
-        # each exchange (a chunk to or from every node) waits at most timeout
-        nodes = self._send_global(messages, global_arrays, server_round, timeout)
-        out = []
-        for m in messages:
-            if m.metadata.dst_node_id not in nodes:
-                continue
-            config = ConfigRecord(
-                {**dict(m.content["config"]), COUNT_KEY: len(self.plan)}
-            )
-            out.append(
-                _message(
-                    RecordDict({"config": config}),
-                    m.metadata.message_type,
-                    m.metadata.dst_node_id,
-                    m.metadata.group_id,
-                )
-            )
-        replies = list(self.grid.send_and_receive(out, timeout=timeout))
-        if kinds == {MessageType.TRAIN}:
-            self.global_arrays = global_arrays
-            self._pull_updates(replies, server_round, timeout)
-        return replies
-
-    def _send_global(
-        self,
-        messages: list[Message],
-        global_arrays: dict[str, np.ndarray],
-        server_round: int,
-        timeout: float | None,
-    ) -> set[int]:
-        """Every chunk to every node; returns the nodes that staged them all."""
-        nodes = {m.metadata.dst_node_id for m in messages}
-        group = str(server_round)
-        for i, chunk in enumerate(self.plan):
-            content = RecordDict(
-                {
-                    "arrays": chunk_arrays(global_arrays, chunk),
-                    CHUNK_META: chunk_meta(server_round, i, len(self.plan), self.limit),
-                }
-            )
-            out = [_message(content, GLOBAL_CHUNK, n, group) for n in sorted(nodes)]
-            ok = set()
-            for reply in self.grid.send_and_receive(out, timeout=timeout):
-                node = reply.metadata.src_node_id
-                if reply.has_error():
-                    log.warning(
-                        "round %d: node %s failed global chunk %d: %s",
-                        server_round,
-                        node,
-                        i,
-                        reply.error.reason,
-                    )
-                else:
-                    ok.add(node)
-            for node in nodes - ok:
-                log.warning(
-                    "round %d: node %s did not stage global chunk %d; left out",
-                    server_round,
-                    node,
-                    i,
-                )
-            nodes = ok
-        return nodes
-
-    def _pull_updates(
-        self, replies: list[Message], server_round: int, timeout: float | None
-    ) -> None:
-        for old in self.updates.values():
-            shutil.rmtree(old.folder, ignore_errors=True)
-        self.updates = {}
-        receivers = {}
-        group = str(server_round)
-        for reply in replies:
-            if reply.has_error():
-                continue
-            node = reply.metadata.src_node_id
-            folder = self.spill / f"round{server_round}-node{node}"
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True, mode=0o700)
-            self.updates[node] = NodeUpdate(folder)
-            receivers[node] = ChunkReceiver(
-                self.spec, self.plan, server_round, self.limit
-            )
-        for i in range(len(self.plan)):
-            live = sorted(n for n, u in self.updates.items() if u.problem is None)
-            if not live:
-                break
-            request = ConfigRecord(
-                {"round": server_round, "index": i, "limit": self.limit}
-            )
-            out = [
-                _message(RecordDict({CHUNK_META: request}), UPDATE_CHUNK, n, group)
-                for n in live
-            ]
-            answered = set()
-            for reply in self.grid.send_and_receive(out, timeout=timeout):
-                node = reply.metadata.src_node_id
-                update = self.updates.get(node)
-                if update is None or update.problem is not None or node in answered:
-                    continue
-                answered.add(node)
-                if reply.has_error():
-                    update.problem = f"chunk {i}: client failed: {reply.error.reason}"
-                    continue
-                try:
-                    index, arrays = receivers[node].accept(reply.content)
-                except UpdateRejected as e:
-                    update.problem = str(e)
-                    continue
-                self._keep(update, index, arrays)
-            for node in set(live) - answered:
-                self.updates[node].problem = f"chunk {i}: no reply in time"
-        for node, update in self.updates.items():
-            if update.problem is None:
-                try:
-                    receivers[node].check_complete()
-                except UpdateRejected as e:
-                    update.problem = str(e)
-            if update.problem is not None:
-                shutil.rmtree(update.folder, ignore_errors=True)
-
-    def _keep(self, update: NodeUpdate, index: int, arrays: dict) -> None:
-        for p in self.plan[index]:
-            base = p.take(self.global_arrays[p.name]).astype(np.float64)
-            update.sqdist += float(np.square(arrays[p.key] - base).sum())
-            update.bytes += arrays[p.key].nbytes
-        _save(update.folder / f"chunk-{index}.safetensors", arrays)
-
-    def clear(self) -> None:
-        for update in self.updates.values():
-            shutil.rmtree(update.folder, ignore_errors=True)
-        self.updates = {}
-
-
-def _message(content: RecordDict, kind: str, node: int, group: str) -> Message:
-    return Message(content, dst_node_id=node, message_type=kind, group_id=group)

@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord
 from flwr.serverapp import Grid
 
 from aisyn.accountant import finite_or_none
-from aisyn.fl import chunks
+from aisyn.fl import chunked_grid, chunks
 from aisyn.fl.dp import sample_rate, settings_epsilon
 from aisyn.fl.federation import Federation
 from aisyn.fl.records import (
@@ -203,7 +203,7 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
     if settings.tensorboard:
         run.enable_tensorboard()
     if plan is not None:
-        guard.chunked = chunks.ChunkedGrid(
+        guard.chunked = chunked_grid.ChunkedGrid(
             secure or grid,
             spec,
             plan,
