@@ -15,7 +15,7 @@ from sigkill import kill_once
 
 from aisyn.fl.federation import FEDERATION_FILE
 from aisyn.fl.settings import FLSettings
-from aisyn.splitfed import run as splitfed
+from aisyn.splitfed import grid as splitfed
 from aisyn.splitfed.run import run_splitfed
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.run import read_metrics
