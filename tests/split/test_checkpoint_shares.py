@@ -11,7 +11,7 @@ import torch
 from aisyn.model.pangu import PanguConfig
 from aisyn.model.segments import COMPUTE_PARTY, Partition
 from aisyn.split.backbone import shards
-from aisyn.split.backbone.pipeline import _check_memory, stage_blocks
+from aisyn.split.backbone.ranks import _check_memory, stage_blocks
 from aisyn.split.party import PartyState
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig

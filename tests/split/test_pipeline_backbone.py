@@ -25,7 +25,7 @@ from aisyn.model.generate import Sampling, decode, generate
 from aisyn.model.pangu import PanguConfig
 from aisyn.model.segments import Partition, PartitionError
 from aisyn.net import free_port
-from aisyn.split.backbone.pipeline import stage_blocks
+from aisyn.split.backbone.ranks import stage_blocks
 from aisyn.split.client.evaluate import evaluate_split_run, open_data_session
 from aisyn.split.client.merge import merge
 from aisyn.split.client.train import split_train

@@ -31,12 +31,8 @@ from aisyn.model.segments import (
 )
 from aisyn.split import protocol as proto
 from aisyn.split.backbone import shards
-from aisyn.split.backbone.pipeline import (
-    PipelinedRounds,
-    Ranks,
-    ShardedRounds,
-    announce_session,
-)
+from aisyn.split.backbone.pipeline import PipelinedRounds, ShardedRounds
+from aisyn.split.backbone.ranks import Ranks, announce_session
 from aisyn.split.backbone.rounds import Rounds
 from aisyn.split.backbone.runs import OWNER, check_owner, vocab_of_base, vocab_shapes
 from aisyn.split.centre.tenant_batch import AdapterBatcher

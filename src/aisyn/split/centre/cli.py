@@ -80,7 +80,7 @@ def cmd_serve(args) -> None:
     from aisyn.model.families import hf_folder, load_config
     from aisyn.model.segments import parse_partition
     from aisyn.split.backbone.compute_party import ComputeParty
-    from aisyn.split.backbone.pipeline import Ranks, serve_ranks
+    from aisyn.split.backbone.ranks import Ranks, serve_ranks
     from aisyn.split.centre.server import SplitServer, return_large_blocks_to_os
     from aisyn.train import distributed
     from aisyn.train.device import resolve_device

@@ -37,7 +37,7 @@ from aisyn.model.families import build_model
 from aisyn.model.memory import Workload, party_load
 from aisyn.model.segments import COMPUTE_PARTY
 from aisyn.split.backbone.compute_party import ComputeParty, Session
-from aisyn.split.backbone.pipeline import RanksOutOfStep, stop_ranks
+from aisyn.split.backbone.ranks import RanksOutOfStep, stop_ranks
 from aisyn.split.centre.metrics_endpoint import MetricsTls
 from aisyn.split.centre.tenant_metrics import SessionRecord, TenantMetrics
 from aisyn.split.centre.tenants import QuotaError, Tenant, TenantError, Tenants, Usage
