@@ -32,8 +32,9 @@ from aisyn.link import (
     connect,
     make_dev_certs,
 )
+from aisyn.link.assembly import ReceivePool
 from aisyn.link.data_plane import MAGIC, SECRET_BYTES, UP, tls_context
-from aisyn.link.frames import FrameKey, ReceivePool, scalar_frame
+from aisyn.link.frames import FrameKey, scalar_frame
 from aisyn.link.proto import tensor_link_pb2 as pb
 
 _HEADER = struct.Struct("!II")

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from aisyn.link.assembly import TensorAssembler
 from aisyn.link.codec import encode
 from aisyn.link.errors import (
     FrameOrderError,
@@ -18,7 +19,6 @@ from aisyn.link.frames import (
     MAX_MESSAGE_BYTES,
     TENSOR,
     FrameKey,
-    TensorAssembler,
     check_hello,
     hello_frame,
     parse_frame,

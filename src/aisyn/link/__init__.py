@@ -70,7 +70,7 @@ the outgoing frame, into the received tensor); on the data plane it is sent
 from its own memory and received into its destination. int8 quantisation
 costs CPU time on both ends (see the benchmark). Every received tensor is the
 caller's own; the buffers of those it has dropped are reused for the next of
-the same size (``frames.ReceivePool``), since a fresh multi-MiB buffer's pages
+the same size (``assembly.ReceivePool``), since a fresh multi-MiB buffer's pages
 fault in as the data lands.
 """
 

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from .assembly import ReceivePool, TensorAssembler
 from .base import Link, LinkOptions, PeerHello
 from .codec import CodecOverflowError, Encoded, dtype_name, effective_codec, encode
 from .errors import (
@@ -56,8 +57,6 @@ from .frames import (
     ChunkData,
     FrameKey,
     Inbound,
-    ReceivePool,
-    TensorAssembler,
     Wire,
     check_scalar,
     frame_kind,

@@ -33,7 +33,7 @@ class LinkOptions:
     #: received-but-unconsumed data buffered before the peer is cut off
     max_pending_bytes: int = 4 << 30
     #: buffers of received tensors the application has dropped, kept for the
-    #: next tensors of the same size (``frames.ReceivePool``); 0 turns it off
+    #: next tensors of the same size (``assembly.ReceivePool``); 0 turns it off
     recv_pool_bytes: int = 1 << 30
     #: serialised frames queued ahead of the transport (lets encoding overlap I/O)
     frames_in_flight: int = 4

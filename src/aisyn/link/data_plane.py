@@ -26,7 +26,7 @@ and what it holds for connections that never authenticate, is
 Framing on the wire, after the preamble: an 8-byte header (length of a
 serialised ``Frame`` without tensor data, length of the raw data that follows
 it), then those two parts. A TENSOR frame's header is validated by the link's
-:class:`~aisyn.link.frames.TensorAssembler` -- sizes, order, memory budget --
+:class:`~aisyn.link.assembly.TensorAssembler` -- sizes, order, memory budget --
 before its data is read, and the data is then received straight into the
 destination tensor (no intermediate buffer, no per-frame Python objects
 beyond the header); the sender writes the data straight from the tensor.

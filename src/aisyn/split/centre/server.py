@@ -79,7 +79,7 @@ def return_large_blocks_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     activations use (``bench/tenants.py``). A fixed threshold maps those blocks
     one by one and unmaps them when freed; the cost, a fresh mapping's page
     faults per block, is small against the matmuls that fill them (and the
-    link's receive buffers are pooled: ``link.frames.ReceivePool``)."""
+    link's receive buffers are pooled: ``link.assembly.ReceivePool``)."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
