@@ -1,10 +1,10 @@
 """Data-parallel training with torchrun equals single-process training."""
 
 import os
-import subprocess
 import sys
 
 import pytest
+from group_run import run_group
 
 from aisyn.train.config import TrainConfig, per_rank_micro_batches
 from aisyn.train.pretrain import train
@@ -35,7 +35,7 @@ def test_two_ranks_match_one_process(tmp_path, news_data, model_file, micro):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    proc = subprocess.run(
+    proc = run_group(
         [
             sys.executable,
             "-m",
@@ -55,8 +55,6 @@ def test_two_ranks_match_one_process(tmp_path, news_data, model_file, micro):
             "--quiet",
             *args,
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
         env=env,
     )

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from group_run import run_group
 
 from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
@@ -24,15 +24,14 @@ ARGS = ["--batch-size", "4", "--lr", "3e-3", "--warmup", "2", "--log-every", "1"
 
 
 def torchrun(model_file, data, out: Path, *args: str, ranks: int = 2) -> None:
-    proc = subprocess.run(
+    proc = run_group(
         [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(ranks), "-m", "aisyn.cli", "train", "--quiet",
             "--model", str(model_file), "--data", str(data), "--out", str(out),
             *ARGS, *args,
         ],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
 
