@@ -26,12 +26,15 @@ def setting(
     *,
     choices: Iterable[str] | None = None,
     check: bool = True,
+    parse: Callable[[str], Any] | None = None,
     **bounds,
 ):
     """A dataclass field: its ``default``, its range (``number_problem``'s
     keywords; None stays allowed where it is the default) or its
     ``choices``, and, when users set it, its ``--flag`` and ``help``.
-    ``check=False``: checked where it is used (a device name, say)."""
+    ``check=False``: checked where it is used (a device name, say);
+    ``parse``: the flag's own argparse type, where the bounds cannot say
+    what it takes (a timeout's "none")."""
     return dataclasses.field(
         default=default,
         metadata={
@@ -40,6 +43,7 @@ def setting(
             "bounds": bounds,
             "choices": tuple(choices) if choices is not None else None,
             "check": check,
+            "parse": parse,
         },
     )
 
@@ -86,6 +90,8 @@ def check_fields(obj, shown: Callable[[dataclasses.Field], str] = shown_as_flag)
 
 def flag_type(f: dataclasses.Field) -> Any:
     """The argparse type (or action, or choices) of field ``f``'s flag."""
+    if f.metadata.get("parse") is not None:
+        return f.metadata["parse"]
     if isinstance(f.default, bool):
         return "store_true"
     if f.metadata["choices"]:

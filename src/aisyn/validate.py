@@ -82,11 +82,6 @@ MAX_SEED = 2**63 - 1
 SEED_RANGE = {"low": 0, "high": MAX_SEED}
 
 
-def check_seed(name: str, value: int) -> None:
-    """A seed from a config file or a peer: an integer in 0..MAX_SEED."""
-    check_int(name, value, **SEED_RANGE)
-
-
 # --- argparse types -------------------------------------------------------------------
 
 

@@ -62,7 +62,8 @@ def add_link_args(p: argparse.ArgumentParser, *, server: bool) -> None:
 
 
 def timeout_type(text: str) -> float | None:
-    """--recv-timeout / --idle-timeout: seconds, or 0 / none to wait forever."""
+    """A timeout flag (--recv-timeout, --idle-timeout, --hello-timeout):
+    seconds, or 0 / none to wait forever."""
     try:
         return parse_timeout(text)
     except ValueError as e:  # argparse prints only this kind's message

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from aisyn.setting import check_fields, problem, setting
+from aisyn.setting import check_fields, setting
 from aisyn.train.schedule import lr_at
 from aisyn.validate import SEED_RANGE
 
@@ -123,12 +123,6 @@ class TrainConfig:
 
 #: every field's declaration, by name
 SETTINGS = {f.name: f for f in fields(TrainConfig)}
-
-
-def setting_problem(name: str, value) -> str | None:
-    """Why ``value`` is not a valid ``TrainConfig.<name>`` ("must be >= 1, got
-    0"), or None: the one range check of each field."""
-    return problem(SETTINGS[name], value)
 
 
 def per_rank_micro_batches(cfg: TrainConfig, world: int) -> TrainConfig:

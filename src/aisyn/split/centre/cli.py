@@ -18,22 +18,21 @@ from aisyn.flagtable import (
     init_from_flag,
     model_flag,
 )
+from aisyn.setting import flag_rows, from_args
+from aisyn.split.centre.options import ServeOptions
 from aisyn.split.flags import (
     DEFAULT_CUT,
     add_link_args,
     link_settings,
     memory_size,
-    timeout_type,
 )
 from aisyn.split.transport import (
-    COMPUTE_PARTY_HELLO_TIMEOUT_S,
     COMPUTE_PARTY_IDLE_TIMEOUT_S,
     link_options,
 )
 from aisyn.tls_flags import add_tls_files
 from aisyn.validate import (
     positive_float,
-    positive_int,
 )
 
 log = logging.getLogger("aisyn.split")
@@ -86,6 +85,7 @@ def cmd_serve(args) -> None:
     from aisyn.train.device import resolve_device
 
     metrics_tls = _metrics_tls(args)  # checked before anything is loaded
+    opts = from_args(ServeOptions, args)
     # Before any session's thread allocates: what a session frees goes back
     # to the OS, not into its thread's arena (a centre holds many sessions).
     return_large_blocks_to_os()
@@ -104,7 +104,7 @@ def cmd_serve(args) -> None:
         # torchrun: B's blocks as pipeline stages over the ranks (rank 0
         # alone listens); every wait between ranks is bounded by the idle
         # timeout, as the wait for the data party is.
-        timeout = args.idle_timeout or COMPUTE_PARTY_IDLE_TIMEOUT_S
+        timeout = opts.idle_timeout or COMPUTE_PARTY_IDLE_TIMEOUT_S
         ranks, device = Ranks.join(cfg, partition, resolve_device(device), timeout)
         ranks.check_shared(args.out, "compute party")
     # A pretrained folder (hf:DIR) is also where B's blocks start from.
@@ -114,23 +114,23 @@ def cmd_serve(args) -> None:
         partition,
         args.out,
         device=str(device),
-        keep_checkpoints=args.keep_checkpoints,
+        keep_checkpoints=opts.keep_checkpoints,
         init_from=init_from,
-        accept_unbound=args.accept_unbound_runs,
+        accept_unbound=opts.accept_unbound_runs,
     )
     party.ranks = ranks
-    party.batch_tenants = args.batch_tenants
+    party.batch_tenants = opts.batch_tenants
     if ranks is not None and ranks.rank != 0:
         serve_ranks(party)
         return
-    options = link_options(recv_timeout_s=args.idle_timeout)
+    options = link_options(recv_timeout_s=opts.idle_timeout)
     server = SplitServer(
         party,
         link_settings(args, args.listen),
         options,
-        args.hello_timeout,
+        opts.hello_timeout,
         tenants=tenants,
-        max_sessions=args.max_sessions,
+        max_sessions=opts.max_sessions,
         memory_bytes=math.inf if args.memory is None else args.memory,
         metrics_listen=args.metrics_listen,
         metrics_tls=metrics_tls,
@@ -139,7 +139,7 @@ def cmd_serve(args) -> None:
     stages = "" if ranks is None else f" (blocks over {ranks.world} ranks)"
     print(f"compute party listening on {server.address}{stages}", flush=True)
     try:
-        server.serve_forever(args.exit_after)
+        server.serve_forever(opts.exit_after)
     finally:
         server.stop()
 
@@ -204,19 +204,11 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
         ("--cut", None, DEFAULT_CUT, "u:FRONT,BACK (as the data party's)"),
         ("--out", None, None, "checkpoint root (none: cannot checkpoint)"),
         DEVICE,
-        ("--keep-checkpoints", positive_int, 2, "checkpoints kept per run"),
         init_from_flag(
             "; it must hold the whole model: B loads only its tensors, and "
             "refuses a data party that starts from another base"
         ),
         ("--address-file", None, None, "write the bound HOST:PORT here once listening"),
-        (
-            "--max-sessions",
-            positive_int,
-            1,
-            "sessions served at once, each on a thread of its own; more callers "
-            "are told the server is busy and queued",
-        ),
         (
             "--memory",
             memory_size,
@@ -233,14 +225,6 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
             "its own certificate and/or token, folder under --out and quotas",
         ),
         (
-            "--batch-tenants",
-            "store_true",
-            None,
-            "LoRA sessions over the shared --init-from base run the micro-batches "
-            "that wait at once through it together, each row with its own "
-            "adapters (one forward and backward for all)",
-        ),
-        (
             "--metrics-listen",
             validate.listen_address,
             None,
@@ -250,42 +234,8 @@ def _add_serve(ssub: argparse._SubParsersAction) -> None:
             "or an operators' network; `aisyn split status --metrics HOST:PORT` "
             "reads it)",
         ),
-        (
-            "--exit-after",
-            positive_int,
-            None,
-            "exit after this many sessions (default: serve forever)",
-        ),
-        (
-            "--accept-unbound-runs",
-            "store_true",
-            None,
-            "let any data party continue a run bound to none over the network "
-            "(made before runs were bound to their data party, or in-process by "
-            "--mode local): for a compute party no one else can reach, as "
-            "--spawn-backbone starts",
-        ),
     )
-    v.add_argument(
-        "--idle-timeout",
-        type=timeout_type,
-        default=COMPUTE_PARTY_IDLE_TIMEOUT_S,
-        metavar="SECONDS",
-        help="end a session whose data party, still connected, sends nothing for "
-        "this long, e.g. between steps while it writes its checkpoints or "
-        "evaluates, so it cannot hold the server (default %(default)g; 0 or none: "
-        "wait forever)",
-    )
-    v.add_argument(
-        "--hello-timeout",
-        type=timeout_type,
-        default=COMPUTE_PARTY_HELLO_TIMEOUT_S,
-        metavar="SECONDS",
-        help="end a session whose data party sends no round this long after its "
-        "hello, so that a silent one holds the server briefly while others queue "
-        "(default %(default)g; raise it if the data party takes longer to load its "
-        "checkpoint; 0 or none: the idle timeout)",
-    )
+    add_flags(v, *flag_rows(ServeOptions))
     add_link_args(v, server=True)
     add_tls_files(
         v.add_argument_group("metrics endpoint security"),
