@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import pytest
 
@@ -78,6 +79,23 @@ def _check_report(out, names):
     return rows
 
 
+MICRO = Preset(
+    name="micro",
+    model=dict(vocab_size=8000, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64),
+    seq_len=48,
+    pretrain_steps=4,
+    pretrain_batch=4,
+    per_document=2,
+    test_per_document=2,
+    max_test_items=16,
+    finetune_steps=4,
+    batch_size=4,
+    warmup=1,
+    rounds=1,
+    eval_items=8,
+)
+
+
 @pytest.mark.heavy
 def test_micro_comparison_produces_the_table(tmp_path, monkeypatch):
     # Prepare: two small corpora and a private cache (the base is built here)
@@ -86,23 +104,7 @@ def test_micro_comparison_produces_the_table(tmp_path, monkeypatch):
         write_corpus(tmp_path / "news.txt", "news", 400),
         write_corpus(tmp_path / "reviews.txt", "reviews", 400),
     ]
-    preset = Preset(
-        name="micro",
-        model=dict(
-            vocab_size=8000, hidden_size=32, num_layers=3, num_heads=4, ffn_size=64
-        ),
-        seq_len=48,
-        pretrain_steps=4,
-        pretrain_batch=4,
-        per_document=2,
-        test_per_document=2,
-        max_test_items=16,
-        finetune_steps=4,
-        batch_size=4,
-        warmup=1,
-        rounds=1,
-        eval_items=8,
-    )
+    preset = MICRO
     # Execute
     report = run_compare(domains, preset, tmp_path / "report")
     # Assert
@@ -123,6 +125,45 @@ def test_micro_comparison_produces_the_table(tmp_path, monkeypatch):
     ]
     with pytest.raises(ValueError, match="--regimes fedsplit: expected some of"):
         run_compare(domains, preset, tmp_path / "bad", regimes=["fedsplit"])
+
+
+@pytest.mark.heavy
+def test_a_killed_comparison_resumes_to_the_same_rows(tmp_path, monkeypatch):
+    """A comparison killed while its fusion run trained (no checkpoint yet)
+    and before its report was written: ``resume`` trains fusion again
+    from its start, leaves the finished split runs as they are, and writes
+    the rows an uninterrupted comparison wrote. Another recipe, or a folder
+    without a comparison, is refused in one line with nothing written."""
+    from aisyn.experiments.report import REPORT_JSON
+
+    # Prepare: an uninterrupted comparison of two regimes, then the kill
+    monkeypatch.setenv("AISYN_CACHE", str(tmp_path / "cache"))
+    domains = [
+        write_corpus(tmp_path / "news.txt", "news", 400),
+        write_corpus(tmp_path / "reviews.txt", "reviews", 400),
+    ]
+    out, regimes = tmp_path / "report", ["fusion", "split"]
+    whole = run_compare(domains, MICRO, out, regimes=regimes)
+    fusion = out / "runs" / "news_reviews"
+    shutil.rmtree(fusion / "checkpoints")
+    (fusion / "summary.json").unlink()
+    (out / REPORT_JSON).unlink()
+    split_metrics = (out / "runs" / "news_split" / "metrics.jsonl").read_bytes()
+    # Refused: another recipe, and a folder that holds no comparison
+    with pytest.raises(ValueError, match="holds a comparison of other regimes"):
+        run_compare(domains, MICRO, out, regimes=["fusion"], resume=True)
+    assert not (out / REPORT_JSON).exists()
+    with pytest.raises(ValueError, match="holds no comparison"):
+        run_compare(domains, MICRO, tmp_path / "none", resume=True)
+    # Execute
+    resumed = run_compare(domains, MICRO, out, regimes=regimes, resume=True)
+    # Assert: the same rows; the finished split runs were not trained again
+    keys = ("regime", "steps", "acc_news", "acc_reviews", "loss_news", "loss_reviews")
+    assert [{k: r[k] for k in keys} for r in resumed["rows"]] == [
+        {k: r[k] for k in keys} for r in whole["rows"]
+    ]
+    assert (out / "runs" / "news_split" / "metrics.jsonl").read_bytes() == split_metrics
+    assert (out / REPORT_JSON).is_file()
 
 
 @pytest.mark.slow

@@ -40,6 +40,7 @@ def cmd_compare(args) -> None:
         regimes=check_regimes(
             [r.strip() for r in args.regimes.split(",") if r.strip()]
         ),
+        resume=args.resume,
     )
     print((Path(args.out) / REPORT_MD).read_text(encoding="utf-8"))
     print(f"took {report['elapsed_s'] / 60:.1f} min; wrote {args.out}")
@@ -177,6 +178,14 @@ def register(sub) -> None:
             "store_true",
             None,
             "every run of the comparison also writes TensorBoard event files",
+        ),
+        (
+            "--resume",
+            "store_true",
+            None,
+            "continue the comparison in --out (one killed, say): each regime's "
+            "run from its own checkpoint, a finished one not redone; the same "
+            "flags as it was started with",
         ),
     )
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -46,7 +47,8 @@ from aisyn.train.device import resolve_device
 from aisyn.train.finetune import finetune
 from aisyn.train.lora import Method
 from aisyn.train.models import load_run_model
-from aisyn.train.run import read_metrics
+from aisyn.train.run import read_metrics, write_json_atomic
+from aisyn.validate import holds_run, read_json
 
 log = logging.getLogger("aisyn.experiments")
 
@@ -157,23 +159,40 @@ def run_compare(
     tensorboard: bool = False,
     federated: dict | None = None,
     regimes: Sequence[str] = REGIMES,
+    resume: bool = False,
 ) -> dict:
     """The ``regimes`` of the comparison in ``out``; ``tensorboard``: each
     fine-tuning run, the federated server and its clients also write
     TensorBoard event files; ``federated``: federated settings by name (e.g.
     secure-aggregation, dp), over the preset's (SplitFed takes them too,
-    but for secure aggregation, which one process cannot use)."""
+    but for secure aggregation, which one process cannot use).
+
+    ``resume``: continue the comparison in ``out`` (one killed, say): each
+    regime's run goes on from its own checkpoint (a finished one is not
+    redone) and every row is scored again; refused in one line unless
+    ``out`` holds a comparison of the same domains, preset, regimes and
+    federated settings."""
     regimes = check_regimes(regimes)
     t_start = time.perf_counter()
     out = Path(out)
-    if (out / REPORT_JSON).exists() or (out / "runs").exists():
+    recipe = {
+        "domains": list(domains),
+        "preset": preset.to_dict(),
+        "regimes": regimes,
+        "federated": federated or {},
+    }
+    recipe = json.loads(json.dumps(recipe))  # as it reads back (lists, not tuples)
+    if resume:
+        check_same_comparison(out, recipe)
+    elif (out / REPORT_JSON).exists() or (out / "runs").exists():
         raise FileExistsError(
-            f"{out}: holds an earlier comparison; choose another --out"
+            f"{out}: holds an earlier comparison; choose another --out, or --resume it"
         )
     inputs = prepare_inputs(domains, preset, device)
     names, base, sft = inputs.names, inputs.base, inputs.sft
     runs = out / "runs"
-    runs.mkdir(parents=True)
+    runs.mkdir(parents=True, exist_ok=resume)
+    write_json_atomic(out / RECIPE, recipe)
     dev, evaluate, device_label = inputs.device, inputs.evaluate, inputs.device_label
     base_build_s = inputs.base_build_s
     rows: list[dict] = []
@@ -216,8 +235,9 @@ def run_compare(
     def finetuned(name: str, data: list[Path]) -> None:
         run = runs / name.replace("+", "_")
         summary = finetune(
-            base, data, run, cfg, method, progress=False, tensorboard=tensorboard
-        )
+            base, data, run, cfg, method, progress=False, tensorboard=tensorboard,
+            resume=resume and holds_run(run),
+        )  # fmt: skip
         model, _ = load_run_model(run, dev)
         add_row(
             f"{name} ft",
@@ -238,7 +258,9 @@ def run_compare(
         finetuned("+".join(names), [sft[n] for n in names])
     if "split" in regimes and method.name == "full":  # it trains every weight
         for n in names:
-            add_row(**split_finetuned(n, base, base_cfg, sft[n], runs, cfg, dev))
+            add_row(
+                **split_finetuned(n, base, base_cfg, sft[n], runs, cfg, dev, resume)
+            )
 
     settings = federated_settings(
         preset, len(names), device, tensorboard=tensorboard, **(federated or {})
@@ -250,9 +272,9 @@ def run_compare(
     )
     fed = None
     if "federated" in regimes:
-        fed = _federated(inputs, runs, settings, privacy, echo, add_row, plots)
+        fed = _federated(inputs, runs, settings, privacy, echo, add_row, plots, resume)
     if "splitfed" in regimes:
-        add_row(**splitfed_row(inputs, runs, settings, dev))
+        add_row(**splitfed_row(inputs, runs, settings, dev, resume))
         plots["splitfed"] = runs / "splitfed" / "loss.png"
 
     report = {
@@ -279,14 +301,17 @@ def run_compare(
     return report
 
 
-def _federated(inputs: Inputs, runs: Path, settings, privacy, echo, add_row, plots):
+def _federated(
+    inputs: Inputs, runs: Path, settings, privacy, echo, add_row, plots, resume=False
+):
     """The federated regime: its global model's row and each client's."""
     from aisyn.fl.launch import simulate
 
     names, base, sft, dev = inputs.names, inputs.base, inputs.sft, inputs.device
     fed = simulate(
-        base, {n: sft[n] for n in names}, runs / "federated", settings, echo=echo
-    )
+        base, {n: sft[n] for n in names}, runs / "federated", settings, echo=echo,
+        resume=resume and holds_run(runs / "federated" / "server"),
+    )  # fmt: skip
     hist = fed["history"]
     train_s = sum(h.get("client_train_s") or 0.0 for h in hist)
     overhead_s = fed["wall_s"] - train_s
@@ -326,7 +351,9 @@ def _federated(inputs: Inputs, runs: Path, settings, privacy, echo, add_row, plo
     return fed
 
 
-def splitfed_row(inputs: Inputs, runs: Path, settings: FLSettings, dev) -> dict:
+def splitfed_row(
+    inputs: Inputs, runs: Path, settings: FLSettings, dev, resume: bool = False
+) -> dict:
     """SplitFed (``aisyn.splitfed``): one party per domain, the same rounds,
     local steps and strategy as the federated regime, one shared backbone at
     an in-process compute party. Returns ``add_row``'s arguments, the model
@@ -338,8 +365,9 @@ def splitfed_row(inputs: Inputs, runs: Path, settings: FLSettings, dev) -> dict:
     )
     names = inputs.names
     sf = run_splitfed(
-        inputs.base, {n: inputs.sft[n] for n in names}, runs / "splitfed", settings
-    )
+        inputs.base, {n: inputs.sft[n] for n in names}, runs / "splitfed", settings,
+        resume=resume and holds_run(runs / "splitfed"),
+    )  # fmt: skip
     model, _ = load_run_model(sf["merged"], dev)
     dp = f", DP {settings.dp}" * (settings.dp != "off")
     history = sf["history"]
@@ -371,6 +399,7 @@ def split_finetuned(
     runs: Path,
     cfg: TrainConfig,
     dev,
+    resume: bool = False,
 ) -> dict:
     """The data owner of ``name`` fine-tunes the base through a compute party
     (both in this process, over the in-memory link): the same steps as
@@ -395,11 +424,14 @@ def split_finetuned(
         sft=True,
         init_from=base,
         progress=False,
+        resume=resume and holds_run(run),
     )
     (compute_run,) = [
         p for p in (run / COMPUTE_DIR).iterdir() if (p / "checkpoints").is_dir()
     ]
-    merge(run, compute_run, runs / f"{name}_split_merged")
+    merged = runs / f"{name}_split_merged"
+    shutil.rmtree(merged, ignore_errors=True)  # derived: merged again
+    merge(run, compute_run, merged)
     model, _ = load_run_model(runs / f"{name}_split_merged", dev)
     wire = summary["bytes_sent_per_step"] + summary["bytes_received_per_step"]
     return dict(
@@ -414,6 +446,29 @@ def split_finetuned(
         note=f"cut {cut}, in-process link",
         run=str(run),
     )
+
+
+#: what a comparison was run with (``--resume`` must give the same)
+RECIPE = "compare.json"
+
+
+def check_same_comparison(out: Path, recipe: dict) -> None:
+    """Refuse, in one line and before anything is written, to resume ``out``
+    unless it holds a comparison of this ``recipe``."""
+    path = out / RECIPE
+    if not path.is_file():
+        raise ValueError(f"--resume: {out} holds no comparison (no {RECIPE})")
+    try:
+        old = read_json(path)
+    except ValueError as e:
+        raise ValueError(f"--resume: {path}: {e}") from None
+    differ = [k for k in recipe if old.get(k) != recipe[k]]
+    if differ:
+        raise ValueError(
+            f"--resume: {out} holds a comparison of other {', '.join(differ)}; "
+            "resume it with the same --domains, --preset (and its overrides), "
+            "--regimes and --fl-set, or choose another --out"
+        )
 
 
 def _brief(row: dict, names: Sequence[str]) -> dict:
