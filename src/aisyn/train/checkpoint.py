@@ -13,11 +13,12 @@ Nothing here unpickles anything.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -331,6 +332,19 @@ def _hash_tensors(items: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def opened(path: Path) -> Iterator:
+    """A safetensors file opened by its header (``safe_open``): its tensors
+    read one at a time, by name or slice; a file that is not one, or is cut
+    short, raises CheckpointError in one line (every read of a safetensors
+    file outside a whole-file ``read_tensors`` goes through here)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+
+
 def file_fingerprint(path: Path) -> str:
     """``tensors_fingerprint`` of every tensor in a safetensors file, memoised
     by (path, size, mtime) so a large base is hashed once."""
@@ -341,11 +355,8 @@ def file_fingerprint(path: Path) -> str:
     memo = cache_dir("fingerprints") / f"{key.hexdigest()}.txt"
     if memo.is_file():
         return memo.read_text().strip()
-    try:
-        with safe_open(str(path), framework="pt") as f:  # one tensor at a time
-            digest = _hash_tensors((n, f.get_tensor(n)) for n in sorted(f.keys()))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+    with opened(path) as f:  # one tensor at a time
+        digest = _hash_tensors((n, f.get_tensor(n)) for n in sorted(f.keys()))
     tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
     tmp.write_text(digest)
     os.replace(tmp, memo)
@@ -370,22 +381,19 @@ def read_some_tensors(
             raise CheckpointError(str(e)) from None
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            missing = sorted(set(shapes) - set(f.keys()))
-            if missing:
+    with opened(path) as f:
+        missing = sorted(set(shapes) - set(f.keys()))
+        if missing:
+            raise CheckpointError(
+                f"{path}: lacks {len(missing)} of the {len(shapes)} tensors "
+                f"{whose} ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''})"
+            )
+        for name, shape in shapes.items():
+            got = tuple(f.get_slice(name).get_shape())
+            if got != tuple(shape):
                 raise CheckpointError(
-                    f"{path}: lacks {len(missing)} of the {len(shapes)} tensors "
-                    f"{whose} ({', '.join(missing[:3])}"
-                    f"{', ...' if len(missing) > 3 else ''})"
+                    f"{path}: {name} has shape {got}, expected {tuple(shape)}; a "
+                    "checkpoint of another config?"
                 )
-            for name, shape in shapes.items():
-                got = tuple(f.get_slice(name).get_shape())
-                if got != tuple(shape):
-                    raise CheckpointError(
-                        f"{path}: {name} has shape {got}, expected {tuple(shape)}; a "
-                        "checkpoint of another config?"
-                    )
-            return {name: f.get_tensor(name) for name in shapes} if read else {}
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+        return {name: f.get_tensor(name) for name in shapes} if read else {}

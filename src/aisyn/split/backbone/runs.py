@@ -8,8 +8,6 @@ import hmac
 import logging
 from pathlib import Path
 
-from safetensors import SafetensorError, safe_open
-
 from aisyn.link.memory import IN_PROCESS
 from aisyn.model.families import ModelConfig, with_vocab
 from aisyn.model.segments import (
@@ -98,11 +96,11 @@ def vocab_of_base(
     pairs = enumerate(zip(two[name], three[name], strict=True))
     dim = next(i for i, (x, y) in pairs if x != y)
     try:
-        with safe_open(str(file), framework="pt") as f:
+        with ckpt.opened(file) as f:
             if name not in f.keys():
                 return cfg
             shape = f.get_slice(name).get_shape()
-    except (SafetensorError, OSError):
+    except ckpt.CheckpointError:
         return cfg
     if len(shape) != len(two[name]) or shape[dim] == cfg.vocab_size:
         return cfg

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from aisyn.train import checkpoint as ckpt
 
@@ -96,20 +95,15 @@ def read_share(
         path = shard / file
         if not path.is_file():
             raise ckpt.CheckpointError(f"{path}: missing")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                keys = {k for k in f.keys() if not k.startswith(RNG)}
-                if twice := sorted(keys & seen):
-                    raise ckpt.CheckpointError(
-                        f"{path}: {twice[0]} is also in another rank's share"
-                    )
-                seen |= keys
-                for name in sorted(filter(wanted, keys)):
-                    out[name] = f.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise ckpt.CheckpointError(
-                f"{path}: corrupt safetensors file ({e})"
-            ) from None
+        with ckpt.opened(path) as f:
+            keys = {k for k in f.keys() if not k.startswith(RNG)}
+            if twice := sorted(keys & seen):
+                raise ckpt.CheckpointError(
+                    f"{path}: {twice[0]} is also in another rank's share"
+                )
+            seen |= keys
+            for name in sorted(filter(wanted, keys)):
+                out[name] = f.get_tensor(name)
     if every is not None and seen != every:
         odd = sorted(seen ^ every)
         raise ckpt.CheckpointError(
@@ -127,8 +121,5 @@ def rank_rng(folder: Path, rank: int, world: int) -> dict[str, torch.Tensor]:
     if len(shards) != world:
         return {}
     path = shards[rank] / ckpt.OPTIM_FILE
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys() if k.startswith(RNG)}
-    except (SafetensorError, OSError) as e:
-        raise ckpt.CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+    with ckpt.opened(path) as f:
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(RNG)}
