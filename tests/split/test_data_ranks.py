@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TOKEN, losses
+from group_run import run_group
 
 from aisyn.model.pangu import PanguConfig
 from aisyn.net import free_port
@@ -74,21 +75,9 @@ def torchrun_args(nproc: int, *args: str, command: str = "train") -> list[str]:
 def on_ranks(nproc: int, *args: str, timeout: float = 300):
     """``torchrun --nproc-per-node N -m aisyn.cli split train ...`` to its end
     (its whole process group killed if it outlives ``timeout``)."""
-    proc = subprocess.Popen(
-        torchrun_args(nproc, *args),
-        env={**os.environ, **ENV},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    return run_group(
+        torchrun_args(nproc, *args), timeout=timeout, env={**os.environ, **ENV}
     )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def assert_matches(got: list[float], want: list[float]) -> None:
