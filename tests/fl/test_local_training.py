@@ -236,3 +236,30 @@ def test_lora_adapts_each_familys_own_linear_layers(preset, adapted):
     plain.load_state_dict(merged_state_dict(model), strict=False)
     plain.tie_weights()
     torch.testing.assert_close(plain(x), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.heavy
+def test_a_client_whose_part_has_no_valid_items_reports_its_train_items_loss(
+    base_run, sft_dirs, tmp_path
+):
+    """A small part of a Dirichlet deal can hold no valid items: the client
+    reports the global model's loss on its training items' head, not 0."""
+    from aisyn.data.sft import SFTData
+    from aisyn.fl.client import ClientContext, ClientNode
+    from aisyn.fl.partition import partition_dirichlet
+    from aisyn.train.models import describe_base
+
+    # Prepare: a part without valid items (a skewed deal over many clients)
+    dirs = [sft_dirs["news"], sft_dirs["reviews"]]
+    parts = partition_dirichlet(dirs, tmp_path / "parts", 8, 0.1, seed=0)
+    empty = [p for p in parts if len(SFTData.open(p, "valid")) == 0]
+    assert empty, "the deal was meant to leave a part without valid items"
+    settings = FLSettings.from_dict(
+        dict(rounds=1, local_steps=1, batch_size=4, eval_items=8, min_clients=1)
+    )
+    node = ClientNode("small", empty[0], base_run, tmp_path / "client")
+    ctx = ClientContext(node, settings, describe_base(base_run).fingerprint)
+    # Execute
+    loss = ctx.valid_loss()
+    # Assert: the loss of real items (a fresh base on cloze answers: nats > 1)
+    assert loss > 1.0

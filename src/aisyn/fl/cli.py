@@ -263,10 +263,18 @@ def cmd_keygen(args) -> None:
 
 def cmd_partition(args) -> None:
     """Pool the given SFT folders and deal their items at random into --parts
-    folders of the same distribution."""
-    from aisyn.fl.partition import partition_iid
+    folders of the same distribution; with --alpha, give each part its share
+    of every domain (a --data folder), the shares drawn from a Dirichlet of
+    that concentration (0.1: most parts hold one domain; 1.0: a mix of uneven
+    sizes), seeded."""
+    from aisyn.fl.partition import partition_dirichlet, partition_iid
 
-    dirs = partition_iid(args.data, args.out, args.parts, seed=args.seed)
+    if args.alpha is None:
+        dirs = partition_iid(args.data, args.out, args.parts, seed=args.seed)
+    else:
+        dirs = partition_dirichlet(
+            args.data, args.out, args.parts, args.alpha, seed=args.seed
+        )
     print(json.dumps({"parts": [str(d) for d in dirs]}, indent=2))
 
 
@@ -375,12 +383,19 @@ def register(sub) -> None:
         fsub,
         "partition",
         cmd_partition,
-        "split pooled SFT data into IID parts (scenario 4)",
+        "split pooled SFT data into IID parts (scenario 4), or non-IID ones",
     )
     add_flags(
         pt,
-        ("--data", "append", REQUIRED, "SFT folder"),
-        ("--parts", validate.positive_int, 2, "IID parts to deal"),
+        ("--data", "append", REQUIRED, "SFT folder (a domain)"),
+        ("--parts", validate.positive_int, 2, "parts (clients) to deal"),
+        (
+            "--alpha",
+            validate.positive_float,
+            None,
+            "non-IID: each domain's shares of the parts drawn from a Dirichlet "
+            "of this concentration (0.1, 1.0: the usual benchmarks); default: IID",
+        ),
         ("--out", None, REQUIRED, "folder for part0, part1, ..."),
         ("--seed", validate.seed, 0, "seed of the deal"),
     )

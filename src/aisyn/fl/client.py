@@ -219,6 +219,8 @@ class ClientContext:
             valid = SFTData.open(self.node.data, "valid")
         except ValueError:
             valid = self.data  # no valid split: use the train items' head
+        if not len(valid):  # (a small part of a Dirichlet deal may have none)
+            valid = self.data
         n = self.settings.eval_items or None
         return sft_eval_loss(
             self.model, valid, batch_size=self.settings.train.batch_size, max_items=n
