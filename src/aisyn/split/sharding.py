@@ -182,21 +182,17 @@ def shard_blocks(state, world: int, blocks: Sequence[int]) -> list:
     shares, as the loss scaling makes it); everything else stays replicated.
     Returns the sharded modules."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
+    from aisyn.train.fsdp import shard_modules
     from aisyn.train.optim import make_optimizer
 
     mesh = init_device_mesh(state.device.type, (world,))
     moments = {n: state.optimizer.state.get(p, {}) for n, p in state.named}
     layout = state.cfg.layout
-    modules = []
-    for i in blocks:
-        module = state.model.get_submodule(layout.block_path(i))
-        fully_shard(module, mesh=mesh)
-        module.set_gradient_divide_factor(1.0)  # a sum over the rows' shares
-        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-        modules.append(module)
+    modules = [state.model.get_submodule(layout.block_path(i)) for i in blocks]
+    # a sum over the rows' shares
+    shard_modules(modules, mesh, state.device.type, gradients="sum")
     params = dict(state.model.named_parameters())
     state.named = [(n, params[n]) for n, _ in state.named]
     state.params = [p for _, p in state.named]

@@ -32,7 +32,6 @@ def shard_model(root: nn.Module, model: nn.Module, group=None) -> None:
     job's), in place."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     device = next(model.parameters()).device
     if group is None:
@@ -43,11 +42,26 @@ def shard_model(root: nn.Module, model: nn.Module, group=None) -> None:
     units = [
         model.get_submodule(layout.block_path(i)) for i in range(layout.num_blocks)
     ]
-    for module in [*units, root]:
+    shard_modules([*units, root], mesh, device.type, gradients="mean")
+
+
+def shard_modules(modules, mesh, device_type: str, *, gradients: str) -> None:
+    """``fully_shard`` each of ``modules`` (inner ones first) over ``mesh``:
+    the one FSDP2 applier, for a whole model's data-parallel ranks and a
+    split party's ranks alike. ``gradients``: ``"mean"`` over the ranks (what
+    DDP takes) or ``"sum"`` (a split step's gradient: the sum over its rows'
+    shares, the loss scaling making it the mean)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if gradients not in ("mean", "sum"):
+        raise ValueError(f"gradients: 'mean' or 'sum', not {gradients!r}")
+    for module in modules:
         fully_shard(module, mesh=mesh)
-        if device.type == "cpu":
-            # gloo has no AVG reduce-scatter: a sum, then FSDP2 divides by
-            # the ranks itself -- the mean DDP takes
+        if gradients == "sum":
+            module.set_gradient_divide_factor(1.0)
+        if gradients == "sum" or device_type == "cpu":
+            # gloo has neither an AVG reduce-scatter nor PREMUL_SUM: a sum,
+            # which FSDP2 then divides by its factor (the ranks, or 1)
             module.set_force_sum_reduction_for_comms(True)
 
 
