@@ -571,3 +571,37 @@ def test_a_failed_federated_run_is_one_line_not_a_traceback(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err
     assert err.strip().splitlines()[-1].endswith("see run/x.log")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--max-sessions", "0", "argument --max-sessions: must be >= 1, got 0"),
+        ("--keep-checkpoints", "nan", "argument --keep-checkpoints"),
+        ("--exit-after", "-3", "argument --exit-after: must be >= 1"),
+        ("--idle-timeout", "nan", "argument --idle-timeout: timeout 'nan'"),
+        ("--hello-timeout", "inf", "argument --hello-timeout: timeout 'inf'"),
+        ("--idle-timeout", "soon", "argument --idle-timeout: timeout 'soon'"),
+    ],
+)
+def test_split_serve_refuses_bad_serving_options_by_the_flag(
+    flag, value, expected, capsys, tmp_path
+):
+    """``aisyn split serve``'s declared options (``ServeOptions``): a bad
+    value is refused by its flag, in one line, before anything is loaded."""
+    argv = ["split", "serve", "--listen", "127.0.0.1:0", "--model", "tiny",
+            "--out", str(tmp_path / "b"), flag, value]  # fmt: skip
+    code, _, err = run(argv, capsys)
+    assert code == 2
+    assert expected in err.strip().splitlines()[-1]
+    assert not (tmp_path / "b").exists()
+
+
+def test_serve_options_hold_a_config_to_the_flags_bounds():
+    from aisyn.split.centre.options import ServeOptions
+
+    assert ServeOptions().max_sessions == 1
+    with pytest.raises(ValueError, match="--max-sessions must be >= 1, got 0"):
+        ServeOptions(max_sessions=0)
+    with pytest.raises(ValueError, match="--keep-checkpoints must be an integer"):
+        ServeOptions(keep_checkpoints=2.5)

@@ -166,6 +166,20 @@ def test_a_killed_comparison_resumes_to_the_same_rows(tmp_path, monkeypatch):
     assert (out / REPORT_JSON).is_file()
 
 
+@pytest.mark.parametrize(
+    "text", ["{not json", '{"domains": NaN}', "[1, 2]", '{"domains": "x"}']
+)
+def test_a_resume_of_a_corrupt_or_foreign_recipe_is_one_line(tmp_path, text):
+    from aisyn.experiments.compare import RECIPE, check_same_comparison
+
+    (tmp_path / RECIPE).write_text(text)
+    recipe = {"domains": ["news"], "preset": {}, "regimes": [], "federated": {}}
+    with pytest.raises(ValueError, match="^--resume: ") as e:
+        check_same_comparison(tmp_path, recipe)
+    assert "\n" not in str(e.value)
+    assert (tmp_path / RECIPE).read_text() == text  # nothing rewritten
+
+
 @pytest.mark.slow
 def test_ci_preset_produces_the_table(tmp_path):
     run_compare(["news", "reviews"], PRESETS["ci"], tmp_path / "report")

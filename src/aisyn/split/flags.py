@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from aisyn import validate
-from aisyn.split.session import SplitOptions
+from aisyn.split.options import SplitOptions
 from aisyn.split.transport import parse_timeout
 from aisyn.tls_flags import add_allow_insecure_remote, add_tls_files
 

@@ -20,7 +20,7 @@ from aisyn.flagtable import (
 from aisyn.setting import flag_rows, from_args
 from aisyn.split.defence.cut_dp import DEFENCES, RECOMMENDED
 from aisyn.split.flags import add_link_args, link_settings, timeout_type
-from aisyn.split.session import SplitOptions
+from aisyn.split.options import SplitOptions
 from aisyn.split.transport import (
     DATA_PARTY_RECV_TIMEOUT_S,
 )
