@@ -51,7 +51,8 @@ def test_two_rank_client_trains_what_one_rank_does(base_run, sft_dirs, tmp_path)
         node = ClientNode(
             "news", sft_dirs["news"], base_run, tmp_path / f"r{ranks}", ranks
         )
-        arrays, metrics = client_train(node, config, tensors_to_record(glob))
+        records, metrics = client_train(node, config, tensors_to_record(glob))
+        arrays = records["arrays"]
         out[ranks] = {k: torch.from_numpy(a.numpy()) for k, a in arrays.items()}
         out[f"loss{ranks}"] = metrics["train-loss"]
     diff = max(float((out[1][k] - out[2][k]).abs().max()) for k in glob)

@@ -119,6 +119,8 @@ VARIANTS = {
     "fedadam": {},
     "fedavgm": {"strategy": "fedavgm"},
     "server-dp": {"strategy": "fedavg", "dp": "server", "dp_clipping_norm": 0.5},
+    # the server's c in its checkpoint, each client's c_i in its own folder
+    "scaffold": {"strategy": "scaffold"},
 }
 
 
@@ -134,7 +136,7 @@ def same_draws() -> None:
 def whole(tmp_path_factory, base_run, sft_dirs) -> dict:
     """Uninterrupted runs, by variant."""
     out = {}
-    for variant in ("fedadam", "fedavgm", "server-dp"):
+    for variant in VARIANTS:
         run = tmp_path_factory.mktemp(f"whole-{variant}")
         same_draws()
         result = run_server(
@@ -147,7 +149,7 @@ def whole(tmp_path_factory, base_run, sft_dirs) -> dict:
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("variant", ["fedadam", "fedavgm", "server-dp"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_a_server_that_dies_after_round_2_resumes_and_ends_bit_exact(
     variant, whole, base_run, sft_dirs, tmp_path
 ):
@@ -176,6 +178,13 @@ def test_a_server_that_dies_after_round_2_resumes_and_ends_bit_exact(
     assert resumed["resumed_at_round"] == 3
     whole_run, whole_result = whole[variant]
     assert_same_run(resumed, whole_result, run, whole_run)
+    if variant == "scaffold":  # c moved, and every client kept its c_i
+        state = federation_state(run)
+        control = [v for k, v in state.items() if k.startswith("strategy.control/")]
+        assert control and any(v.any() for v in control)
+        for name in sft_dirs:
+            folder = run / "clients" / name / "scaffold"
+            assert (folder / "control-00003.safetensors").is_file()
 
 
 def test_resuming_a_finished_run_changes_nothing(whole, base_run, sft_dirs):

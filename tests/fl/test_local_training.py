@@ -141,7 +141,9 @@ def test_client_round_in_process(base_run, sft_dirs, tmp_path):
     config["server-round"] = 2
     node = ClientNode("news", sft_dirs["news"], base_run, tmp_path / "client")
     # Execute
-    arrays, metrics = client_train(node, config, tensors_to_record(glob))
+    records, metrics = client_train(node, config, tensors_to_record(glob))
+    assert set(records) == {"arrays"}  # (SCAFFOLD's replies add "control")
+    arrays = records["arrays"]
     # Assert: same tensors back, changed by training; metrics and run folder written
     assert set(arrays.keys()) == set(glob)
     moved = sum(

@@ -25,6 +25,7 @@ from torch import nn
 from aisyn.data.sft import SFTData
 from aisyn.fl import chunks
 from aisyn.fl.records import (
+    CONTROL,
     payload_bytes,
     record_to_tensors,
     tensors_to_record,
@@ -32,6 +33,11 @@ from aisyn.fl.records import (
 from aisyn.fl.round_message import (
     setting_differences,
     settings_from_record,
+)
+from aisyn.fl.scaffold import (
+    ControlCorrection,
+    load_client_control,
+    save_client_control,
 )
 from aisyn.fl.settings import FLSettings
 from aisyn.train.config import TrainConfig
@@ -214,6 +220,25 @@ class ClientContext:
         self.received_bytes = sum(a.nbytes for a in arrays.values())
         return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
+    def control_correction(
+        self, control: ArrayRecord | None, server_round: int
+    ) -> ControlCorrection:
+        """SCAFFOLD's correction of this round's steps: the server's ``c`` (sent
+        with the model) against this client's ``c_i`` (in its run folder)."""
+        if control is None:
+            raise ValueError(
+                f"client {self.node.name}: strategy scaffold, but the message "
+                "carries no control variate"
+            )
+        try:
+            server = record_to_tensors(control, self.spec)
+            own = load_client_control(self.node.out, server_round, self.spec)
+        except ValueError as e:
+            raise ValueError(
+                f"client {self.node.name}: bad control variate: {e}"
+            ) from None
+        return ControlCorrection(self.trainable, server, own)
+
     def valid_loss(self) -> float:
         try:
             valid = SFTData.open(self.node.data, "valid")
@@ -255,8 +280,12 @@ def client_train(
     config: ConfigRecord,
     arrays: ArrayRecord | None,
     run_id: int = 0,
-) -> tuple[ArrayRecord | None, MetricRecord]:
-    """One round of local training; returns the trainable tensors and metrics.
+    control: ArrayRecord | None = None,
+) -> tuple[dict[str, ArrayRecord], MetricRecord]:
+    """One round of local training; returns the reply's ArrayRecords (the
+    trainable tensors as ``arrays``; under SCAFFOLD, whose server ``control``
+    variate came with the model, the client's ``delta c_i`` as ``control``)
+    and the metrics.
 
     In a chunked round (``arrays`` None: the global model was staged chunk by
     chunk) the update is written for the server to pull (``aisyn.fl.chunks``)
@@ -266,9 +295,16 @@ def client_train(
     settings, fingerprint, server_round = settings_from_record(config)
     if not 1 <= server_round <= settings.rounds:
         raise ValueError(f"client {node.name}: bad server round {server_round}")
+    scaffold = settings.strategy == "scaffold"
+    if scaffold and node.ranks > 1:
+        raise ValueError(
+            f"client {node.name}: strategy scaffold runs a client's local steps "
+            "on one rank; start it without --client-ranks"
+        )
     ctx = ClientContext(node, settings, fingerprint)
     ctx.received_bytes = payload_bytes(arrays) if arrays is not None else 0
     anchor = ctx.load_global(arrays, config, run_id)
+    correction = ctx.control_correction(control, server_round) if scaffold else None
     global_loss = ctx.valid_loss()
     t0 = time.perf_counter()
     if node.ranks > 1:
@@ -278,18 +314,24 @@ def client_train(
             ctx, config, anchor, timeout=settings.round_timeout
         )
     else:
-        mean_loss, train_s = local_steps(ctx, server_round, anchor)
+        mean_loss, train_s = local_steps(
+            ctx, server_round, anchor, correction=correction
+        )
         trained = trainable_tensors(ctx.trainable)
-    chunked = arrays is None
-    if chunked:
+    reply: dict[str, ArrayRecord] = {}
+    if arrays is None:  # chunked
         update = {
             k: v.detach().to("cpu", torch.float32).numpy() for k, v in trained.items()
         }
         chunks.save_update(node.out, run_id, server_round, update)
-        reply, sent = None, sum(v.nbytes for v in update.values())
+        sent = sum(v.nbytes for v in update.values())
     else:
-        reply = tensors_to_record(trained)
-        sent = payload_bytes(reply)
+        reply["arrays"] = tensors_to_record(trained)
+        if correction is not None:
+            new = correction.new_control()
+            save_client_control(node.out, server_round, new)
+            reply[CONTROL] = tensors_to_record(correction.delta(new))
+        sent = sum(map(payload_bytes, reply.values()))
     ctx.run.log_metrics(
         {
             "round": server_round,
@@ -326,10 +368,12 @@ def local_steps(
     anchor: dict[str, torch.Tensor],
     dist: DistContext | None = None,
     cfg: TrainConfig | None = None,
+    correction: ControlCorrection | None = None,
 ) -> tuple[float, float]:
     """The round's E local steps of ``ctx``'s model (the local executor under
     the one regime; with ``dist``, this rank's share of every batch under DDP,
-    ``cfg`` its per-rank micro-batches); returns the mean loss and seconds."""
+    ``cfg`` its per-rank micro-batches; with ``correction``, SCAFFOLD's on
+    every gradient); returns the mean loss and seconds."""
     settings = ctx.settings
     E, cfg = settings.local_steps, cfg or settings.train
     dist = dist or DistContext()
@@ -348,7 +392,7 @@ def local_steps(
         regularizer=(
             (lambda: {"prox": add_proximal_grad(ctx.trainable, anchor, prox_mu)})
             if prox_mu > 0
-            else None
+            else correction
         ),
         # Each round is a fresh process with a fresh optimizer (the global
         # model replaces the weights): only the weights are worth keeping.

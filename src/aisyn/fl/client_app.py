@@ -49,18 +49,14 @@ def train(msg: Message, context: Context) -> Message:
     from aisyn.fl import client
 
     node = client.ClientNode.from_node_config(dict(context.node_config))
-    arrays, metrics = client.client_train(
+    records, metrics = client.client_train(
         node,
         msg.content["config"],
         msg.content.array_records.get("arrays"),  # None: a chunked round
         msg.metadata.run_id,
+        control=msg.content.array_records.get("control"),  # SCAFFOLD's
     )
-    content = (
-        {"metrics": metrics}
-        if arrays is None
-        else {"arrays": arrays, "metrics": metrics}
-    )
-    return Message(RecordDict(content), reply_to=msg)
+    return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
 
 
 @app.evaluate()

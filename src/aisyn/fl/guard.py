@@ -50,6 +50,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from aisyn.fl.records import (
+    CONTROL,
     WEIGHT_KEY,
     WIRE_DTYPE,
     UpdateRejected,
@@ -67,7 +68,12 @@ log = logging.getLogger("aisyn.fl.server")
 # State Flower's server optimisers carry from round to round. They rebind these
 # attributes every round (never change the arrays in place), so keeping the
 # references is a snapshot to roll back to.
-OPTIMIZER_STATE = ("current_arrays", "m_t", "v_t", "momentum_vector")
+OPTIMIZER_STATE = ("current_arrays", "m_t", "v_t", "momentum_vector", "control")
+
+
+def message_bytes(msg: Message) -> int:
+    """What a message's arrays weigh on the wire (every ArrayRecord of it)."""
+    return sum(payload_bytes(r) for r in msg.content.array_records.values())
 
 
 def as_wire_dtype(arrays: ArrayRecord) -> ArrayRecord:
@@ -120,7 +126,10 @@ class UpdateGuard:
         self.assumed_attackers = settings.assumed_attackers
         # FedAdam / FedAvgM step away from the clients' mean; every other
         # aggregate combines the updates within their range, coordinate-wise.
-        self.within_range = settings.strategy in MEAN_STRATEGIES
+        self.within_range = settings.strategy in (*MEAN_STRATEGIES, "scaffold")
+        # what a train reply carries: the model, and SCAFFOLD's control variate
+        scaffold = settings.strategy == "scaffold"
+        self.reply_records = ("arrays", CONTROL) if scaffold else ("arrays",)
         self.expected: dict[str, tuple[int, ...]] = {}
         self.global_arrays: dict[str, np.ndarray] = {}
         self.round_log: dict[int, dict] = {}
@@ -138,7 +147,7 @@ class UpdateGuard:
         self.round_log[server_round] = {
             "round": server_round,
             "clients": len(messages),
-            "bytes_sent": len(messages) * payload_bytes(arrays),
+            "bytes_sent": sum(map(message_bytes, messages)),
             "t_sent": time.perf_counter(),
         }
         return messages
@@ -340,13 +349,13 @@ class UpdateGuard:
         for msg in replies:
             node = msg.metadata.src_node_id
             try:
-                arrays = check_reply(msg, self.expected)
+                arrays = check_reply(msg, self.expected, self.reply_records)
                 metrics = msg.content.metric_records["metrics"]
                 counted_examples(metrics[WEIGHT_KEY])  # a whole number >= 1
             except UpdateRejected as e:
                 reject(node, str(e))
                 continue
-            received += payload_bytes(msg.content.array_records["arrays"])
+            received += message_bytes(msg)
             out.append((msg, {k: v.astype(np.float64) for k, v in arrays.items()}))
         # in node order: the float sums of the aggregate do not depend on the
         # order the replies arrived in (and a chunked round sums the same way)

@@ -44,6 +44,11 @@ class UpdateRejected(ValueError):
     """A model update failed validation; the message says which check."""
 
 
+#: SCAFFOLD's ArrayRecord beside the model (``fl.scaffold``): its control
+#: variate, ``c`` to the clients and ``delta c_i`` back
+CONTROL = "control"
+
+
 def tensors_to_record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
     """Named tensors as an ``ArrayRecord`` of float32 arrays (bf16 converted)."""
     return ArrayRecord(
@@ -136,16 +141,22 @@ def round_examples_bound(counts: list[int], ratio: float) -> int | None:
 
 
 def check_reply(
-    message: Message, expected: dict[str, tuple[int, ...]]
+    message: Message,
+    expected: dict[str, tuple[int, ...]],
+    records: tuple[str, ...] = ("arrays",),
 ) -> dict[str, np.ndarray]:
     """The decoded arrays of ``message``; ``UpdateRejected`` unless it is a
-    well-formed, sane update (its sample count is checked by ``counted_examples``).
-    """
+    well-formed, sane update (its sample count is checked by ``counted_examples``)
+    carrying exactly the ArrayRecords ``records``, each of the model's tensors
+    (SCAFFOLD's replies add their control variate's)."""
     check_metrics(message)
     content = message.content
-    if len(content.array_records) != 1 or "arrays" not in content.array_records:
-        raise UpdateRejected("expected exactly one ArrayRecord named 'arrays'")
-    return decode_checked(content.array_records["arrays"], expected)
+    if set(content.array_records) != set(records):
+        names = " and ".join(repr(r) for r in records)
+        raise UpdateRejected(f"expected exactly the ArrayRecords {names}")
+    for name in records[1:]:
+        decode_checked(content.array_records[name], expected)
+    return decode_checked(content.array_records[records[0]], expected)
 
 
 def check_metrics(message: Message) -> None:

@@ -20,7 +20,7 @@ from aisyn.train.config import SETTINGS, TrainConfig
 from aisyn.train.lora import Method
 from aisyn.validate import check_number, number_problem
 
-STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm")
+STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm", "scaffold")
 #: the strategies whose server step is FedAvg's mean of the updates, the one a
 #: robust aggregation replaces and client DP noises
 MEAN_STRATEGIES = ("fedavg", "fedprox")
@@ -208,6 +208,7 @@ class FLSettings:
         self.train = replace(self.train, steps=self.total_local_steps)
         self._check_aggregation()
         self._check_privacy()
+        self._check_scaffold()
         self.method_spec()  # validates method / rank
 
     def _check_aggregation(self) -> None:
@@ -284,6 +285,22 @@ class FLSettings:
             raise ValueError(
                 f"secure aggregation with secagg-threshold {self.secagg_quorum} "
                 f"needs at least that many clients per round, got {k}"
+            )
+
+    def _check_scaffold(self) -> None:
+        """SCAFFOLD's control variates travel beside each model, one per client
+        (``fl.scaffold``): what they cannot ride along with."""
+        if self.strategy != "scaffold":
+            return
+        if self.secure_aggregation:
+            raise ValueError(
+                "strategy scaffold sends each client's control variate beside its "
+                "update; secure aggregation masks only the update: drop one of them"
+            )
+        if self.max_message_mb:
+            raise ValueError(
+                "strategy scaffold's control variates do not travel in chunks: set "
+                "max-message-mb 0 or use another strategy"
             )
 
     @property

@@ -1,10 +1,11 @@
 """Flower's strategies, guarded: every client update is checked before aggregation.
 
 The strategies are Flower's own (``flwr.serverapp.strategy``): FedAvg, FedProx,
-FedAdam and FedAvgM, and in place of FedAvg's weighted mean (setting
-``aggregation``) FedTrimmedAvg, FedMedian, Krum, MultiKrum or Bulyan. We only
-put ``UpdateGuard`` (``fl.guard``) in front of them, and, where asked, Flower's
-client-level DP around them (``fl.dp``).
+FedAdam and FedAvgM, SCAFFOLD on Flower's FedAvg (``fl.scaffold``), and in
+place of FedAvg's weighted mean (setting ``aggregation``) FedTrimmedAvg,
+FedMedian, Krum, MultiKrum or Bulyan. We only put ``UpdateGuard``
+(``fl.guard``) in front of them, and, where asked, Flower's client-level DP
+around them (``fl.dp``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from flwr.serverapp.strategy import (
 
 from aisyn.fl.dp import with_dp
 from aisyn.fl.guard import UpdateGuard
-from aisyn.fl.records import (
-    WEIGHT_KEY,
-)
+from aisyn.fl.records import WEIGHT_KEY
+from aisyn.fl.scaffold import Scaffold
 from aisyn.fl.settings import FLSettings
 
 
@@ -43,6 +43,10 @@ class GuardedFedAdam(UpdateGuard, FedAdam):
 
 
 class GuardedFedAvgM(UpdateGuard, FedAvgM):
+    pass
+
+
+class GuardedScaffold(UpdateGuard, Scaffold):
     pass
 
 
@@ -121,6 +125,8 @@ def make_strategy(settings: FLSettings) -> Strategy:
             server_learning_rate=settings.server_lr,
             server_momentum=settings.server_momentum,
         )
+    elif settings.strategy == "scaffold":
+        strategy = GuardedScaffold(**common)
     else:  # FLSettings validates the names; this is a programming error
         raise AssertionError((settings.strategy, settings.aggregation))
     strategy._guard_init(settings)
