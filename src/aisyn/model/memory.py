@@ -365,10 +365,7 @@ def party_load(
     layers += [lay.num_blocks + j for j in range(lay.head_layers if head else 0)]
     ld.layout = party_layout(party, len(layers), devices)
     ranks = sorted({0, devices - 1}) if peak_only else range(devices)
-    if ld.layout == "sharded":
-        _shard_ranks(ld, sizes, cfg, w, layers, devices, ranks, embed=embed, head=head)
-    else:
-        _stage_ranks(ld, sizes, cfg, w, layers, devices, ranks, embed=embed, head=head)
+    _rank_loads(ld, sizes, cfg, w, layers, devices, ranks, embed=embed, head=head)
     for name in ("weights_bytes", "grads_bytes", "optimizer_bytes"):
         setattr(ld, name, sum(getattr(r, name) for r in ld.ranks))
     ld.activation_bytes = sum(r.activation_bytes for r in ld.ranks)
@@ -376,7 +373,7 @@ def party_load(
     return ld
 
 
-def _stage_ranks(
+def _rank_loads(
     ld: PartyLoad,
     sizes: dict[str, int],
     cfg: ModelConfig,
@@ -388,40 +385,12 @@ def _stage_ranks(
     embed: bool,
     head: bool,
 ) -> None:
-    """The ranks of a party on one device, or pipelined over ``devices``."""
-    spread = pipeline_stage_blocks(len(layers), devices) if devices > 1 else None
-    n_blocks = cfg.layout.num_blocks
-    for k in ranks:
-        idx = [layers[i] for i in spread[k]] if spread else layers
-        first, last = k == 0, k == devices - 1
-        ld.ranks.append(
-            rank_load(
-                sizes,
-                cfg,
-                w,
-                [i for i in idx if i < n_blocks],
-                embed=embed and first,
-                head=head and last,
-                rank=k,
-                in_flight=_in_flight(w, k, devices),
-            )
-        )
-
-
-def _shard_ranks(
-    ld: PartyLoad,
-    sizes: dict[str, int],
-    cfg: ModelConfig,
-    w: Workload,
-    layers: list[int],
-    devices: int,
-    ranks: range | list[int],
-    *,
-    embed: bool,
-    head: bool,
-) -> None:
-    """The ranks of a party whose blocks are FSDP2-sharded over ``devices``."""
-    if w.micro_batch_size < devices:
+    """The ranks of a party on one device, pipelined over ``devices`` (each
+    stage its share of ``layers``, the embedding on the first, the head on
+    the last), or with its blocks FSDP2-sharded over them (every rank holds
+    all of them, a shard of each)."""
+    sharded = ld.layout == "sharded"
+    if sharded and w.micro_batch_size < devices:
         who = "data party" if ld.name == DATA_PARTY else "compute party"
         more = f"; or give B at most {len(layers)} devices (pipeline stages)"
         raise PlanError(
@@ -431,20 +400,24 @@ def _shard_ranks(
             f"micro-batch size of at least {devices}"
             + (more if ld.name == COMPUTE_PARTY else "")
         )
+    spread = (
+        pipeline_stage_blocks(len(layers), devices) if ld.layout == "pipeline" else None
+    )
     n_blocks = cfg.layout.num_blocks
-    blocks = [i for i in layers if i < n_blocks]
     for k in ranks:
+        idx = [layers[i] for i in spread[k]] if spread else layers
         ld.ranks.append(
             rank_load(
                 sizes,
                 cfg,
                 w,
-                blocks,
-                embed=embed,
-                head=head,
+                [i for i in idx if i < n_blocks],
+                embed=embed and (sharded or k == 0),
+                head=head and (sharded or k == devices - 1),
                 rank=k,
-                in_flight=w.in_flight,  # every rank runs the link's window
-                shard=(k, devices),
+                # sharded, every rank runs the link's window
+                in_flight=w.in_flight if sharded else _in_flight(w, k, devices),
+                shard=(k, devices) if sharded else None,
                 # A reduce-scatters every backward; B once, in the last
                 sharded_grads=ld.name == DATA_PARTY,
             )

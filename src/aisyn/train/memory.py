@@ -48,7 +48,7 @@ def whole_model_bytes(
     rows of all R ranks together); the embedding and head are counted whole,
     an upper bound.
     """
-    sizes = module_sizes(build_model(cfg, device="meta"))
+    sizes = _sizes(cfg)
     w = _workload(
         micro_batch, seq_len, dtype, in_flight, autocast, activation_checkpointing
     )
@@ -73,11 +73,10 @@ def party_bytes(
 ) -> float:
     """Peak training memory of one party's share of a split model (what
     ``aisyn split plan`` prints for it at batch = micro-batch)."""
-    sizes = module_sizes(build_model(cfg, device="meta"))
     w = _workload(
         micro_batch, seq_len, dtype, in_flight, autocast, activation_checkpointing
     )
-    return party_load(sizes, cfg, partition, party, w).memory_bytes
+    return party_load(_sizes(cfg), cfg, partition, party, w).memory_bytes
 
 
 def rank_bytes(
@@ -112,19 +111,23 @@ def rank_bytes(
     parameters' (``autocast``: bf16 autocast over fp32). PlanError if the
     layout cannot run it (a sharded party's micro-batch with fewer rows than
     ranks)."""
-    sizes = module_sizes(build_model(cfg, device="meta"))
-    w = Workload(
-        batch_size=micro_batch * micro_batches,
-        micro_batch_size=micro_batch,
-        seq_len=seq_len,
-        autocast=autocast,
-        activation_checkpointing=activation_checkpointing,
-        schedule=schedule,
-        in_flight=in_flight,
-        dtype=dtype,
+    w = _workload(
+        micro_batch,
+        seq_len,
+        dtype,
+        in_flight,
+        autocast,
+        activation_checkpointing,
+        micro_batches,
+        schedule,
     )
-    load = party_load(sizes, cfg, partition, party, w, devices=ranks)
+    load = party_load(_sizes(cfg), cfg, partition, party, w, devices=ranks)
     return [r.memory_bytes for r in load.ranks]
+
+
+def _sizes(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters per module of ``cfg``'s model, built on the meta device."""
+    return module_sizes(build_model(cfg, device="meta"))
 
 
 def _workload(
@@ -134,10 +137,14 @@ def _workload(
     in_flight: int,
     autocast: bool,
     activation_checkpointing: bool,
+    micro_batches: int = 1,
+    schedule: str = "gpipe",
 ) -> Workload:
+    """One step of ``micro_batches`` micro-batches of ``micro_batch`` rows."""
     return Workload(
-        batch_size=micro_batch,
+        batch_size=micro_batch * micro_batches,
         micro_batch_size=micro_batch,
+        schedule=schedule,
         seq_len=seq_len,
         dtype=dtype,
         in_flight=in_flight,
