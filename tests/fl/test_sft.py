@@ -82,6 +82,22 @@ def test_sft_corrupt_or_missing_data_is_refused(sft_dirs, tmp_path):
         open_sft_many([sft_dirs["news"], bad], "valid")
 
 
+def test_sft_corrupt_manifest_is_one_line(sft_dirs, tmp_path):
+    # Prepare: a copy whose manifest lacks what prepare-sft writes
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(sft_dirs["news"], bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    del manifest["splits"]
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    # Execute / Assert: the error names it, as for token shards
+    with pytest.raises(
+        SFTError, match="corrupt manifest \\(bad or missing 'splits'\\)"
+    ):
+        SFTData.open(bad, "train")
+
+
 def test_pooled_batches_mix_sources(sft_dirs):
     from aisyn.train.objective import SFTBatches
 

@@ -14,6 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Self
 
 from aisyn.validate import read_json
 
@@ -96,9 +97,39 @@ class PreparedSplit:
     """One split of a prepared folder, opened: what token shards and SFT data
     share (their own fields follow these)."""
 
+    #: each kind's: its manifest's format, its error, the command that makes it
+    FORMAT: ClassVar[str]
+    ERROR: ClassVar[type[ValueError]]
+    COMMAND: ClassVar[str]
+
     data_dir: Path
     split: str
     manifest: dict
+
+    @classmethod
+    def open(
+        cls,
+        data_dir: str | Path,
+        split: str = "train",
+        *,
+        tokenizer_sha256: str | None = None,
+        seq_len: int | None = None,
+        verify: bool = True,
+    ) -> Self:
+        """Split ``split`` of the folder ``data_dir``; ``ERROR`` if the folder
+        was made with another tokenizer than ``tokenizer_sha256`` or for
+        sequences a model of ``seq_len`` cannot take, or (``verify``) a file's
+        SHA-256 is not the manifest's. Each kind's ``_open`` does its checks
+        once the manifest is read, with these arguments."""
+        data_dir = Path(data_dir)
+        m = read_manifest(data_dir, cls.FORMAT, cls.ERROR, cls.COMMAND)
+        try:
+            return cls._open(data_dir, m, split, tokenizer_sha256, seq_len, verify)
+        except (KeyError, TypeError, AttributeError) as e:
+            # a manifest from elsewhere (or edited) that lacks what was written
+            raise cls.ERROR(
+                f"{data_dir / MANIFEST}: corrupt manifest (bad or missing {e})"
+            ) from None
 
     @property
     def seq_len(self) -> int:

@@ -46,7 +46,6 @@ from aisyn.data.folder import (
     PreparedSplit,
     file_sha256,
     finish_folder,
-    read_manifest,
     start_folder,
 )
 from aisyn.data.tokenizer import Tokenizer
@@ -186,10 +185,6 @@ def prepare_sft(
     return manifest
 
 
-def read_sft_manifest(data_dir: str | Path) -> dict:
-    return read_manifest(data_dir, FORMAT, SFTError, "prepare-sft")
-
-
 @dataclass
 class SFTData(PreparedSplit):
     """One split of an SFT folder, in memory (a few MB per domain)."""
@@ -198,18 +193,20 @@ class SFTData(PreparedSplit):
     answer_start: torch.Tensor  # (N,) int32
     length: torch.Tensor  # (N,) int32
 
+    FORMAT = FORMAT
+    ERROR = SFTError
+    COMMAND = "prepare-sft"
+
     @classmethod
-    def open(
+    def _open(
         cls,
-        data_dir: str | Path,
-        split: str = "train",
-        *,
-        tokenizer_sha256: str | None = None,
-        seq_len: int | None = None,
-        verify: bool = True,
+        data_dir: Path,
+        m: dict,
+        split: str,
+        tokenizer_sha256: str | None,
+        seq_len: int | None,
+        verify: bool,
     ) -> SFTData:
-        data_dir = Path(data_dir)
-        m = read_sft_manifest(data_dir)
         info = m["splits"].get(split)
         if info is None or "sha256" not in info:
             raise SFTError(f"{data_dir}: no {split!r} split of supervised items")

@@ -130,25 +130,9 @@ class TokenShards(PreparedSplit):
 
     arrays: list[np.ndarray]
 
-    @classmethod
-    def open(
-        cls,
-        data_dir: str | Path,
-        split: str = "train",
-        *,
-        tokenizer_sha256: str | None = None,
-        seq_len: int | None = None,
-        verify: bool = True,
-    ) -> TokenShards:
-        data_dir = Path(data_dir)
-        m = read_manifest(data_dir)
-        try:
-            return cls._open(data_dir, m, split, tokenizer_sha256, seq_len, verify)
-        except (KeyError, TypeError, AttributeError) as e:
-            # a manifest from elsewhere (or edited) that lacks what prepare writes
-            raise ShardError(
-                f"{data_dir / folder.MANIFEST}: corrupt manifest (bad or missing {e})"
-            ) from None
+    FORMAT = FORMAT
+    ERROR = ShardError
+    COMMAND = "prepare"
 
     @classmethod
     def _open(
