@@ -87,3 +87,41 @@ def test_portable_specs_keep_builtin_names_and_make_paths_absolute(
     monkeypatch.chdir(tmp_path)
     got = portable_specs(["news", "mine.txt", tmp_path / "other.jsonl"])
     assert got == ["news", str(tmp_path / "mine.txt"), str(tmp_path / "other.jsonl")]
+
+
+def test_fortunes_are_the_debian_package_s_chinese_text():
+    # the public corpus of the reference presets (apt-get install fortunes-zh)
+    corpus = load_corpus("fortunes")
+    texts = [d.text for d in corpus.documents]
+    assert len(texts) > 5000
+    assert sum(map(len, texts)) > 350_000
+    assert [s["path"].rsplit("/", 1)[1] for s in corpus.sources] == [
+        "chinese",
+        "tang300",
+        "song100",
+    ]
+    # one document per fortune, the terminal colour codes and '%' lines gone
+    assert not any("\x1b" in t or t == "%" for t in texts)
+    assert any(t.startswith("《") and "杜甫" in t for t in texts)  # Tang poems
+    assert len({split_of(t) for t in texts}) == 3
+
+
+def test_fortunes_elsewhere_and_missing(tmp_path, monkeypatch):
+    for name, body in {
+        "chinese": "天下有道，却走马以粪。\n    --《道德经》\n%\ngdb run\n%\n",
+        "tang300": "\x1b[32m《静夜思》\x1b[m\n床前明月光\n%\n",
+        "song100": "明月几时有\n",
+    }.items():
+        (tmp_path / name).write_text(body, encoding="utf-8")
+    monkeypatch.setenv("AISYN_FORTUNES_DIR", str(tmp_path))
+    texts = [d.text for d in load_corpus("fortunes").documents]
+    # a fortune that is not Chinese text (a command) is dropped
+    assert texts == [
+        "天下有道，却走马以粪。--《道德经》",
+        "《静夜思》床前明月光",
+        "明月几时有",
+    ]
+    (tmp_path / "song100").unlink()
+    with pytest.raises(CorpusError, match="apt-get install fortunes-zh") as e:
+        load_corpus("fortunes")
+    assert "\n" not in str(e.value)

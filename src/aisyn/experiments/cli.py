@@ -6,8 +6,11 @@ from pathlib import Path
 
 from aisyn import validate
 from aisyn.fl.settings import STRATEGIES
+from aisyn.testbed.presets import PRESETS
 from aisyn.train.lora import METHODS, Method
 from aisyn.validate import positive_float, positive_int
+
+REGIMES_DEFAULT = "standalone,fusion,split,federated,splitfed"
 
 
 def cmd_compare(args) -> None:
@@ -29,8 +32,35 @@ def cmd_compare(args) -> None:
         finetune_steps=args.steps,
         lr=args.lr,
     )
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    if preset.methods:  # the reference's table: every method, partition, seed
+        from aisyn.experiments.table import TABLE_MD, run_table
+
+        given = [
+            flag
+            for flag, value, default in (
+                ("--strategy", args.strategy, None),
+                ("--fl-set", args.fl_set, None),
+                ("--regimes", args.regimes, REGIMES_DEFAULT),
+                ("--echo", args.echo, False),
+                ("--tensorboard", args.tensorboard, False),
+            )
+            if value not in (default, [])
+        ]
+        if given:
+            raise ValueError(
+                f"--preset {args.preset} runs the whole table (every regime, "
+                f"method, partition and seed): drop {', '.join(given)}"
+            )
+        table = run_table(
+            domains, preset, args.out, device=args.device, resume=args.resume
+        )
+        print((Path(args.out) / TABLE_MD).read_text(encoding="utf-8"))
+        print(f"took {table['elapsed_s'] / 60:.1f} min; wrote {args.out}")
+        print(table["summary"])
+        return
     report = run_compare(
-        [d.strip() for d in args.domains.split(",") if d.strip()],
+        domains,
         preset,
         args.out,
         device=args.device,
@@ -151,7 +181,14 @@ def register(sub) -> None:
     add_flags(
         c,
         ("--domains", None, "news,reviews", "comma-separated corpora"),
-        ("--preset", ["ci", "full"], "ci", "ci: minutes; full: the README table"),
+        (
+            "--preset",
+            list(PRESETS),
+            "ci",
+            "ci: minutes; full: the README table; reference: the reference's "
+            "table over federated methods, partitions and seeds (reference-ci: "
+            "its minutes-long form)",
+        ),
         ("--out", None, REQUIRED, "report folder"),
         DEVICE,
         ("--rounds", positive_int, None, "override federated rounds"),
@@ -161,7 +198,7 @@ def register(sub) -> None:
         (
             "--regimes",
             None,
-            "standalone,fusion,split,federated,splitfed",
+            REGIMES_DEFAULT,
             "comma-separated regimes to run (the untuned base always)",
         ),
         ("--lr", positive_float, None, "override the fine-tuning lr"),

@@ -1,8 +1,8 @@
 """``aisyn experiment compare``: standalone vs fusion vs federated, as the reference.
 
 1. Token shards of each domain's raw text and a common *base model* pretrained
-   on both (our stand-in for pretrained PanGu-α), built once and cached
-   (``testbed.inputs``).
+   on both, or on the preset's public corpora only (our stand-in for
+   pretrained PanGu-α), built once and cached (``testbed.inputs``).
 2. Supervised cloze items of each domain's train documents (``prepare_sft``;
    cached), loss on the answer tokens only.
 3. Fine-tune the base, with the same budget of optimizer steps, as
@@ -92,8 +92,10 @@ def prepare_inputs(domains: Sequence[str], preset: Preset, device: str) -> Input
     shards = {
         n: cached_shards(d, tok, preset) for n, d in zip(names, domains, strict=True)
     }
+    # the base learns the domains' own text, or only the preset's public text
+    public = [cached_shards(c, tok, preset) for c in preset.public]
     t0 = time.perf_counter()
-    base = cached_base(preset, list(shards.values()), tok, device)
+    base = cached_base(preset, public or list(shards.values()), tok, device)
     base_build_s = time.perf_counter() - t0
     sft = {n: cached_sft(d, tok, preset) for n, d in zip(names, domains, strict=True)}
     evaluate = Evaluator(

@@ -47,6 +47,7 @@ import contextlib
 import logging
 import re
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -244,6 +245,8 @@ def run_splitfed(
             root, global_run, members, backbone, settings, info, t_start, resume
         )
     merged = out / "merged"
+    # derived from the two halves: a resumed run (even a finished one) merges again
+    shutil.rmtree(merged, ignore_errors=True)
     merge(global_run.path, out / "compute", merged)
     summary["merged"] = str(merged)
     summary["elapsed_s"] = time.perf_counter() - t_start

@@ -1,6 +1,7 @@
 """The cached inputs of a preset (``testbed.presets``): each domain's token
 shards and supervised cloze items, and the base model pretrained on every
-domain (our stand-in for pretrained PanGu-α).
+domain, or on the preset's public corpora only (our stand-in for pretrained
+PanGu-α).
 
 Each is built once, under ``cache_dir``, keyed by everything it is made of
 (preset sizes, model, data and tokenizer), so that the comparison
@@ -98,7 +99,8 @@ def cached_sft(domain: str, tok: PanguTokenizer, preset: Preset) -> Path:
 def cached_base(
     preset: Preset, shards: Sequence[Path], tok: PanguTokenizer, device: str
 ) -> Path:
-    """The base model pretrained on all domains' raw train text; built once.
+    """The base model pretrained on the raw train text of ``shards`` (every
+    domain's, or a preset's public corpora); built once.
 
     An interrupted build resumes from its last checkpoint.
     """

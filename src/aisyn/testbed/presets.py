@@ -51,6 +51,16 @@ class Preset:
     eta: float = 3e-3
     eval_items: int = 64
     seed: int = 1234
+    # where the base's pretraining text comes from: these corpora (public
+    # text the domains do not hold), or the domains themselves when empty
+    public: tuple[str, ...] = ()
+    # the reference's table (``experiments.table``) when methods are given:
+    # every federated method over every partition ("domains", one client per
+    # domain, or "dirichlet-ALPHA" over ``clients`` clients), every seed
+    methods: tuple[str, ...] = ()
+    partitions: tuple[str, ...] = ("domains",)
+    clients: int = 4
+    seeds: tuple[int, ...] = ()
 
     def pretrain_config(self) -> TrainConfig:
         return TrainConfig(
@@ -127,6 +137,33 @@ PRESETS: dict[str, Preset] = {
         eval_items=256,
     ),
 }
+
+
+#: the reference's table: a base that knows neither domain, so fine-tuning
+#: has something to teach; the methods of the issue and a drift-correcting
+#: one, the reference's two-domain split and two Dirichlet deals, two seeds
+_TABLE = dict(
+    public=("fortunes",),
+    methods=("fedavg", "fedprox", "fedadam", "scaffold"),
+    partitions=("domains", "dirichlet-0.1", "dirichlet-1.0"),
+    clients=4,
+    seeds=(1, 2),
+)
+PRESETS["reference"] = replace(
+    PRESETS["full"],
+    name="reference",
+    model=preset_fields("small"),
+    pretrain_steps=2000,
+    finetune_steps=800,
+    **_TABLE,
+)
+PRESETS["reference-ci"] = replace(
+    PRESETS["ci"],
+    name="reference-ci",
+    methods=("fedavg", "scaffold"),
+    partitions=("domains", "dirichlet-0.1"),
+    **{k: v for k, v in _TABLE.items() if k not in ("methods", "partitions")},
+)
 
 
 def get_preset(name: str) -> Preset:

@@ -1,0 +1,166 @@
+"""The reference's table over methods, partitions and seeds
+(``aisyn experiment compare --preset reference|reference-ci``): its
+judgement of the best method, its summary line, and a whole micro table."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+from test_compare import MICRO, write_corpus
+
+from aisyn.experiments.table import run_table, summarise
+from aisyn.testbed.presets import PRESETS
+
+NAMES = ["news", "reviews"]
+SUMMARY = re.compile(
+    r"federated - fusion: ([+-]\d+\.\d) / ([+-]\d+\.\d) pts \(min over domains "
+    r"([+-]\d+\.\d)\), best standalone ([+-]\d+\.\d), method (\w+), rounds (\d+|never)"
+)
+
+
+def row(regime, kind, seed, news, reviews, **info):
+    return {
+        "regime": regime,
+        "kind": kind,
+        "seed": seed,
+        "acc_news": news,
+        "acc_reviews": reviews,
+        "loss_news": 1.0,
+        "loss_reviews": 1.0,
+        **info,
+    }
+
+
+def fed(method, partition, seed, news, reviews, curve):
+    return row(
+        f"federated ({method}, {partition})", "federated", seed, news, reviews,
+        method=method, partition=partition, rounds=len(curve) - 1,
+        bytes_per_round=1e6, wall_per_round_s=2.0,
+        curve=[{"round": r, "news": a, "reviews": b} for r, (a, b) in enumerate(curve)],
+    )  # fmt: skip
+
+
+def test_the_best_method_is_judged_at_its_worst_partition():
+    # Prepare: fusion 40 / 50; standalone bests 35 (news) and 44 (reviews).
+    # fedavg is best on the domain split but 6 points short under Dirichlet;
+    # scaffold is 1.5 short at worst (news, Dirichlet), reaching fusion - 1 on
+    # both domains in round 2 (domains) and round 3 (Dirichlet)
+    rows = [row("without ft (base)", "base", None, 20.0, 25.0)]
+    for seed, wiggle in ((1, -0.5), (2, 0.5)):
+        rows += [
+            row("news ft (standalone)", "standalone", seed, 35 + wiggle, 30.0),
+            row("reviews ft (standalone)", "standalone", seed, 25.0, 44 + wiggle),
+            row("fusion", "fusion", seed, 40 + wiggle, 50 - wiggle),
+            fed("fedavg", "domains", seed, 41.0, 50.0, [(20, 25), (41, 50)]),
+            fed("fedavg", "dirichlet-0.1", seed, 34.0, 49.0, [(20, 25), (34, 49)]),
+            fed(
+                "scaffold", "domains", seed, 40.0, 50.0,
+                [(20, 25), (30, 40), (39.5, 49.2), (40, 50)],
+            ),
+            fed(
+                "scaffold", "dirichlet-0.1", seed, 38.5, 49.5,
+                [(20, 25), (30, 40), (38, 48), (39, 49.5)],
+            ),
+        ]  # fmt: skip
+    # Execute
+    table = summarise(rows, NAMES, PRESETS["reference-ci"])
+    # Assert: the groups are seed means with their spread
+    fusion = next(g for g in table["table"] if g["kind"] == "fusion")
+    assert fusion["seeds"] == 2 and fusion["acc_news"] == 40.0
+    assert fusion["sd_news"] == pytest.approx(0.7071, abs=1e-4)
+    best = table["best"]
+    assert best["method"] == "scaffold" and best["partition"] == "dirichlet-0.1"
+    assert best["vs_fusion"] == {"news": -1.5, "reviews": -0.5}
+    # (38.5 - 35 + 49.5 - 44) / 2 over the best standalone models
+    assert best["vs_best_standalone"] == pytest.approx(4.5)
+    assert best["rounds_to_fusion_all"] == 3 and not best["goal_fusion"]
+    assert table["summary"] == (
+        "federated - fusion: -1.5 / -0.5 pts (min over domains -1.5), best "
+        "standalone +4.5, method scaffold, rounds 3"
+    )
+    assert SUMMARY.fullmatch(table["summary"])
+
+
+def test_a_method_that_never_reaches_fusion_says_never():
+    rows = [
+        row("news ft (standalone)", "standalone", 1, 30.0, 20.0),
+        row("reviews ft (standalone)", "standalone", 1, 20.0, 30.0),
+        row("fusion", "fusion", 1, 40.0, 40.0),
+        fed("fedavg", "domains", 1, 30.0, 30.0, [(10, 10), (30, 30)]),
+    ]
+    table = summarise(rows, NAMES, PRESETS["reference-ci"])
+    assert table["summary"].endswith("method fedavg, rounds never")
+    assert SUMMARY.fullmatch(table["summary"])
+
+
+@pytest.mark.heavy
+def test_a_micro_table_has_every_regime_curve_and_the_summary(tmp_path, monkeypatch):
+    # Prepare: two small domains, a public corpus of its own (the reference
+    # presets' is Debian's fortunes), two methods over two partitions, 2 seeds
+    monkeypatch.setenv("AISYN_CACHE", str(tmp_path / "cache"))
+    news = write_corpus(tmp_path / "news.txt", "news", 120)
+    reviews = write_corpus(tmp_path / "reviews.txt", "reviews", 120)
+    public = write_corpus(tmp_path / "public.txt", "fortunes", 200)
+    preset = replace(
+        MICRO,
+        name="micro-table",
+        finetune_steps=8,
+        rounds=2,
+        public=(public,),
+        methods=("fedavg", "scaffold"),
+        partitions=("domains", "dirichlet-1.0"),
+        clients=4,
+        seeds=(1, 2),
+    )
+    out = tmp_path / "table"
+    # Execute
+    table = run_table([news, reviews], preset, out, device="cpu")
+    # Assert: every regime, each over both seeds
+    regimes = {g["regime"]: g for g in table["table"]}
+    assert set(regimes) == {
+        "without ft (base)",
+        "news ft (standalone)",
+        "reviews ft (standalone)",
+        "fusion",
+        "news split ft",
+        "reviews split ft",
+        "splitfed (fedavg, domains)",
+        *(
+            f"federated ({m}, {p})"
+            for m in ("fedavg", "scaffold")
+            for p in ("domains", "dirichlet-1.0")
+        ),
+    }
+    for label, g in regimes.items():
+        assert g["seeds"] == (1 if label.startswith("without") else 2), label
+        for n in ("news", "reviews"):
+            assert 0.0 <= g[f"acc_{n}"] <= 100.0
+    # every federated run scored after each of its rounds, round 0 the start
+    for m in ("fedavg", "scaffold"):
+        g = regimes[f"federated ({m}, dirichlet-1.0)"]
+        assert [p["round"] for p in g["curve"]] == [0, 1, 2]
+        assert g["bytes_per_round"] > 0 and g["wall_per_round_s"] > 0
+    # SCAFFOLD moves twice FedAvg's bytes (its control variates ride along)
+    ratio = (
+        regimes["federated (scaffold, domains)"]["bytes_per_round"]
+        / regimes["federated (fedavg, domains)"]["bytes_per_round"]
+    )
+    assert ratio == pytest.approx(2.0, rel=0.01)
+    # four Dirichlet parts, each a client of its own folder
+    parts = sorted((out / "runs" / "seed-1" / "partitions" / "dirichlet-1.0").iterdir())
+    assert [p.name for p in parts] == ["part0", "part1", "part2", "part3"]
+    md = (out / "table.md").read_text(encoding="utf-8")
+    assert SUMMARY.fullmatch(md.strip().splitlines()[-1])
+    assert (out / "accuracy_rounds.png").stat().st_size > 10_000
+    saved = json.loads((out / "table.json").read_text())
+    assert saved["summary"] == table["summary"]
+    # A finished table resumed is the same table (nothing is trained again);
+    # another recipe is refused in one line before anything is written
+    again = run_table([news, reviews], preset, out, device="cpu", resume=True)
+    assert again["table"] == table["table"]
+    with pytest.raises(ValueError, match="other preset") as e:
+        run_table([news, reviews], replace(preset, seeds=(3,)), out, resume=True)
+    assert "\n" not in str(e.value)
