@@ -318,6 +318,21 @@ BAD_INPUTS = [
         "garbage.key: not a PEM private key",
     ),
     (
+        "the reference table with a regime's own strategy",
+        lambda f: [
+            "experiment",
+            "compare",
+            "--preset",
+            "reference-ci",
+            "--strategy",
+            "fedprox",
+            "--out",
+            str(f / "table"),
+        ],  # fmt: skip
+        "runs the whole table (every regime, method, partition and seed): drop "
+        "--strategy",
+    ),
+    (
         "model JSON with a string for a number",
         lambda f: (
             ["split", "plan", "--model", str(f / "string_field.json")]

@@ -165,6 +165,12 @@ def run_table(
 
 def _row(label: str, kind: str, seed: int | None, scores: dict, **info) -> dict:
     names = [k.removeprefix("acc_") for k in scores if k.startswith("acc_")]
+    log.info(
+        "%s (seed %s): %s",
+        label,
+        seed,
+        ", ".join(f"{n} {100 * scores[f'acc_{n}']['accuracy']:.2f} %" for n in names),
+    )
     return {
         "regime": label,
         "kind": kind,
