@@ -24,6 +24,7 @@ from torch import nn
 
 from aisyn.data.sft import SFTData
 from aisyn.fl import chunks
+from aisyn.fl.node import build_trainable, start_run
 from aisyn.fl.records import (
     CONTROL,
     payload_bytes,
@@ -45,19 +46,11 @@ from aisyn.train.device import resolve_device
 from aisyn.train.distributed import DistContext
 from aisyn.train.engine import Engine
 from aisyn.train.executor import LocalExecutor
-from aisyn.train.lora import (
-    apply_method,
-    load_trainable,
-    trainable_tensors,
-)
-from aisyn.train.models import check_data_matches, describe_base, load_base
+from aisyn.train.lora import load_trainable, trainable_tensors
+from aisyn.train.models import check_data_matches, describe_base
 from aisyn.train.objective import SFTObjective, sft_eval_loss
 from aisyn.train.regime import Regime
-from aisyn.train.run import (
-    TOKENIZER,
-    RunDir,
-    run_config,
-)
+from aisyn.train.run import RunDir
 
 log = logging.getLogger("aisyn.fl")
 
@@ -139,12 +132,9 @@ class ClientContext:
             raise ValueError(f"client {node.name}: {e}") from None
         check_data_matches(self.info, [self.data])
         self.device = device or resolve_device(settings.train.device)
-        torch.manual_seed(settings.train.seed)
-        self.model, _ = load_base(self.info, self.device)
-        self.trainable = apply_method(
-            self.model, settings.method_spec(), settings.train.seed
+        self.model, self.trainable, self.spec = build_trainable(
+            self.info, settings, self.device
         )
-        self.spec = {n: tuple(p.shape) for n, p in self.trainable}
         self.run = RunDir(node.out)
         self._ensure_run_folder()
         if settings.tensorboard and main:  # (main: rank 0 of a multi-rank client)
@@ -163,21 +153,14 @@ class ClientContext:
                     "give this federation another --out"
                 )
             return
-        self.run.start(
-            run_config(
-                "finetune",
-                self.info.model,
-                role="client",
-                name=self.node.name,
-                method=self.settings.method_spec().to_dict(),
-                federated=self.settings.to_dict(),
-                data=[self.node.data],
-                tokenizer=self.info.tokenizer,
-                seq_len=self.data.seq_len,
-                base=self.info.to_dict(),
-            ),
-            resume=False,
-            tokenizer=self.info.path / TOKENIZER,
+        start_run(
+            self.run,
+            self.settings,
+            self.info,
+            role="client",
+            seq_len=self.data.seq_len,
+            data=[self.node.data],
+            name=self.node.name,
         )
 
     def load_global(

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from flwr.app import ArrayRecord
 from flwr.serverapp import Grid
 
@@ -22,6 +21,7 @@ from aisyn.accountant import finite_or_none
 from aisyn.fl import chunked_grid, chunks
 from aisyn.fl.dp import sample_rate, settings_epsilon
 from aisyn.fl.federation import Federation
+from aisyn.fl.node import build_trainable, start_run
 from aisyn.fl.records import (
     payload_bytes,
     record_to_tensors,
@@ -36,19 +36,9 @@ from aisyn.fl.secure import SecAggPlusGrid
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import guard_of, make_strategy
 from aisyn.train.executor import save_model
-from aisyn.train.lora import (
-    apply_method,
-    load_trainable,
-    trainable_tensors,
-)
-from aisyn.train.models import BaseModel, describe_base, load_base
-from aisyn.train.run import (
-    TOKENIZER,
-    RunDir,
-    run_config,
-    save_figure,
-    write_json_atomic,
-)
+from aisyn.train.lora import load_trainable, trainable_tensors
+from aisyn.train.models import BaseModel, describe_base
+from aisyn.train.run import RunDir, save_figure, write_json_atomic
 
 log = logging.getLogger("aisyn.fl")
 
@@ -137,11 +127,8 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
     run = RunDir(node.out)
     if node.resume:
         check_resumable(run, settings, info)
-    model, _ = load_base(info, "cpu")
-    torch.manual_seed(settings.train.seed)
-    trainable = apply_method(model, settings.method_spec(), settings.train.seed)
+    model, trainable, spec = build_trainable(info, settings, "cpu")
     initial = tensors_to_record(trainable_tensors(trainable))
-    spec = {n: tuple(p.shape) for n, p in trainable}
     plan = chunks.plan_for(settings, spec)  # None: the model fits one message
     strategy = make_strategy(settings)
     guard = guard_of(strategy)
@@ -186,19 +173,13 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         plot=lambda history, final: plot_global(history, final, run.path / "loss.png"),
     )
     first, arrays = federation.resume() if node.resume else (1, None)
-    run.start(
-        run_config(
-            "finetune",
-            info.model,
-            role="server",
-            method=settings.method_spec().to_dict(),
-            federated=settings.to_dict(),
-            tokenizer=info.tokenizer,
-            seq_len=info.model.seq_len,
-            base=info.to_dict(),
-        ),
+    start_run(
+        run,
+        settings,
+        info,
+        role="server",
+        seq_len=info.model.seq_len,
         resume=node.resume,
-        tokenizer=info.path / TOKENIZER,
     )
     if settings.tensorboard:
         run.enable_tensorboard()
