@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from aisyn.fl.chunks import (
     save_arrays,
 )
 from aisyn.fl.records import UpdateRejected
+from aisyn.fl.wrapped_grid import WrappedGrid
 
 log = logging.getLogger("aisyn.fl.chunks")
 
@@ -54,7 +54,7 @@ class NodeUpdate:
         return load_arrays(self.folder / f"chunk-{index}.safetensors")
 
 
-class ChunkedGrid:
+class ChunkedGrid(WrappedGrid):
     """The Grid a chunked run's strategy sees: a train or evaluate message's
     global model goes out chunk by chunk, and a train reply's update is pulled
     chunk by chunk into ``updates`` (checked, spilled to ``spill``); everything
@@ -68,21 +68,16 @@ class ChunkedGrid:
         limit: int,
         spill: Path,
     ) -> None:
-        self.grid, self.spec, self.plan, self.limit = grid, spec, plan, limit
+        super().__init__(grid)
+        self.spec, self.plan, self.limit = spec, plan, limit
         self.spill = spill
         self.updates: dict[int, NodeUpdate] = {}
         self.global_arrays: dict[str, np.ndarray] = {}
 
-    def __getattr__(self, name: str):
-        return getattr(self.grid, name)
+    def handles(self, messages: list[Message]) -> bool:
+        return not _kinds(messages) - {MessageType.TRAIN, MessageType.EVALUATE}
 
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        messages = list(messages)
-        kinds = {m.metadata.message_type for m in messages}
-        if not messages or kinds - {MessageType.TRAIN, MessageType.EVALUATE}:
-            return self.grid.send_and_receive(messages, timeout=timeout)
+    def exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
         # Flower's strategies put the round in the config (and leave group_id)
         server_round = int(messages[0].content["config"]["server-round"])
         arrays: ArrayRecord = messages[0].content["arrays"]  # type: ignore[assignment]
@@ -105,7 +100,7 @@ class ChunkedGrid:
                 )
             )
         replies = list(self.grid.send_and_receive(out, timeout=timeout))
-        if kinds == {MessageType.TRAIN}:
+        if _kinds(messages) == {MessageType.TRAIN}:
             self.global_arrays = global_arrays
             self._pull_updates(replies, server_round, timeout)
         return replies
@@ -219,6 +214,10 @@ class ChunkedGrid:
         for update in self.updates.values():
             shutil.rmtree(update.folder, ignore_errors=True)
         self.updates = {}
+
+
+def _kinds(messages: list[Message]) -> set[str]:
+    return {m.metadata.message_type for m in messages}
 
 
 def _message(content: RecordDict, kind: str, node: int, group: str) -> Message:

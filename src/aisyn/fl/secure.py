@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -83,6 +82,8 @@ from flwr.app import (
 from flwr.app.message_type import MessageType
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.serverapp import Grid
+
+from aisyn.fl.wrapped_grid import WrappedGrid
 
 if TYPE_CHECKING:  # imported where used: the key stages' client processes
     # need neither it nor torch, and start faster without them
@@ -170,29 +171,21 @@ class _LegacyBridge:
         return None, {}
 
 
-class SecAggPlusGrid:
+class SecAggPlusGrid(WrappedGrid):
     """A Grid whose train rounds run Flower's SecAgg+ workflow (see the module's
     docstring); everything else passes through to ``grid``."""
 
     def __init__(self, grid: Grid, settings: FLSettings) -> None:
-        self._grid = grid
+        super().__init__(grid)
         self.settings = settings
         self.last_round: dict = {}
 
-    def __getattr__(self, name: str):
-        return getattr(self._grid, name)
+    def handles(self, messages: list[Message]) -> bool:
+        return messages[0].metadata.message_type == MessageType.TRAIN
 
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        messages = list(messages)
-        if not messages or messages[0].metadata.message_type != MessageType.TRAIN:
-            return self._grid.send_and_receive(messages, timeout=timeout)
-        return self._secure_round(messages, timeout)
-
-    def _secure_round(
-        self, messages: list[Message], timeout: float | None
-    ) -> list[Message]:
+    def exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
+        """The train round as SecAgg+: one reply per surviving client, each
+        carrying the unmasked aggregate."""
         from flwr.server.compat.legacy_context import LegacyContext
         from flwr.server.workflow import SecAggPlusWorkflow
         from flwr.server.workflow.constant import (
@@ -229,7 +222,7 @@ class SecAggPlusGrid:
             modulus_range=MODULUS_RANGE,
             timeout=timeout,
         )
-        screened = _MaskedVectorScreen(self._grid, global_arrays, server_round)
+        screened = _MaskedVectorScreen(self.grid, global_arrays, server_round)
         self.last_round = {"sampled": len(messages), "dropped": []}
         try:
             workflow(screened, context)  # type: ignore[arg-type]
@@ -311,27 +304,25 @@ class SecAggPlusGrid:
         return None
 
 
-class _MaskedVectorScreen:
+class _MaskedVectorScreen(WrappedGrid):
     """The Grid the SecAgg+ workflow talks through: a masked vector that is not
     the integer arrays of the shapes an honest client sends is dropped, so the
     workflow treats its client as a dropout (adding it would raise, ending the
     run, or garble the sum)."""
 
     def __init__(self, grid: Grid, arrays: ArrayRecord, server_round: int) -> None:
-        self._grid = grid
+        super().__init__(grid)
         self.server_round = server_round
         # the weight ratio (one integer), then one array per tensor
         self.shapes = [(1,)] + [tuple(a.shape) for a in arrays.values()]
         self.malformed: list[int] = []
 
-    def __getattr__(self, name: str):
-        return getattr(self._grid, name)
+    def handles(self, messages: list[Message]) -> bool:
+        return True  # every stage's exchange: only the masked vectors are screened
 
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
+    def exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
         kept = []
-        for reply in self._grid.send_and_receive(messages, timeout=timeout):
+        for reply in self.grid.send_and_receive(messages, timeout=timeout):
             problem = None if reply.has_error() else self._problem(reply)
             if problem is None:
                 kept.append(reply)
