@@ -12,12 +12,12 @@ client-side DP clipping (``--dp client``); see ``aisyn.fl.secure``.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from aisyn.fl.runtime import app_logging
 from aisyn.fl.secure import (
     legacy_fit_mod,
     maskable_update_mod,
@@ -37,40 +37,37 @@ MODS = [
 app = ClientApp(mods=MODS)
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
-    for noisy in ("matplotlib", "PIL", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+def _round(msg: Message, context: Context) -> tuple:
+    """What ``client_train`` and ``client_evaluate`` take: this node (its
+    ``--node-config``), the round's config, the global model (None: a chunked
+    round, staged already) and the run."""
+    from aisyn.fl.client import ClientNode
+
+    return (
+        ClientNode.from_node_config(dict(context.node_config)),
+        msg.content["config"],
+        msg.content.array_records.get("arrays"),
+        msg.metadata.run_id,
+    )
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    _setup_logging()
-    from aisyn.fl import client
+    app_logging()
+    from aisyn.fl.client import client_train
 
-    node = client.ClientNode.from_node_config(dict(context.node_config))
-    records, metrics = client.client_train(
-        node,
-        msg.content["config"],
-        msg.content.array_records.get("arrays"),  # None: a chunked round
-        msg.metadata.run_id,
-        control=msg.content.array_records.get("control"),  # SCAFFOLD's
-    )
+    records, metrics = client_train(
+        *_round(msg, context), control=msg.content.array_records.get("control")
+    )  # (SCAFFOLD's control variate, where the strategy sends one)
     return Message(RecordDict({**records, "metrics": metrics}), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    _setup_logging()
-    from aisyn.fl import client
+    app_logging()
+    from aisyn.fl.client import client_evaluate
 
-    node = client.ClientNode.from_node_config(dict(context.node_config))
-    metrics = client.client_evaluate(
-        node,
-        msg.content["config"],
-        msg.content.array_records.get("arrays"),
-        msg.metadata.run_id,
-    )
+    metrics = client_evaluate(*_round(msg, context))
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 

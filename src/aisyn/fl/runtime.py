@@ -51,6 +51,15 @@ SERVER_APP = "aisyn.fl.server_app:app"
 CLIENT_APP = "aisyn.fl.client_app:app"
 
 
+def app_logging() -> None:
+    """The logging of an App process (``server_app``, ``client_app``: Flower
+    starts them, not ``aisyn``'s command line): INFO and above, the chatty
+    libraries' at WARNING."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
+    for noisy in ("matplotlib", "PIL", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
 class RuntimeStartError(OSError):
     """A Flower process could not be started or did not become ready."""
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from aisyn.fl import server
+from aisyn.fl.runtime import app_logging
 from aisyn.fl.settings import FLSettings
 
 app = ServerApp()
@@ -16,9 +16,7 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
-    for noisy in ("matplotlib", "PIL", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    app_logging()
     run_config = dict(context.run_config)
     settings = FLSettings.from_run_config(run_config)
     node = server.ServerNode(
