@@ -178,22 +178,16 @@ class UpdateGuard:
         well_formed = len(updates)
         updates = self._within_norm_bound(updates, entry, reject)
         good = [msg for msg, _ in updates]
-        # The norm bound assumes honest updates are alike, so what it rejected
-        # were attackers: the robust aggregation need tolerate only the rest
-        # (else Bulyan, needing 4f + 3 updates, would skip every round in which
-        # the guard dropped its attacker).
-        attackers = max(0, self.assumed_attackers - (well_formed - len(good)))
-        needed = min_updates(self.aggregation, attackers)
-        entry.update(
-            {
-                "accepted": len(good),
-                "rejected": rejected,
-                "bytes_received": entry.pop("_bytes_received", 0),
-                "wait_s": t_replies - entry.get("t_sent", t_replies),
-            }
+        attackers = self._tally(
+            server_round,
+            entry,
+            good,
+            well_formed,
+            rejected=rejected,
+            bytes_received=entry.pop("_bytes_received", 0),
+            t_replies=t_replies,
         )
-        _log_client_metrics(entry, good)
-        if _too_few(entry, server_round, len(good), self.aggregation, needed):
+        if attackers is None:
             return None, None
         # float64 from here on: the mean, FedAdam's squared steps and the checks
         lo = hi = None
@@ -214,20 +208,11 @@ class UpdateGuard:
         entry["aggregate_s"] = time.perf_counter() - t0
         if arrays is None:
             return None, agg_metrics
-        problem = self._aggregate_problem(arrays, lo, hi)
-        if problem is None:
-            arrays = as_wire_dtype(arrays)
-            if not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
-                problem = "the aggregate overflows float32"
+        arrays, problem = self._wire_aggregate(arrays, lo, hi)
         if problem is not None:
-            log.warning(
-                "round %d: aggregate rejected (%s); keeping the last good global model",
-                server_round,
-                problem,
-            )
             for name, value in state.items():
                 setattr(self, name, value)
-            entry["aggregate_rejected"] = problem
+            _reject_aggregate(entry, server_round, problem)
             return None, agg_metrics
         return arrays, agg_metrics
 
@@ -263,19 +248,17 @@ class UpdateGuard:
         norms = [grid.updates[m.metadata.src_node_id].norm for m, _ in checked]
         kept = self._within_norm_bound(checked, entry, reject, norms)
         good = [msg for msg, _ in kept]
-        attackers = max(0, self.assumed_attackers - (len(checked) - len(good)))
-        needed = min_updates(self.aggregation, attackers)
-        entry.update(
-            {
-                "accepted": len(good),
-                "rejected": rejected,
-                "bytes_received": sum(u.bytes for u in grid.updates.values()),
-                "wait_s": t_replies - entry.get("t_sent", t_replies),
-                "chunks": len(grid.plan),
-            }
+        attackers = self._tally(
+            server_round,
+            entry,
+            good,
+            len(checked),
+            rejected=rejected,
+            bytes_received=sum(u.bytes for u in grid.updates.values()),
+            t_replies=t_replies,
+            chunks=len(grid.plan),
         )
-        _log_client_metrics(entry, good)
-        if _too_few(entry, server_round, len(good), self.aggregation, needed):
+        if attackers is None:
             grid.clear()
             return None, None
         t0 = time.perf_counter()
@@ -303,11 +286,7 @@ class UpdateGuard:
             if arrays is None:
                 problem = f"chunk {i}: nothing aggregated"
                 break
-            problem = self._aggregate_problem(arrays, lo, hi, whole=False)
-            if problem is None:
-                arrays = as_wire_dtype(arrays)
-                if not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
-                    problem = "the aggregate overflows float32"
+            arrays, problem = self._wire_aggregate(arrays, lo, hi, whole=False)
             if problem is not None:
                 problem = f"chunk {i}: {problem}"
                 break
@@ -327,12 +306,7 @@ class UpdateGuard:
             ):
                 problem = "all zeros (overflow?)"
         if problem is not None:
-            log.warning(
-                "round %d: aggregate rejected (%s); keeping the last good global model",
-                server_round,
-                problem,
-            )
-            entry["aggregate_rejected"] = problem
+            _reject_aggregate(entry, server_round, problem)
             return None, agg_metrics
         return ArrayRecord({k: Array(v) for k, v in new.items()}), agg_metrics
 
@@ -441,6 +415,58 @@ class UpdateGuard:
                 kept.append((msg, arrays))
         return kept
 
+    def _tally(
+        self,
+        server_round: int,
+        entry: dict,
+        good: list[Message],
+        well_formed: int,
+        *,
+        rejected: list[dict],
+        bytes_received: int,
+        t_replies: float,
+        **extra,
+    ) -> int | None:
+        """Log the round's ``good`` updates (of ``well_formed`` that passed
+        the checks before the norm bound) in its ``entry``, with ``extra``;
+        returns how many attackers the aggregation must still tolerate, or None
+        when too few updates are left to aggregate."""
+        # The norm bound assumes honest updates are alike, so what it rejected
+        # were attackers: the robust aggregation need tolerate only the rest
+        # (else Bulyan, needing 4f + 3 updates, would skip every round in which
+        # the guard dropped its attacker).
+        attackers = max(0, self.assumed_attackers - (well_formed - len(good)))
+        needed = min_updates(self.aggregation, attackers)
+        entry.update(
+            {
+                "accepted": len(good),
+                "rejected": rejected,
+                "bytes_received": bytes_received,
+                "wait_s": t_replies - entry.get("t_sent", t_replies),
+                **extra,
+            }
+        )
+        _log_client_metrics(entry, good)
+        if _too_few(entry, server_round, len(good), self.aggregation, needed):
+            return None
+        return attackers
+
+    def _wire_aggregate(
+        self,
+        arrays: ArrayRecord,
+        lo: dict[str, np.ndarray] | None,
+        hi: dict[str, np.ndarray] | None,
+        whole: bool = True,
+    ) -> tuple[ArrayRecord, str | None]:
+        """The aggregate as the float32 it travels as, and why it must not
+        become the global model (None: it may; ``whole``: as ``_aggregate_problem``)."""
+        problem = self._aggregate_problem(arrays, lo, hi, whole)
+        if problem is None:
+            arrays = as_wire_dtype(arrays)
+            if not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
+                problem = "the aggregate overflows float32"
+        return arrays, problem
+
     def _aggregate_problem(
         self,
         arrays: ArrayRecord,
@@ -527,6 +553,17 @@ def _too_few(
     )
     entry["aggregate_s"] = 0.0
     return True
+
+
+def _reject_aggregate(entry: dict, server_round: int, problem: str) -> None:
+    """Log and record why a round's aggregate was rejected (the round keeps
+    the last good global model)."""
+    log.warning(
+        "round %d: aggregate rejected (%s); keeping the last good global model",
+        server_round,
+        problem,
+    )
+    entry["aggregate_rejected"] = problem
 
 
 def _log_client_metrics(entry: dict, good: list[Message]) -> None:
