@@ -459,38 +459,22 @@ class UpdateGuard:
         whole: bool = True,
     ) -> tuple[ArrayRecord, str | None]:
         """The aggregate as the float32 it travels as, and why it must not
-        become the global model (None: it may; ``whole``: as ``_aggregate_problem``)."""
-        problem = self._aggregate_problem(arrays, lo, hi, whole)
+        become the global model, or None (``whole``: it is all of the model,
+        not one chunk)."""
+        values = {k: a.numpy() for k, a in arrays.items()}
+        problem = _value_problem(values, lo, hi)
+        if (
+            problem is None
+            and whole
+            and not any(v.any() for v in values.values())
+            and any(g.any() for g in self.global_arrays.values())
+        ):
+            problem = "all zeros (overflow?)"
         if problem is None:
             arrays = as_wire_dtype(arrays)
             if not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
                 problem = "the aggregate overflows float32"
         return arrays, problem
-
-    def _aggregate_problem(
-        self,
-        arrays: ArrayRecord,
-        lo: dict[str, np.ndarray] | None,
-        hi: dict[str, np.ndarray] | None,
-        whole: bool = True,
-    ) -> str | None:
-        """Why the aggregate must not become the global model, or None
-        (``whole``: it is all of the model, not one chunk)."""
-        values = {k: a.numpy() for k, a in arrays.items()}
-        for k, v in values.items():
-            if not np.isfinite(v).all():
-                return f"{k}: non-finite values"
-            if lo is not None and hi is not None:
-                tol = 1e-9 * np.maximum(np.abs(lo[k]), np.abs(hi[k]))
-                if (v < lo[k] - tol).any() or (v > hi[k] + tol).any():
-                    return f"{k}: outside the range of the clients' values (overflow?)"
-        if not whole:
-            return None
-        if not any(v.any() for v in values.values()) and any(
-            g.any() for g in self.global_arrays.values()
-        ):
-            return "all zeros (overflow?)"
-        return None
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -553,6 +537,23 @@ def _too_few(
     )
     entry["aggregate_s"] = 0.0
     return True
+
+
+def _value_problem(
+    values: dict[str, np.ndarray],
+    lo: dict[str, np.ndarray] | None,
+    hi: dict[str, np.ndarray] | None,
+) -> str | None:
+    """An aggregate's tensor with a value that is not finite or outside the
+    clients' range (``lo``, ``hi``: per coordinate, when checked), or None."""
+    for k, v in values.items():
+        if not np.isfinite(v).all():
+            return f"{k}: non-finite values"
+        if lo is not None and hi is not None:
+            tol = 1e-9 * np.maximum(np.abs(lo[k]), np.abs(hi[k]))
+            if (v < lo[k] - tol).any() or (v > hi[k] + tol).any():
+                return f"{k}: outside the range of the clients' values (overflow?)"
+    return None
 
 
 def _reject_aggregate(entry: dict, server_round: int, problem: str) -> None:
