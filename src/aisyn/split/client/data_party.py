@@ -140,10 +140,7 @@ class DataSession:
         )
         self.state.train(True)
         shape = (mb, T, self.hidden_size)
-        if self.frozen_backbone:
-            losses = self._frozen_micro_batches(micro, r, step, shape, loss_of)
-        else:
-            losses = self._micro_batches(micro, r, step, shape, loss_of)
+        losses = self._micro_batches(micro, r, step, shape, loss_of)
         total = 0.0
         for loss in self._step_losses([losses[i] for i in range(len(micro))]):
             total += loss  # the baseline's summation order
@@ -166,38 +163,55 @@ class DataSession:
         return {"loss": total, "lr": cfg.lr_at(step), "grad_norm": norm}
 
     def _micro_batches(self, micro, r: int, step: int, shape, loss_of) -> dict:
-        """A step's micro-batches with B training: activations out, B's
-        output back, A's gradient for it out, the cut's gradient back."""
+        """A step's micro-batches in A's order: activations out, B's output
+        back; with B training, A's gradient for that output out and the cut's
+        gradient back. With B frozen nothing else crosses: the loss is
+        computed on B's real output, so the back blocks and the head get
+        their exact gradient; the front's comes back through the emulator at
+        the activations sent (``_front_backward``), or the front is frozen
+        (its forward keeps no graph)."""
+        frozen = self.frozen_backbone
+        learns = not frozen or self.emulator is not None  # the front has a gradient
         # micro-batch -> (the front's output, what was sent in its place)
         fronts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         terms: dict[int, list[torch.Tensor]] = {}  # the mechanism's, if any
-        # micro-batch -> (A's gradient for B's output, what was sent instead)
-        gouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # micro-batch -> A's gradient for B's output (B training under a
+        # defence: with what was sent instead)
+        gouts: dict[int, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         losses: dict[int, float] = {}
         cfg, device = self.state.train_cfg, self.state.device
         self._micro_count = len(micro)
         for kind, i in schedule.make(len(micro), self.window).a:
             inputs, targets, mask, pos = micro[i]
             if kind == "F":
-                with autocast_for(device, cfg.autocast):  # as aisyn train
-                    clean = self.front(inputs, mask, pos)
-                    sent, terms[i] = self._protect_training(clean, step, i)
+                with torch.set_grad_enabled(learns):
+                    with autocast_for(device, cfg.autocast):  # as aisyn train
+                        clean = self.front(inputs, mask, pos)
+                        sent, terms[i] = self._protect_training(clean, step, i)
                 self._send_act(r, i, sent.detach(), inputs)
                 fronts[i] = clean, sent
             elif kind == "L":
                 what = f"the backbone output (micro-batch {i})"
-                y = self._recv("out", r, i, shape, what).requires_grad_()
+                y = self._recv("out", r, i, shape, what).requires_grad_(learns)
                 clean, sent = fronts[i]
                 with autocast_for(device, cfg.autocast):
                     hidden = self.back(self._restore(y, clean, sent), mask, pos)
                     loss = loss_of(self.back.logits, hidden, targets)
                 loss.backward()
-                g = y.grad
-                if self.guard is not None:
-                    gouts[i] = g, self._protect_gradient(g, step, i)
-                    g = gouts[i][1]
-                self._send("gout", r, i, g)
+                if not frozen:
+                    g = y.grad
+                    if self.guard is not None:
+                        gouts[i] = g, self._protect_gradient(g, step, i)
+                        g = gouts[i][1]
+                    self._send("gout", r, i, g)
+                elif learns:
+                    gouts[i] = y.grad
                 losses[i] = loss.item()
+            elif frozen:
+                clean, sent = fronts.pop(i)
+                term = terms.pop(i)
+                if learns:
+                    self._front_backward(clean, sent, gouts.pop(i), mask, pos, term)
             else:
                 what = f"the gradient of the cut (micro-batch {i})"
                 g = self._recv("gact", r, i, shape, what)
@@ -214,46 +228,6 @@ class DataSession:
                         (sent, clean, *term),
                         (g - noisy, true, *(torch.ones_like(t) for t in term)),
                     )
-        return losses
-
-    def _frozen_micro_batches(self, micro, r: int, step: int, shape, loss_of) -> dict:
-        """A step's micro-batches with B frozen: activations out, B's output
-        back, nothing else. The loss is computed on B's real output, so the
-        back blocks and the head get their exact gradient; the front's comes
-        back through the emulator at the activations sent (or the front is
-        frozen: its forward keeps no graph)."""
-        fronts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        terms: dict[int, list[torch.Tensor]] = {}  # the mechanism's, if any
-        gouts: dict[int, torch.Tensor] = {}  # A's gradient for B's output
-        losses: dict[int, float] = {}
-        cfg, device = self.state.train_cfg, self.state.device
-        learns = self.emulator is not None
-        self._micro_count = len(micro)
-        for kind, i in schedule.make(len(micro), self.window).a:
-            inputs, targets, mask, pos = micro[i]
-            if kind == "F":
-                with torch.set_grad_enabled(learns):
-                    with autocast_for(device, cfg.autocast):
-                        clean = self.front(inputs, mask, pos)
-                        sent, terms[i] = self._protect_training(clean, step, i)
-                self._send_act(r, i, sent.detach(), inputs)
-                fronts[i] = clean, sent
-            elif kind == "L":
-                what = f"the backbone output (micro-batch {i})"
-                y = self._recv("out", r, i, shape, what).requires_grad_(learns)
-                clean, sent = fronts[i]
-                with autocast_for(device, cfg.autocast):
-                    hidden = self.back(self._restore(y, clean, sent), mask, pos)
-                    loss = loss_of(self.back.logits, hidden, targets)
-                loss.backward()
-                if learns:
-                    gouts[i] = y.grad
-                losses[i] = loss.item()
-            else:
-                clean, sent = fronts.pop(i)
-                term = terms.pop(i)
-                if learns:
-                    self._front_backward(clean, sent, gouts.pop(i), mask, pos, term)
         return losses
 
     def _front_backward(self, clean, sent, g, mask, pos, term=()) -> None:
