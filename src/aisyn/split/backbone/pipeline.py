@@ -192,6 +192,30 @@ class _RankRounds(Rounds):
         dist.recv(x, ranks.rank - 1)
         return x
 
+    def _train(self, r: int, c: proto.Control) -> None:
+        self._at_next_step(c, "TRAIN round")  # refused alike on every rank
+        if why := self.ranks.problem_with(c.micro_size):
+            raise proto.ProtocolError(why)
+        self.state.train(True)
+        with _out_of_step(f"TRAIN round for step {c.step}"):
+            mine = self.ranks.sum_float(self._train_round(r, c))
+            theirs = self._exchange_norms(r, mine)
+        self._apply_step(c, theirs, mine)
+
+    def _train_round(self, r: int, c: proto.Control) -> float:
+        """This rank's work of a TRAIN round; returns its share of B's
+        squared gradient norm (NaN: a problem found)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _eval(self, r: int, c: proto.Control) -> None:
+        self.state.train(False)
+        with _out_of_step("EVAL round"):
+            self._eval_round(r, c)
+
+    def _eval_round(self, r: int, c: proto.Control) -> None:
+        raise NotImplementedError
+
     def _save(self, r: int, c: proto.Control) -> None:
         self._at_next_step(c, "SAVE")
         with _out_of_step(f"SAVE of step {c.step}"):
@@ -291,20 +315,12 @@ class PipelinedRounds(_RankRounds):
 
     # --- rounds --------------------------------------------------------------
 
-    def _train(self, r: int, c: proto.Control) -> None:
-        self._at_next_step(c, "TRAIN round")  # refused alike on every rank
-        self.state.train(True)
-        with _out_of_step(f"TRAIN round for step {c.step}"):
-            self._run_pipeline(r, c, train=True)
-            mine = self.ranks.sum_float(self.state.local_sq_norm())
-            theirs = self._exchange_norms(r, mine)
-        self._apply_step(c, theirs, mine)
+    def _train_round(self, r: int, c: proto.Control) -> float:
+        self._run_pipeline(r, c, train=True)
+        return self.state.local_sq_norm()
 
-    @torch.no_grad()
-    def _eval(self, r: int, c: proto.Control) -> None:
-        self.state.train(False)
-        with _out_of_step("EVAL round"):
-            self._run_pipeline(r, c, train=False)
+    def _eval_round(self, r: int, c: proto.Control) -> None:
+        self._run_pipeline(r, c, train=False)
 
     # --- generation: the positions run down the stages, one rank after another
 
@@ -370,47 +386,34 @@ class ShardedRounds(_RankRounds):
             self.link.send("out", out, step=r, micro=i, codec=self.session.codec)
         return x, y
 
-    def _train(self, r: int, c: proto.Control) -> None:
-        self._at_next_step(c, "TRAIN round")  # refused alike on every rank
-        if why := self.ranks.problem_with(c.micro_size):
-            raise proto.ProtocolError(why)
-        self.state.train(True)
+    def _train_round(self, r: int, c: proto.Control) -> float:
         shape = (c.micro_size, c.seq_len, self.hidden)
         inflight = {}
-        with _out_of_step(f"TRAIN round for step {c.step}"):
-            for kind, i in schedule.make(c.micro_batches, c.window).b:
-                if kind == "F":
-                    inflight[i] = self._forward_rows(r, i, c, grad=True)
-                    continue
-                g = None
-                if self.ranks.rank == 0:
-                    g = self.link.recv(
-                        "gout", step=r, micro=i, shape=shape, dtype=torch.float32
-                    )
-                    self.state.checked(g, f"the gradient of the output ({i})")
-                g = self._rows(g, shape, torch.float32)
-                x, y = inflight.pop(i)
-                last = not inflight and i == c.micro_batches - 1
-                for module in self.sharded:  # reduce-scatter in the last one
-                    module.set_requires_gradient_sync(last, recurse=False)
-                torch.autograd.backward(y, g)
-                gact = self._gather(x.grad, shape)
-                if gact is not None:
-                    self.link.send(
-                        "gact", gact, step=r, micro=i, codec=self.session.codec
-                    )
-            # Each rank holds a shard of every gradient: B's squared norm is
-            # the sum of theirs; a problem any rank found makes it NaN.
-            local = math.nan if self.state.problem else shard_sq_norm(self.state.params)
-            mine = self.ranks.sum_float(local)
-            theirs = self._exchange_norms(r, mine)
-        self._apply_step(c, theirs, mine)
+        for kind, i in schedule.make(c.micro_batches, c.window).b:
+            if kind == "F":
+                inflight[i] = self._forward_rows(r, i, c, grad=True)
+                continue
+            g = None
+            if self.ranks.rank == 0:
+                g = self.link.recv(
+                    "gout", step=r, micro=i, shape=shape, dtype=torch.float32
+                )
+                self.state.checked(g, f"the gradient of the output ({i})")
+            g = self._rows(g, shape, torch.float32)
+            x, y = inflight.pop(i)
+            last = not inflight and i == c.micro_batches - 1
+            for module in self.sharded:  # reduce-scatter in the last one
+                module.set_requires_gradient_sync(last, recurse=False)
+            torch.autograd.backward(y, g)
+            gact = self._gather(x.grad, shape)
+            if gact is not None:
+                self.link.send("gact", gact, step=r, micro=i, codec=self.session.codec)
+        # Each rank holds a shard of every gradient: B's squared norm is the
+        # sum of theirs; a problem any rank found makes it NaN.
+        return math.nan if self.state.problem else shard_sq_norm(self.state.params)
 
-    @torch.no_grad()
-    def _eval(self, r: int, c: proto.Control) -> None:
-        self.state.train(False)
-        with _out_of_step("EVAL round"):
-            self._forward_rows(r, 0, c, grad=False)
+    def _eval_round(self, r: int, c: proto.Control) -> None:
+        self._forward_rows(r, 0, c, grad=False)
 
     # --- generation: every rank runs the blocks (their weights are gathered
     # block by block), rank 0 on the sequence, the others on zeros
