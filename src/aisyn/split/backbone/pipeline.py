@@ -239,13 +239,9 @@ class PipelinedRounds(_RankRounds):
         """Stage 0's input for micro-batch ``i``: A's activations (a leaf
         whose gradient goes back to A) and document ids."""
         r, c = self.round
-        shape = (c.micro_size, c.seq_len, self.hidden)
-        x = self.link.recv("act", step=r, micro=i, shape=shape, dtype=torch.float32)
-        doc = None
-        if c.eod:
-            doc = self.link.recv(
-                "doc", step=r, micro=i, shape=shape[:2], dtype=torch.int32
-            ).to(self.state.device)
+        x, doc = self._recv_act_doc(r, i, c)
+        if doc is not None:
+            doc = doc.to(self.state.device)
         x = self.state.checked(x, f"the activations (micro-batch {i})")
         x = x.to(self.state.device)
         if torch.is_grad_enabled():
@@ -367,12 +363,8 @@ class ShardedRounds(_RankRounds):
         shape = (c.micro_size, c.seq_len, self.hidden)
         x = doc = None
         if self.ranks.rank == 0:
-            x = self.link.recv("act", step=r, micro=i, shape=shape, dtype=torch.float32)
+            x, doc = self._recv_act_doc(r, i, c)
             x = self.state.checked(x, f"the activations (micro-batch {i})")
-            if c.eod:
-                doc = self.link.recv(
-                    "doc", step=r, micro=i, shape=shape[:2], dtype=torch.int32
-                )
         x = self._rows(x, shape, torch.float32)
         mask = None
         if c.eod:

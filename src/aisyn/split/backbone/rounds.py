@@ -163,18 +163,24 @@ class Rounds:
             return None
         return proto.Control.parse(t, self.state.cfg.seq_len)
 
-    def _recv_act(self, r: int, i: int, c: proto.Control) -> tuple[torch.Tensor, ...]:
+    def _recv_act_doc(
+        self, r: int, i: int, c: proto.Control
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Micro-batch ``i``'s activations from A as they arrive, and its
+        document ids when A resets attention at EOD (None otherwise)."""
         shape = (c.micro_size, c.seq_len, self.hidden)
         x = self.link.recv("act", step=r, micro=i, shape=shape, dtype=torch.float32)
-        mask = None
+        doc = None
         if c.eod:
             doc = self.link.recv(
-                "doc",
-                step=r,
-                micro=i,
-                shape=(c.micro_size, c.seq_len),
-                dtype=torch.int32,
+                "doc", step=r, micro=i, shape=shape[:2], dtype=torch.int32
             )
+        return x, doc
+
+    def _recv_act(self, r: int, i: int, c: proto.Control) -> tuple[torch.Tensor, ...]:
+        x, doc = self._recv_act_doc(r, i, c)
+        mask = None
+        if doc is not None:
             mask, _ = masks_from_documents(doc.to(self.state.device, torch.int64))
         return x.to(self.state.device), mask
 
