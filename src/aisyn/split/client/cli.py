@@ -36,6 +36,11 @@ from aisyn.validate import (
 log = logging.getLogger("aisyn.split")
 
 
+def _peer(args):
+    """The compute party --peer names, with the link's flags (None: not given)."""
+    return link_settings(args, args.peer) if args.peer else None
+
+
 def cmd_train(args) -> None:
     """Writes a run folder like `aisyn train` (A's half of the model; metrics add
     link bytes per step). --mode local runs the compute party in this process;
@@ -133,11 +138,10 @@ def _train_rank0(args, ranks) -> None:
             "give --data SHARDS (pre-training) or --sft SFT_DIR (fine-tuning), "
             + ("not both" if args.data else "one of them")
         )
-    peer = link_settings(args, args.peer) if args.peer else None
     opts = from_args(
         SplitOptions,
         args,
-        peer=peer,
+        peer=_peer(args),
         spawn_insecure=args.insecure and args.spawn_backbone,
         recv_timeout_s=args.recv_timeout,
     )
@@ -194,8 +198,7 @@ def cmd_eval(args) -> None:
     from aisyn.split.client.evaluate import evaluate_split_run
 
     options = eval_options(args)
-    peer = link_settings(args, args.peer) if args.peer else None
-    res = evaluate_split_run(args.run, peer=peer, **options)
+    res = evaluate_split_run(args.run, peer=_peer(args), **options)
     for line in summary_lines(res):
         print(line)
     print(f"wrote {os.path.join(args.run, 'eval.json')}")
@@ -218,7 +221,7 @@ def cmd_generate(args) -> None:
     sampling = sampling_from_args(args)
     if args.mode == "local" and args.peer:
         raise ValueError("--peer needs --mode grpc")
-    peer = link_settings(args, args.peer) if args.peer else None
+    peer = _peer(args)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
