@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -98,18 +98,8 @@ class Control:
     flags: int = 0
 
     def tensor(self) -> torch.Tensor:
-        return torch.tensor(
-            [
-                self.op,
-                self.step,
-                self.micro_batches,
-                self.micro_size,
-                self.seq_len,
-                self.window,
-                self.flags,
-            ],
-            dtype=torch.int64,
-        )
+        """The control on the wire: its fields in their order (``parse``)."""
+        return torch.tensor(astuple(self), dtype=torch.int64)
 
     @property
     def eod(self) -> bool:
