@@ -124,6 +124,14 @@ def _match_step(model, h, target, z, opt, blocks) -> None:
     opt.step()
 
 
+def as_features(feats: torch.Tensor, normalise: bool) -> torch.Tensor:
+    """What a trained decoder reads of ``feats``: floats, each position's
+    scaled to unit length where ``normalise`` (gradients: their scale is A's
+    loss normalisation, not the token's)."""
+    x = feats.float()
+    return F.normalize(x, dim=-1) if normalise else x
+
+
 class LearnedDecoder:
     """A map from a position's feature (an activation, or a received gradient
     normalised to unit length) to the token at that position, fitted by
@@ -159,9 +167,7 @@ class LearnedDecoder:
             self.net = torch.nn.Linear(width, vocab)
 
     def _x(self, feats: torch.Tensor) -> torch.Tensor:
-        x = feats.float()
-        if self.normalise:
-            x = F.normalize(x, dim=-1)
+        x = as_features(feats, self.normalise)
         if self.context:  # (B, T, C) -> (B, T, (2k+1)·C): each position's window
             k = self.context
             padded = F.pad(x, (0, 0, k, k))

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aisyn.privacy.attacks import as_features, recovery
+
 #: rows per forward pass at prediction time (bounds the (rows, T, V) logits)
 PREDICT_ROWS = 64
 
@@ -172,10 +174,7 @@ class SequenceInverter(nn.Module):
         return torch.where(tokens >= 0, row[tokens.clamp_min(0)], -100)
 
     def _x(self, feats: torch.Tensor) -> torch.Tensor:
-        x = feats.float()
-        if self.normalise:
-            x = F.normalize(x, dim=-1)
-        return (x - self.mean) / self.std
+        return (as_features(feats, self.normalise) - self.mean) / self.std
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V) for features (B, T, C), over ``vocabulary``."""
@@ -201,10 +200,7 @@ class SequenceInverter(nn.Module):
     ) -> SequenceInverter:
         """Whiten by the features' own statistics, then ``train_on`` them."""
         _check_pairs(feats, tokens, self.dim)
-        x = feats.float()
-        if self.normalise:
-            x = F.normalize(x, dim=-1)
-        x = x.reshape(-1, self.dim)
+        x = as_features(feats, self.normalise).reshape(-1, self.dim)
         self.mean.copy_(x.mean(0))
         self.std.copy_(x.std(0).clamp_min(1e-6))
         return self.train_on(feats, tokens, steps=steps, lr=lr, batch=batch, seed=seed)
@@ -273,7 +269,7 @@ def known_plaintext(
     tuned = copy.deepcopy(inverter)
     tuned.cover(tokens)  # A's tokens B never saw: before the first checkpoint
     rounds = min(5, max(1, steps))  # checkpoints considered after step 0
-    best = (_accuracy(tuned, val_x, val_y), copy.deepcopy(tuned.state_dict()))
+    best = (recovery(tuned.predict(val_x), val_y), copy.deepcopy(tuned.state_dict()))
     done = 0
     for r in range(rounds):
         n = (steps * (r + 1)) // rounds - done
@@ -281,16 +277,11 @@ def known_plaintext(
         # one optimiser per round: Adam's moments restart, a small price for
         # checkpoints that need no extra state
         tuned.train_on(fit_x, fit_y, steps=n, lr=lr, batch=batch, seed=seed + r)
-        score = _accuracy(tuned, val_x, val_y)
+        score = recovery(tuned.predict(val_x), val_y)
         if score > best[0]:
             best = (score, copy.deepcopy(tuned.state_dict()))
     tuned.load_state_dict(best[1])
     return tuned.eval()
-
-
-def _accuracy(inverter: SequenceInverter, feats, tokens) -> float:
-    keep = tokens >= 0
-    return float((inverter.predict(feats)[keep] == tokens[keep]).float().mean())
 
 
 class SimilarityInference:
@@ -310,9 +301,7 @@ class SimilarityInference:
         self.normalise = normalise
 
     def _directions(self, feats: torch.Tensor) -> torch.Tensor:
-        x = feats.float()
-        if self.normalise:
-            x = F.normalize(x, dim=-1)
+        x = as_features(feats, self.normalise)
         T = x.shape[1]
         if T > len(self.centre):
             raise ValueError(
@@ -322,10 +311,8 @@ class SimilarityInference:
 
     def fit(self, feats: torch.Tensor, tokens: torch.Tensor) -> SimilarityInference:
         _check_pairs(feats, tokens, feats.shape[-1])
-        x = feats.float()
-        if self.normalise:
-            x = F.normalize(x, dim=-1)
-        self.centre = x.mean(0)  # (T, C): the position's token-independent part
+        # (T, C): the position's token-independent part
+        self.centre = as_features(feats, self.normalise).mean(0)
         d = self._directions(feats).reshape(-1, feats.shape[-1])
         y = tokens.reshape(-1)
         keep = y >= 0
