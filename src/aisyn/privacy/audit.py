@@ -228,15 +228,44 @@ def decoded(
     return out
 
 
-def own_rows(
-    data: str | Path, sha: str, n: int, g: torch.Generator
-) -> torch.Tensor | None:
-    """Up to ``n`` rows of A's *train* split (never the test rows attacked):
-    the pairs the known-plaintext attacker holds; None for ``n`` = 0."""
-    if n == 0:
-        return None
-    train = TokenShards.open(data, "train", tokenizer_sha256=sha)
-    return train.batch(torch.randperm(len(train), generator=g)[:n])
+def draw(shards: TokenShards, n: int, g: torch.Generator) -> torch.Tensor:
+    """Up to ``n`` rows of ``shards``, drawn at random with ``g``."""
+    return shards.batch(torch.randperm(len(shards), generator=g)[:n])
+
+
+@dataclass
+class Drawn:
+    """The rows an audit reads, drawn in this order by one generator."""
+
+    rows: torch.Tensor  # A's test rows attacked
+    public: torch.Tensor  # public rows B fits its decoders on
+    # further public rows, for the inverter and the similarity references only
+    more_public: torch.Tensor | None
+    # A's *train* rows (never the test rows attacked): the pairs the
+    # known-plaintext attacker holds; None without that attack
+    known: torch.Tensor | None
+
+
+def draw_rows(
+    data: str | Path, public: str | Path, sha: str, s: AuditSettings
+) -> Drawn:
+    """The rows of ``data`` (A's) and ``public`` an audit with ``s`` reads,
+    from shards of the tokenizer ``sha``, drawn with ``s.seed``."""
+    g = torch.Generator().manual_seed(s.seed)
+    rows = draw(TokenShards.open(data, "test", tokenizer_sha256=sha), s.samples, g)
+    pub = TokenShards.open(public, "train", tokenizer_sha256=sha)
+    drawn = torch.randperm(len(pub), generator=g)
+    more = drawn[s.public_samples : s.inverter.public_rows]
+    known = None
+    if s.inverter.known_pairs:
+        train = TokenShards.open(data, "train", tokenizer_sha256=sha)
+        known = draw(train, s.inverter.known_pairs, g)
+    return Drawn(
+        rows,
+        pub.batch(drawn[: s.public_samples]),
+        pub.batch(more) if len(more) else None,
+        known,
+    )
 
 
 def audit(
@@ -259,17 +288,8 @@ def audit(
     base_model, base_cfg = load_run_model(base)
     cfg = base_model.config
     partitions = [parse_partition(c, cfg) for c in cuts]  # bad cuts fail first
-    sha = base_cfg["tokenizer"]["sha256"]
-    private = TokenShards.open(data, "test", tokenizer_sha256=sha)
-    pub = TokenShards.open(public, "train", tokenizer_sha256=sha)
-    g = torch.Generator().manual_seed(s.seed)
-    rows = private.batch(torch.randperm(len(private), generator=g)[: s.samples])
-    drawn = torch.randperm(len(pub), generator=g)
-    pub_rows = pub.batch(drawn[: s.public_samples])
-    # further public rows, for the inverter and the similarity references only
-    more_pub = drawn[s.public_samples : s.inverter.public_rows]
-    more_pub_rows = pub.batch(more_pub) if len(more_pub) else None
-    known_rows = own_rows(data, sha, s.inverter.known_pairs, g)
+    drawn = draw_rows(data, public, base_cfg["tokenizer"]["sha256"], s)
+    rows, known_rows = drawn.rows, drawn.known
     # "base unknown": B's guess of the weights is another model of this shape.
     stranger = build_model(cfg, seed=s.seed + 1).eval()
     victims = {"base (early)": base_model}
@@ -316,11 +336,11 @@ def audit(
             guess = base_head_labels(base_model, seen.out, back)
             add(cut, weights, "base", "base head", "backward", guess, seen)
             if learned is None:  # B's decoders, fitted once per cut on public text
-                public_seen = public_crossing(base_model, pub_rows, cut, len(rows))
+                public_seen = public_crossing(base_model, drawn.public, cut, len(rows))
                 more = (
                     None
-                    if more_pub_rows is None
-                    else public_crossing(base_model, more_pub_rows, cut, len(rows))
+                    if drawn.more_public is None
+                    else public_crossing(base_model, drawn.more_public, cut, len(rows))
                 )
                 learned = learned_decoders(
                     public_seen,

@@ -107,6 +107,7 @@ def cmd_calibrate(args) -> None:
 
     from aisyn.data.shards import TokenShards
     from aisyn.data.tokenizer import open_tokenizer
+    from aisyn.privacy.audit import draw
     from aisyn.split.defence.calibration import calibrate, public_rows, split_partition
     from aisyn.train.models import load_run_model
     from aisyn.train.run import TOKENIZER
@@ -123,9 +124,7 @@ def cmd_calibrate(args) -> None:
         public = TokenShards.open(
             args.public, "train", tokenizer_sha256=config["tokenizer"]["sha256"]
         )
-        g = torch.Generator().manual_seed(args.seed)
-        n = min(len(public), args.samples)
-        rows = public.batch(torch.randperm(len(public), generator=g)[:n])
+        rows = draw(public, args.samples, torch.Generator().manual_seed(args.seed))
     clips = calibrate(model, rows, args.cut, args.batch_size)
     flags = [f"--cut {args.cut}"]
     for side, clip, noise in (

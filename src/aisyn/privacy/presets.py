@@ -25,14 +25,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from aisyn.data.sft import SFTData
-from aisyn.data.shards import TokenShards
 from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.eval.cloze import encode_items
 from aisyn.model.families import preset_fields
-from aisyn.privacy.audit import AuditSettings, audit
+from aisyn.privacy.audit import AuditSettings, audit, draw_rows
 from aisyn.privacy.inverters import InverterSettings
 from aisyn.privacy.yardstick import (
     UNDEFENDED,
@@ -235,22 +232,15 @@ def run_preset(
     reviews = cached_shards("reviews", tok, experiments)
     # The base never sees A's domain: what fine-tuning gains is then real.
     base = cached_base(experiments, [reviews], tok, "cpu")
-    g = torch.Generator().manual_seed(seed)
-    private = TokenShards.open(news, "test", tokenizer_sha256=tok.sha256)
-    public = TokenShards.open(reviews, "train", tokenizer_sha256=tok.sha256)
-    rows = private.batch(torch.randperm(len(private), generator=g)[: p.samples])
-    drawn = torch.randperm(len(public), generator=g)
-    public_rows = public.batch(drawn[: p.public_samples])
-    # further public rows, for the inverter and the similarity references only
-    more = drawn[p.public_samples : p.inverter.public_rows]
-    more_public = public.batch(more) if len(more) else None
-    # the known-plaintext attacker's pairs: A's *train* rows, not those attacked
-    known_rows = None
-    if p.inverter.known_pairs:
-        own = TokenShards.open(news, "train", tokenizer_sha256=tok.sha256)
-        known_rows = own.batch(
-            torch.randperm(len(own), generator=g)[: p.inverter.known_pairs]
-        )
+    # the rows every configuration's attacks read, and the cut audit's
+    settings = AuditSettings(
+        samples=p.samples,
+        public_samples=p.public_samples,
+        steps=p.attack_steps,
+        seed=seed,
+        inverter=p.inverter,
+    )
+    drawn = draw_rows(news, reviews, tok.sha256, settings)
     cfg = TrainConfig(
         steps=p.train_steps,
         batch_size=p.batch_size,
@@ -272,16 +262,16 @@ def run_preset(
             items[: p.cloze_items], tok, base_model.config.seq_len, "prompt"
         ),
         pad_id=tok.pad_id,
-        rows=rows,
-        public_rows=public_rows,
+        rows=drawn.rows,
+        public_rows=drawn.public,
         cut=p.cut,
         eval_batches=p.eval_batches,
         attack_steps=p.attack_steps,
         inverter=p.inverter,
-        known_rows=known_rows,
-        more_public=more_public,
+        known_rows=drawn.known,
+        more_public=drawn.more_public,
     )
-    clips = calibrate(base_model, public_rows, p.cut, p.batch_size)
+    clips = calibrate(base_model, drawn.public, p.cut, p.batch_size)
     base_scores = score(base_model, inputs, p.batch_size)
     # another stream than the data's; --seed MAX_SEED too
     seeds = [(seed + 1 + s) % (MAX_SEED + 1) for s in p.seeds]
@@ -336,13 +326,7 @@ def run_preset(
         out / "cuts",
         list(p.cuts),
         trained=out / "runs" / UNDEFENDED.folder(seeds[0]) / "merged",
-        settings=AuditSettings(
-            samples=p.samples,
-            public_samples=p.public_samples,
-            steps=p.attack_steps,
-            seed=seed,
-            inverter=p.inverter,
-        ),
+        settings=settings,
     )
     report["cuts_elapsed_s"] = cuts["elapsed_s"]
     report["elapsed_s"] = time.perf_counter() - t0
