@@ -389,19 +389,41 @@ def _percent(v: float | None) -> str:
     return NOTHING_CROSSED if v is None else f"{100 * v:.1f} %"
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a Markdown table of ``rows`` (their cells) under ``header``."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(cells) + " |" for cells in rows),
+    ]
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """``rows`` as CSV, a column per key of the first."""
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def write_report(out: Path, report: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = report["rows"]
-    lines = [
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "---|" * len(HEADER),
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['cut']} | {r['A_weights']} | {r['B_knows']} | {r['attack']} | "
-            f"{r['direction']} | {_percent(r['recovery'])} | "
-            f"{100 * r['frequent_token']:.1f} % |"
-        )
+    lines = markdown_table(
+        HEADER,
+        [
+            [
+                r["cut"],
+                r["A_weights"],
+                r["B_knows"],
+                r["attack"],
+                r["direction"],
+                _percent(r["recovery"]),
+                f"{100 * r['frequent_token']:.1f} %",
+            ]
+            for r in rows
+        ],
+    )
     s = report["settings"]
     inv = s["inverter"]
     (out / "audit.md").write_text(
@@ -414,10 +436,7 @@ def write_report(out: Path, report: dict) -> None:
         f"{inv['known_steps']} steps).\n\n" + "\n".join(lines) + "\n",
         encoding="utf-8",
     )
-    with (out / "audit.csv").open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "audit.csv", rows)
     (out / "audit.json").write_text(json.dumps(report, indent=2))
     plot(out / "recovery.png", rows)
 

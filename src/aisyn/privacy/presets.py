@@ -91,6 +91,12 @@ def _noise(name: str, forward: float, backward: float, **kw) -> Config:
     return Config(name, forward=forward, backward=backward, **kw)
 
 
+def _bottleneck(name: str, **kw) -> Config:
+    return Config(
+        name, bottleneck_floor=BOTTLENECK_FLOOR, bottleneck_beta=BOTTLENECK_BETA, **kw
+    )
+
+
 AUDIT_PRESETS = {
     "ci": AuditPreset(
         experiments="ci",
@@ -110,12 +116,7 @@ AUDIT_PRESETS = {
             _noise("noise", RECOMMENDED.forward, RECOMMENDED.backward),
             Config("frozen backbone", backbone="frozen"),
             Config("frozen + warm-up", backbone="frozen", private_warmup=3),
-            Config(
-                "bottleneck",
-                backward=RECOMMENDED.backward,
-                bottleneck_floor=BOTTLENECK_FLOOR,
-                bottleneck_beta=BOTTLENECK_BETA,
-            ),
+            _bottleneck("bottleneck", backward=RECOMMENDED.backward),
         ),
         seeds=(0, 1),
         candidate="frozen + warm-up",
@@ -151,18 +152,9 @@ AUDIT_PRESETS = {
         configs=(
             UNDEFENDED,
             _noise("noise (recommended σ)", RECOMMENDED.forward, RECOMMENDED.backward),
-            Config(
-                "bottleneck + gradient noise",
-                backward=RECOMMENDED.backward,
-                bottleneck_floor=BOTTLENECK_FLOOR,
-                bottleneck_beta=BOTTLENECK_BETA,
-            ),
-            Config(
-                "frozen + warm-up + bottleneck",
-                backbone="frozen",
-                private_warmup=200,
-                bottleneck_floor=BOTTLENECK_FLOOR,
-                bottleneck_beta=BOTTLENECK_BETA,
+            _bottleneck("bottleneck + gradient noise", backward=RECOMMENDED.backward),
+            _bottleneck(
+                "frozen + warm-up + bottleneck", backbone="frozen", private_warmup=200
             ),
             _noise(
                 "frozen + warm-up + forward noise",
@@ -278,11 +270,7 @@ def run_preset(
     results: dict[str, list[dict]] = {}
     report = {
         "preset": name,
-        "settings": {
-            **{k: v for k, v in p.__dict__.items() if k not in ("configs", "inverter")},
-            "inverter": asdict(p.inverter),
-            "configs": [c.__dict__ for c in p.configs],
-        },
+        "settings": asdict(p),
         "train": cfg.to_dict(),
         "base": base_scores,
         "base_model": str(base),

@@ -37,6 +37,7 @@ from aisyn.data.sft import SFTData
 from aisyn.data.shards import TokenShards
 from aisyn.eval.cloze import encoded_accuracy
 from aisyn.model.families import ModelConfig, config_from_dict
+from aisyn.privacy.audit import markdown_table, write_csv
 from aisyn.privacy.frontier import ATTACKS_EDITION, Point, attack_point, defence_for
 from aisyn.privacy.inverters import InverterSettings
 from aisyn.split.client.merge import merge
@@ -440,12 +441,9 @@ def summary_line(row: dict) -> str:
     def kept_pct(v):
         return "--" if v is None else f"{100 * v:.0f}"
 
-    def rate(v):
-        return "—" if v is None else f"{100 * v:.1f} %"
-
     return (
-        f"default defence: attacks max {rate(row['attack'])} "
-        f"(guess {rate(row['guess'])}), inverter {rate(row['inverter'])}, "
+        f"default defence: attacks max {pct(row['attack'])} "
+        f"(guess {pct(row['guess'])}), inverter {pct(row['inverter'])}, "
         f"gain kept {kept_pct(row['kept_loss'])} % (loss) / "
         f"{kept_pct(row['kept_cloze'])} % (cloze), step x{row['step_ratio']:.2f}"
     )
@@ -494,9 +492,11 @@ def cell(row: dict, key: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(h for _, h in TABLE) + " |", "|" + "---|" * len(TABLE)]
-    lines += ["| " + " | ".join(cell(r, k) for k, _ in TABLE) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(
+        markdown_table(
+            [h for _, h in TABLE], [[cell(r, k) for k, _ in TABLE] for r in rows]
+        )
+    )
 
 
 def figure(rows: list[dict]):
@@ -568,10 +568,5 @@ def write(out: Path, report: dict) -> None:
         encoding="utf-8",
     )
     (out / "frontier.json").write_text(json.dumps(report, indent=2, default=str))
-    import csv
-
-    with (out / "frontier.csv").open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "frontier.csv", rows)
     plot(out / "frontier.png", rows)
