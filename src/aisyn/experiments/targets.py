@@ -15,11 +15,16 @@ def check_targets(rows: list[dict], names: Sequence[str]) -> dict:
     if not fusion or not fed:
         return out
     chance = {n: fusion[f"acc_{n}"]["chance"] for n in names}
+
+    def acc(regime: str, domain: str) -> float:
+        """The accuracy of ``regime``'s row on ``domain``'s test items."""
+        return by[regime][f"acc_{domain}"]["accuracy"]
+
     out["a_standalone_2x_chance"] = {
         n: {
-            "accuracy": by[f"{n} ft"][f"acc_{n}"]["accuracy"],
+            "accuracy": acc(f"{n} ft", n),
             "needed": 2 * chance[n],
-            "pass": by[f"{n} ft"][f"acc_{n}"]["accuracy"] >= 2 * chance[n],
+            "pass": acc(f"{n} ft", n) >= 2 * chance[n],
         }
         for n in names
         if f"{n} ft" in by
@@ -28,12 +33,9 @@ def check_targets(rows: list[dict], names: Sequence[str]) -> dict:
     # float rounding), so it scores the same, item for item or nearly.
     out["e_split_equals_standalone"] = {
         n: {
-            "split": by[f"{n} split ft"][f"acc_{n}"]["accuracy"],
-            "standalone": by[f"{n} ft"][f"acc_{n}"]["accuracy"],
-            "pass": abs(
-                by[f"{n} split ft"][f"acc_{n}"]["accuracy"]
-                - by[f"{n} ft"][f"acc_{n}"]["accuracy"]
-            )
+            "split": acc(f"{n} split ft", n),
+            "standalone": acc(f"{n} ft", n),
+            "pass": abs(acc(f"{n} split ft", n) - acc(f"{n} ft", n))
             <= 2 / by[f"{n} ft"][f"acc_{n}"]["items"],
         }
         for n in names
@@ -61,12 +63,8 @@ def check_targets(rows: list[dict], names: Sequence[str]) -> dict:
             continue
         out["d_fed_beats_other_standalone"][n] = {
             "federated": fa["accuracy"],
-            **{
-                f"standalone {m}": by[f"{m} ft"][f"acc_{n}"]["accuracy"] for m in others
-            },
-            "pass": all(
-                fa["accuracy"] > by[f"{m} ft"][f"acc_{n}"]["accuracy"] for m in others
-            ),
+            **{f"standalone {m}": acc(f"{m} ft", n) for m in others},
+            "pass": all(fa["accuracy"] > acc(f"{m} ft", n) for m in others),
         }
     return out
 
