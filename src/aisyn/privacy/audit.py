@@ -235,15 +235,16 @@ def draw(shards: TokenShards, n: int, g: torch.Generator) -> torch.Tensor:
 
 @dataclass
 class Drawn:
-    """The rows an audit reads, drawn in this order by one generator."""
+    """The rows an audit reads, drawn in this order by one generator (named
+    as ``yardstick.Inputs`` takes them)."""
 
     rows: torch.Tensor  # A's test rows attacked
-    public: torch.Tensor  # public rows B fits its decoders on
+    public_rows: torch.Tensor  # public rows B fits its decoders on
     # further public rows, for the inverter and the similarity references only
     more_public: torch.Tensor | None
     # A's *train* rows (never the test rows attacked): the pairs the
     # known-plaintext attacker holds; None without that attack
-    known: torch.Tensor | None
+    known_rows: torch.Tensor | None
 
 
 def draw_rows(
@@ -289,7 +290,7 @@ def audit(
     cfg = base_model.config
     partitions = [parse_partition(c, cfg) for c in cuts]  # bad cuts fail first
     drawn = draw_rows(data, public, base_cfg["tokenizer"]["sha256"], s)
-    rows, known_rows = drawn.rows, drawn.known
+    rows, known_rows = drawn.rows, drawn.known_rows
     # "base unknown": B's guess of the weights is another model of this shape.
     stranger = build_model(cfg, seed=s.seed + 1).eval()
     victims = {"base (early)": base_model}
@@ -336,7 +337,9 @@ def audit(
             guess = base_head_labels(base_model, seen.out, back)
             add(cut, weights, "base", "base head", "backward", guess, seen)
             if learned is None:  # B's decoders, fitted once per cut on public text
-                public_seen = public_crossing(base_model, drawn.public, cut, len(rows))
+                public_seen = public_crossing(
+                    base_model, drawn.public_rows, cut, len(rows)
+                )
                 more = (
                     None
                     if drawn.more_public is None

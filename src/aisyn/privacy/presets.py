@@ -254,16 +254,13 @@ def run_preset(
             items[: p.cloze_items], tok, base_model.config.seq_len, "prompt"
         ),
         pad_id=tok.pad_id,
-        rows=drawn.rows,
-        public_rows=drawn.public,
         cut=p.cut,
         eval_batches=p.eval_batches,
         attack_steps=p.attack_steps,
         inverter=p.inverter,
-        known_rows=drawn.known,
-        more_public=drawn.more_public,
+        **vars(drawn),
     )
-    clips = calibrate(base_model, drawn.public, p.cut, p.batch_size)
+    clips = calibrate(base_model, drawn.public_rows, p.cut, p.batch_size)
     base_scores = score(base_model, inputs, p.batch_size)
     # another stream than the data's; --seed MAX_SEED too
     seeds = [(seed + 1 + s) % (MAX_SEED + 1) for s in p.seeds]
