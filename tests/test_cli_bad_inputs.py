@@ -244,6 +244,14 @@ BAD_INPUTS = [
         ),
         "--server-momentum",
     ),
+    (
+        "federated flag the strategy does not take",
+        lambda f: (
+            ["fl", "simulate", "--base", "b", "--client", "a=x"]
+            + ["--out", str(f / "fl"), "--proximal-mu", "0.1"]
+        ),
+        "--proximal-mu is fedprox's; strategy fedavg does not take it",
+    ),
     # split fine-tuning: data and base that do not go together
     (
         "split train --sft and --data",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from aisyn.fl.settings import FLSettings, load_settings
@@ -84,3 +86,29 @@ def test_every_fl_and_experiment_command_has_help(argv, capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "usage:" in out and len(out) > 300
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"proximal_mu": 0.1}, "--proximal-mu is fedprox's; strategy fedavg"),
+        ({"strategy": "fedprox", "eta": 0.01}, "--eta is fedadam's; strategy fedprox"),
+        ({"strategy": "scaffold", "server_lr": 0.5}, "--server-lr is fedavgm's"),
+        ({"trim_fraction": 0.3}, "--trim-fraction is trimmed-mean's"),
+        ({"assumed_attackers": 2}, "--assumed-attackers is krum and multikrum"),
+    ],
+)
+def test_a_setting_the_strategy_does_not_take_is_refused_in_one_line(given, says):
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        load_settings(None, min_clients=2, **given)
+    assert "\n" not in str(e.value)
+
+
+def test_a_setting_its_strategy_takes_passes():
+    assert load_settings(None, strategy="fedprox", proximal_mu=0.1).proximal_mu == 0.1
+    s = load_settings(
+        None, aggregation="trimmed-mean", trim_fraction=0.3, min_clients=4
+    )
+    assert s.trim_fraction == 0.3
+    # a config file's own keys are its business: only what is given is judged
+    assert load_settings("scenario4", strategy="fedprox").strategy == "fedprox"

@@ -11,6 +11,7 @@ reference's scenarios 3 and 4) are TOML files of the same keys under
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -428,15 +429,46 @@ def _coerce(name: str, value, typ: type, source: str):
     )
 
 
+#: the settings only some strategies or aggregations take, and which
+OWN_SETTINGS = {
+    "proximal_mu": ("strategy", ("fedprox",)),
+    "server_lr": ("strategy", ("fedavgm",)),
+    "server_momentum": ("strategy", ("fedavgm",)),
+    "eta": ("strategy", ("fedadam",)),
+    "beta_1": ("strategy", ("fedadam",)),
+    "beta_2": ("strategy", ("fedadam",)),
+    "tau": ("strategy", ("fedadam",)),
+    "trim_fraction": ("aggregation", ("trimmed-mean",)),
+    "assumed_attackers": ("aggregation", ("krum", "multikrum", "bulyan")),
+}
+
+
+def check_given(settings: FLSettings, given: Iterable[str]) -> None:
+    """Refuse, in one line, a setting ``given`` for a strategy or aggregation
+    the run does not use (``--proximal-mu`` with FedAvg would do nothing)."""
+    for key in given:
+        if key not in OWN_SETTINGS:
+            continue
+        field_name, takers = OWN_SETTINGS[key]
+        if getattr(settings, field_name) not in takers:
+            raise ValueError(
+                f"--{_shown(key)} is {' and '.join(takers)}'s; {field_name} "
+                f"{getattr(settings, field_name)} does not take it (set "
+                f"--{field_name} {takers[0]}, or drop it)"
+            )
+
+
 def load_settings(path: str | Path | None, **overrides) -> FLSettings:
-    """Settings from a TOML file (a path or a shipped config name), then overrides."""
+    """Settings from a TOML file (a path or a shipped config name), then
+    overrides; an override the strategy or aggregation does not take is
+    refused (``check_given``)."""
     base: dict = {}
     if path is not None:
         base = read_settings_file(path)
-    return FLSettings.from_dict(
-        {**base, **{k: v for k, v in overrides.items() if v is not None}},
-        str(path or "settings"),
-    )
+    given = {k: v for k, v in overrides.items() if v is not None}
+    settings = FLSettings.from_dict({**base, **given}, str(path or "settings"))
+    check_given(settings, given)
+    return settings
 
 
 def read_settings_file(path: str | Path) -> dict:
