@@ -132,6 +132,15 @@ def run_table(
             )  # fmt: skip
             kind = "fusion" if label == "fusion" else "standalone"
             rows.append(_row(label, kind, seed, score(run), wall_s=s["elapsed_s"]))
+        # the federated runs first: they are what the table is for
+        for partition in preset.partitions:
+            clients = _clients(partition, inputs, runs, preset.clients, seed)
+            for m in preset.methods:
+                rows.append(
+                    _federated(
+                        inputs, preset, clients, partition, m, seed, runs, resume
+                    )
+                )
         if method.name == "full":  # split trains every weight
             for n in names:
                 r = split_finetuned(
@@ -149,14 +158,6 @@ def run_table(
                 wall_s=r["wall_s"],
             )
         )  # fmt: skip
-        for partition in preset.partitions:
-            clients = _clients(partition, inputs, runs, preset.clients, seed)
-            for m in preset.methods:
-                rows.append(
-                    _federated(
-                        inputs, preset, clients, partition, m, seed, runs, resume
-                    )
-                )
     table = summarise(rows, names, preset)
     table["elapsed_s"] = time.perf_counter() - t_start
     write_table(out, table)
