@@ -26,10 +26,10 @@ import torch
 from linkutil import transport_pair
 
 from aisyn.link import LinkError
-from aisyn.link._core import LinkCore
 from aisyn.link.codec import decode, encode
 from aisyn.link.frames import TENSOR, FrameKey, tensor_chunks, tensor_frames
 from aisyn.link.staging import HostStaging, device_parts
+from aisyn.link.tensor_writer import TensorWriter
 
 
 def _land(dst, srcs) -> None:
@@ -94,7 +94,7 @@ class _ThreadCopier(_Copier):
 
 
 def _write_one_behind(chunks):
-    """Consume chunks as ``LinkCore._transmit_tensor`` does -- chunk k is
+    """Consume chunks as ``TensorWriter.write`` does -- chunk k is
     written only once chunk k + 1 has been taken -- and return the bytes each
     chunk held at the moment it was written."""
     written, last = [], None
@@ -193,10 +193,10 @@ def _staged_links(transport: str, monkeypatch):
 
     def staging(self, tensor):
         if "staging" not in self._staging:
-            self._staging["staging"] = HostStaging(self._opts.chunk_bytes, copier)
+            self._staging["staging"] = HostStaging(self._chunk_bytes, copier)
         return self._staging["staging"]
 
-    monkeypatch.setattr(LinkCore, "_host_staging", staging)
+    monkeypatch.setattr(TensorWriter, "_host_staging", staging)
     with transport_pair(transport) as (a, b):
         yield a, b, copier
 

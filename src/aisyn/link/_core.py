@@ -22,7 +22,6 @@ Protocol rules enforced here (the frame layer checks each frame in isolation):
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -35,7 +34,7 @@ import torch
 
 from .assembly import ReceivePool, TensorAssembler
 from .base import Link, LinkOptions, PeerHello
-from .codec import CodecOverflowError, Encoded, dtype_name, effective_codec, encode
+from .codec import Encoded, dtype_name, effective_codec
 from .errors import (
     FrameError,
     FrameMismatchError,
@@ -64,7 +63,7 @@ from .frames import (
     scalar_frame,
     tensor_frames,
 )
-from .staging import CudaCopier, HostStaging, device_parts
+from .tensor_writer import TensorWriter
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +130,7 @@ class LinkCore(Link):
         self._assembler = TensorAssembler(
             options.max_tensor_bytes, self._admit, ReceivePool(options.recv_pool_bytes)
         )
-        self._tail = bytearray()  # the sender's copy of a tensor's last chunk
-        self._staging: dict[torch.device, HostStaging] = {}  # per GPU, on first use
+        self._tensors = TensorWriter(options.chunk_bytes)
         self._sender = threading.Thread(
             target=self._send_loop, name=f"{name}-send", daemon=True
         )
@@ -285,62 +283,11 @@ class LinkCore(Link):
 
     def _transmit_tensor(self, job: _Job) -> None:
         assert job.key is not None and job.tensor is not None
-        data: ChunkData | None = None
-        try:
-            staging = self._host_staging(job.tensor)
-            if staging is not None:
-                # Encoded on the device; its wire bytes staged to the host a
-                # chunk at a time, each copy overlapping the previous write.
-                with staging.copier.ordered_after(job.ready):
-                    enc = encode(job.tensor, job.codec, to_host=False)
-                parts = device_parts(enc.side, enc.payload)
-                data = functools.partial(staging.chunks, parts)
-            else:
-                enc = encode(job.tensor, job.codec)
-        except CodecOverflowError as e:
-            # Ends the session, telling the peer why (as abort() does).
-            raise SessionAbortedError(f"cannot send {job.key}: {e}") from None
-        frames = self._tensor_wire(job.key, enc, data)
-        # Write each frame only once the next one is built, so the last frame is
-        # still held back when all reads of the tensor's memory are done: if the
-        # caller modified it meanwhile, the peer never completes a torn tensor.
-        last = next(frames)
-        for frame in frames:
-            self._write_frame(last)
-            last = frame
-        if isinstance(last, Wire) and data is None:
-            # Views of the tensor: read them now. Staged data is already the
-            # link's own copy, landed before the chunk was handed out.
-            last = Wire(last.header, [self._copy_tail(last.data)])
-        if job.version is not None and job.tensor._version != job.version:
-            # Ends the session telling the peer why, as a codec overflow does.
-            raise SessionAbortedError(
-                f"{job.key} was modified in place after send() and before it was "
-                "transmitted; clone it before sending or send it later"
-            )
-        self._write_frame(last)
-
-    def _host_staging(self, tensor: torch.Tensor) -> HostStaging | None:
-        """How a tensor outside host memory reaches it (None: it is there)."""
-        if not tensor.is_cuda:
-            return None
-        if tensor.device not in self._staging:
-            copier = CudaCopier(tensor.device)
-            self._staging[tensor.device] = HostStaging(self._opts.chunk_bytes, copier)
-        return self._staging[tensor.device]
-
-    def _copy_tail(self, views: Sequence[memoryview | bytes]) -> memoryview:
-        """The views' bytes in the sender's reused buffer (written before the
-        next tensor is encoded, so one buffer does)."""
-        size = sum(len(v) for v in views)
-        if len(self._tail) < size:
-            self._tail = bytearray(size)
-        out = memoryview(self._tail)
-        offset = 0
-        for view in views:
-            out[offset : offset + len(view)] = view
-            offset += len(view)
-        return out[:size]
+        self._tensors.write(
+            job.key, job.tensor, codec=job.codec, version=job.version,
+            ready=job.ready, tensor_wire=self._tensor_wire,
+            write_frame=self._write_frame,
+        )  # fmt: skip
 
     def _write_frame(self, frame: bytes | Wire) -> None:
         self._sent += self._write(frame)

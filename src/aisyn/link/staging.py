@@ -11,7 +11,7 @@ byte after one chunk's copy, the copies run at pinned speed (DMA), and the
 host memory held is a few chunks whatever the tensor's size.
 
 Which buffer may be reused when. The link builds frame k+1 before it writes
-frame k (``LinkCore._transmit_tensor``: the last frame is held back until
+frame k (``TensorWriter.write``: the last frame is held back until
 every read of the tensor is done), so when chunk k+1 is handed out, chunk k
 is still to be written, and the copy of chunk k+2 is issued then: three
 chunks are alive at once, hence three buffers, used in turn.
