@@ -55,6 +55,29 @@ from aisyn.train.run import RunDir
 log = logging.getLogger("aisyn.fl")
 
 
+#: whether this process's start-up was already counted (or has none to count)
+_started = False
+
+
+def startup_s() -> float | None:
+    """This process's start-up cost: its age at its first round, 0 after.
+
+    A process that serves more than one round (a long-lived SuperNode, or
+    every client of an in-process grid: :func:`no_startup`) started once;
+    counting its age at every round would add hours of a long run to each."""
+    global _started
+    if _started:
+        return 0.0
+    _started = True
+    return process_age_s()
+
+
+def no_startup() -> None:
+    """The clients of this process start nothing of their own (in-process)."""
+    global _started
+    _started = True
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux), to measure start-up cost."""
     try:
@@ -274,7 +297,7 @@ def client_train(
     chunk) the update is written for the server to pull (``aisyn.fl.chunks``)
     and no arrays are returned. With ``node.ranks`` > 1 the local steps run on
     that many data-parallel ranks (``aisyn.fl.ranks``)."""
-    startup = process_age_s()
+    startup = startup_s()
     settings, fingerprint, server_round = settings_from_record(config)
     if not 1 <= server_round <= settings.rounds:
         raise ValueError(f"client {node.name}: bad server round {server_round}")

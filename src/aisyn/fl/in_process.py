@@ -15,7 +15,7 @@ from collections.abc import Callable
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
 
-from aisyn.fl import client_app
+from aisyn.fl import client, client_app
 
 #: the run ID the messages carry (Flower stamps the running task's)
 RUN_ID = 1
@@ -32,6 +32,7 @@ class InProcessGrid(Grid):
     ) -> None:
         self.nodes, self.answer = nodes, answer
         self._run = None
+        client.no_startup()  # the clients share this process
 
     def set_run(self, run) -> None:
         self._run = run
