@@ -1,0 +1,38 @@
+"""bench/cloze_lift.py runs end to end on the ci preset (two checkpoints, a
+capped share of each domain): every checkpoint is scored on every domain and
+the lift lines are the base's better format against the best checkpoint. Its
+numbers are not judged here -- only that they are what the JSON holds."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "cloze_lift.py"
+
+
+@pytest.mark.slow
+def test_cloze_lift_scores_every_checkpoint_and_prints_the_lift(tmp_path):
+    out = tmp_path / "lift"
+    args = [sys.executable, str(BENCH), "--preset", "ci", "--steps", "4"]
+    args += ["--every", "2", "--max-train-items", "100", "--out", str(out)]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads((out / "lift.json").read_text())
+    for name in ("news", "reviews"):
+        run = report["runs"][name]
+        assert 90 <= run["items"] <= 110  # the capped share, not the domain
+        assert [p["step"] for p in run["points"]] == [2, 4]
+        floor = max(report["base"][f][name] for f in ("lm", "prompt"))
+        best = max(p[name] for p in run["points"])
+        line = re.search(
+            rf"^lift {name}: base ([\d.]+) % .* -> ([\d.]+) %", res.stdout, re.M
+        )
+        assert line is not None, res.stdout
+        assert float(line.group(1)) == pytest.approx(floor, abs=0.05)
+        assert float(line.group(2)) == pytest.approx(best, abs=0.05)
