@@ -65,15 +65,6 @@ def check_number(name: str, value: float, **bounds) -> None:
         raise ValueError(f"{name} {problem}")
 
 
-def check_int(
-    name: str, value: int, low: int | None = None, high: int | None = None
-) -> None:
-    """An integer setting (bools and floats refused), in ``[low, high]``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    check_number(name, value, low=low, high=high)
-
-
 #: The largest seed any command takes. Seeds reach torch generators, which
 #: take at most 2**64 - 1 ("Overflow when unpacking long long" beyond), after
 #: small offsets (the epoch, +1); a split run's secret seed is 63-bit.
