@@ -15,6 +15,7 @@ from aisyn.data.sft import (
     encode_item,
     encode_items,
     open_sft_many,
+    prepare_sft,
     targets_for,
 )
 
@@ -111,3 +112,44 @@ def test_pooled_batches_mix_sources(sft_dirs):
     # Assert: deterministic and resumable
     third = again.next(8)
     assert torch.equal(third[0], first[2][0]) and torch.equal(third[1], first[2][1])
+
+
+def _news(n: int):
+    """The first ``n`` news documents (the ``sft_dirs`` fixture's corpus)."""
+    from aisyn.data.corpora import Corpus, load_corpus
+
+    news = load_corpus("news")
+    return Corpus(news.name, news.documents[:n], news.sources)
+
+
+def test_supervise_item_covers_the_whole_item_and_keeps_its_tokens(tokenizer, tmp_path):
+    # Prepare: the same documents, the loss on the answer or the whole item
+    corpus = _news(200)
+    for supervise in ("answer", "item"):
+        m = prepare_sft(
+            corpus, tokenizer, 48, tmp_path / supervise, per_document=2,
+            test_per_document=2, supervise=supervise,
+        )  # fmt: skip
+        assert m["supervise"] == supervise
+    answer = SFTData.open(tmp_path / "answer", "train")
+    item = SFTData.open(tmp_path / "item", "train")
+    # Execute
+    _, targets = item.batch(range(40))
+    # Assert: the same tokens; every one after the leading <eod> supervised
+    assert torch.equal(item.tokens, answer.tokens)
+    assert (item.answer_start == 1).all()
+    for row in range(40):
+        length = int(item.length[row])
+        assert targets[row][targets[row] != IGNORE].tolist() == (
+            item.tokens[row, 1:length].tolist()
+        )
+    assert (targets != IGNORE).sum() > 2 * (answer.batch(range(40))[1] != IGNORE).sum()
+
+
+def test_an_unknown_supervise_is_refused_before_anything_is_written(
+    tokenizer, tmp_path
+):
+    corpus = _news(20)
+    with pytest.raises(ValueError, match="--supervise must be one of answer, item"):
+        prepare_sft(corpus, tokenizer, 48, tmp_path / "out", supervise="prompt")
+    assert not (tmp_path / "out").exists()

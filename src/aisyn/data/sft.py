@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 FORMAT = "aisyn-sft/2"  # 2: prompt_text puts the blank's left context last
 TEST_ITEMS = "test.jsonl"
 IGNORE = -100  # target value the loss skips (``lm_loss``'s ignore_index)
+#: what an item's loss covers: its answer (completion-only, the usual SFT), or
+#: the whole item, passage and answer (a prompt loss weight of 1)
+SUPERVISE = ("answer", "item")
 # Characters kept free of the passage budget, as the prompt scorer does.
 _MARGIN = 8
 
@@ -125,17 +128,24 @@ def prepare_sft(
     test_per_document: int = 5,
     seed: int = 0,
     max_documents: int | None = None,
+    supervise: str = "answer",
     corpus_specs: Sequence[str] | None = None,
     overwrite: bool = False,
 ) -> dict:
     """Build cloze items from ``corpus`` and write the SFT folder; returns its manifest.
 
     Train/valid items come from the corpus's train/valid documents, test items
-    (kept as plain cloze items) from its test documents. The folder is built
-    beside ``out_dir`` and swapped in only when complete.
+    (kept as plain cloze items) from its test documents. ``supervise``: the
+    tokens the loss covers (``SUPERVISE``; "item" starts every item's
+    supervised span at its first token). The folder is built beside
+    ``out_dir`` and swapped in only when complete.
     """
     if seq_len < 8:
         raise ValueError(f"seq_len must be >= 8, got {seq_len}")
+    if supervise not in SUPERVISE:
+        raise ValueError(
+            f"--supervise must be one of {', '.join(SUPERVISE)}, got {supervise!r}"
+        )
     out, tmp = start_folder(out_dir, overwrite)
     manifest: dict = {
         "format": FORMAT,
@@ -149,6 +159,7 @@ def prepare_sft(
         "test_per_document": test_per_document,
         "seed": seed,
         "max_documents": max_documents,
+        "supervise": supervise,
         "splits": {},
     }
     padding = domain_nouns(corpus)  # once, not once per split
@@ -168,6 +179,8 @@ def prepare_sft(
         if not items:
             raise SFTError(f"corpus {corpus.name!r}: no cloze items in {split} split")
         tensors = encode_items(items, tok, seq_len)
+        if supervise == "item":  # every token after the leading EOD
+            tensors["answer_start"].fill_(1)
         save_file(tensors, str(tmp / f"{split}.safetensors"))
         manifest["splits"][split] = {
             "items": len(items),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aisyn import validate
+from aisyn.data.sft import SUPERVISE
 from aisyn.fl.settings import STRATEGIES
 from aisyn.testbed.presets import PRESETS
 from aisyn.train.lora import METHODS, Method
@@ -116,6 +117,7 @@ def cmd_prepare_sft(args) -> None:
         test_per_document=args.test_per_doc,
         seed=args.seed,
         max_documents=args.max_docs,
+        supervise=args.supervise,
         corpus_specs=portable_specs(args.corpus),
         overwrite=args.overwrite,
     )
@@ -248,6 +250,12 @@ def register(sub) -> None:
         ("--test-per-doc", positive_int, 5, "blanks per test document"),
         ("--max-docs", positive_int, None, "use only the first N documents"),
         ("--seed", validate.seed, 0, "seed of the blanks and candidates"),
+        (
+            "--supervise",
+            list(SUPERVISE),
+            "answer",
+            "what the loss covers: the answer, or the whole item (passage too)",
+        ),
         ("--overwrite", "store_true", None, "replace an existing folder"),
     )
 

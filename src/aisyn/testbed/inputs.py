@@ -79,6 +79,8 @@ def cached_sft(domain: str, tok: PanguTokenizer, preset: Preset) -> Path:
             preset.test_per_document,
             preset.max_documents,
             preset.seed,
+            # (absent where it is the default: the cached folders keep their keys)
+            *([] if preset.supervise == "answer" else [preset.supervise]),
         ],
         "building %s supervised cloze items in %s",
         lambda path: prepare_sft(
@@ -90,6 +92,7 @@ def cached_sft(domain: str, tok: PanguTokenizer, preset: Preset) -> Path:
             test_per_document=preset.test_per_document,
             seed=preset.seed,
             max_documents=preset.max_documents,
+            supervise=preset.supervise,
             corpus_specs=[domain],
             overwrite=True,
         ),

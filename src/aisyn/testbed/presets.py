@@ -34,6 +34,7 @@ class Preset:
     per_document: int = 5  # train/valid blanks per document
     test_per_document: int = 5
     max_test_items: int | None = None  # per domain (None: all)
+    supervise: str = "answer"  # what an item's loss covers (data.sft.SUPERVISE)
     # fine-tuning (same for every regime)
     finetune_steps: int = 40
     batch_size: int = 16
