@@ -10,6 +10,7 @@ domain's test items, as the comparison scores its rows:
     python bench/cloze_lift.py --preset reference --steps 3200 --every 800 \
         --out /tmp/lift
 
+``--supervise item``: the loss on the whole item, passage and answer.
 ``--max-train-items N``: fine-tune on the first N training items of the
 domain's (seeded IID) deal instead -- a data owner with little data, where
 pooling could pay.
@@ -57,11 +58,15 @@ def main() -> None:
     p.add_argument("--every", type=int, default=None, help="(steps / 4)")
     p.add_argument("--lr", type=float, default=None, help="(the preset's)")
     p.add_argument("--max-train-items", type=int, default=None)
+    p.add_argument(
+        "--supervise", choices=("answer", "item"), default=None,
+        help="what the loss covers (the preset's: its answer)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    preset = get_preset(args.preset)
+    preset = get_preset(args.preset).with_overrides(supervise=args.supervise)
     domains = args.domains.split(",")
     inputs = prepare_inputs(domains, preset, args.device)
     names = inputs.names
@@ -87,7 +92,7 @@ def main() -> None:
         cfg.ckpt_every = args.every or max(1, cfg.steps // 4)
         cfg.keep_checkpoints = cfg.steps // cfg.ckpt_every + 1
         cap = f"-cap{args.max_train_items}" if args.max_train_items else ""
-        run = args.out / f"{name}-{cfg.steps}{cap}"
+        run = args.out / f"{name}-{cfg.steps}{cap}-{preset.supervise}"
         t0 = time.perf_counter()
         finetune(
             inputs.base, [data], run, cfg, Method(), progress=False,
