@@ -28,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from aisyn.data.sft import SFTData
+from aisyn.data.sft import SUPERVISE, SFTData
 from aisyn.experiments.compare import prepare_inputs
 from aisyn.fl.partition import partition_iid
 from aisyn.testbed.presets import get_preset
@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=None, help="(the preset's)")
     p.add_argument("--max-train-items", type=int, default=None)
     p.add_argument(
-        "--supervise", choices=("answer", "item"), default=None,
+        "--supervise", choices=SUPERVISE, default=None,
         help="what the loss covers (the preset's: its answer)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
