@@ -11,6 +11,7 @@ domain's test items, as the comparison scores its rows:
         --out /tmp/lift
 
 ``--supervise item``: the loss on the whole item, passage and answer.
+``--tune reviews``: fine-tune on that domain only (every domain is scored).
 ``--max-train-items N``: fine-tune on the first N training items of the
 domain's (seeded IID) deal instead -- a data owner with little data, where
 pooling could pay.
@@ -53,7 +54,8 @@ def capped(sft: Path, out: Path, items: int) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="reference")
-    p.add_argument("--domains", default="news,reviews")
+    p.add_argument("--domains", default="news,reviews", help="scored")
+    p.add_argument("--tune", default=None, help="fine-tuned (all --domains)")
     p.add_argument("--steps", type=int, default=None, help="(the preset's)")
     p.add_argument("--every", type=int, default=None, help="(steps / 4)")
     p.add_argument("--lr", type=float, default=None, help="(the preset's)")
@@ -68,6 +70,10 @@ def main() -> None:
     args = p.parse_args()
     preset = get_preset(args.preset).with_overrides(supervise=args.supervise)
     domains = args.domains.split(",")
+    stems = [Path(d).stem for d in domains]
+    tuned = args.tune.split(",") if args.tune else stems
+    if unknown := set(tuned) - set(stems):
+        raise SystemExit(f"--tune names no domain of --domains: {sorted(unknown)}")
     inputs = prepare_inputs(domains, preset, args.device)
     names = inputs.names
     model, _ = load_run_model(inputs.base, inputs.device)
@@ -82,7 +88,7 @@ def main() -> None:
     }
     print(f"base: {json.dumps(base_acc)}", flush=True)
     report = {"preset": preset.name, "base": base_acc, "runs": {}}
-    for name in names:
+    for name in tuned:
         data = inputs.sft[name]
         if args.max_train_items:
             data = capped(data, args.out, args.max_train_items)
@@ -117,7 +123,7 @@ def main() -> None:
             "train_s": train_s,
             "points": points,
         }
-    for name in names:
+    for name in tuned:
         floor = max(base_acc["lm"][name], base_acc["prompt"][name])
         best = max(report["runs"][name]["points"], key=lambda pt: pt[name])
         print(

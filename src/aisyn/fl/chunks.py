@@ -54,6 +54,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from aisyn.fl.records import WIRE_DTYPE, UpdateRejected, decode_checked, payload_bytes
+from aisyn.train import checkpoint as ckpt
 
 log = logging.getLogger("aisyn.fl.chunks")
 
@@ -294,9 +295,7 @@ def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    return load_file(str(path))
+    return {k: v.numpy() for k, v in ckpt.read_tensors(path).items()}
 
 
 def staging_dir(out: Path, run_id: int, server_round: int) -> Path:
@@ -380,8 +379,6 @@ def save_update(
 def update_chunk(out: Path, run_id: int, config: ConfigRecord) -> RecordDict:
     """The requested chunk of this client's update of that round, read from its
     update file (only the chunk's rows)."""
-    from safetensors import safe_open
-
     try:
         r, index, limit = (int(config[k]) for k in ("round", "index", "limit"))
     except (KeyError, TypeError, ValueError):
@@ -389,7 +386,7 @@ def update_chunk(out: Path, run_id: int, config: ConfigRecord) -> RecordDict:
     path = staging_dir(out, run_id, r) / UPDATE_FILE
     if not path.is_file():
         raise ValueError(f"no update of round {r} to send")
-    with safe_open(str(path), "np") as f:
+    with ckpt.opened(path) as f:
         spec = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         plan = plan_chunks(spec, limit)
         if not 0 <= index < len(plan):
@@ -399,7 +396,7 @@ def update_chunk(out: Path, run_id: int, config: ConfigRecord) -> RecordDict:
                 f.get_tensor(p.name)
                 if p.start is None
                 else f.get_slice(p.name)[p.start : p.stop]
-            )
+            ).numpy()
             for p in plan[index]
         }
     return RecordDict(

@@ -37,11 +37,12 @@ from pathlib import Path
 
 import torch
 from flwr.app import ConfigRecord
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from aisyn import procs
 from aisyn.net import free_port
 from aisyn.procs import ChildProcess, child_env
+from aisyn.train import checkpoint as ckpt
 
 JOB_FILE = "job.json"
 GLOBAL_FILE = "global.safetensors"
@@ -120,7 +121,7 @@ def train_on_ranks(
                 f"{_first_error(log_path, offset)} (log: {log_path})"
             )
         result = json.loads((folder / RESULT_FILE).read_text(encoding="utf-8"))
-        trained = load_file(str(folder / TRAINED_FILE))
+        trained = ckpt.read_tensors(folder / TRAINED_FILE)
         if {k: tuple(v.shape) for k, v in trained.items()} != ctx.spec:
             raise RanksFailed(
                 f"client {node.name}: its ranks' tensors are not the model's"
@@ -186,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = ClientContext(
             node, settings, fingerprint, device=device, main=dist.is_main
         )
-        anchor = load_file(str(folder / GLOBAL_FILE), device=str(device))
+        anchor = {
+            k: v.to(device) for k, v in ckpt.read_tensors(folder / GLOBAL_FILE).items()
+        }
         if diff := name_differences(ctx.spec, anchor.keys(), more=True):
             raise ValueError(f"global model file: tensor names differ ({diff})")
         load_trainable(ctx.trainable, anchor)
