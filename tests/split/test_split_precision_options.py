@@ -103,3 +103,17 @@ def test_hello_refuses_bad_precision_settings(field, value, problem):
     # Execute / Assert
     with pytest.raises(proto.ProtocolError, match=problem):
         proto.parse_compute_party_train(d)
+
+
+def test_hello_refuses_training_settings_beyond_its_fields():
+    # Prepare: a hello carrying one field too many (the seed: B never gets
+    # A's) and one too few
+    d = proto.compute_party_train(train_cfg())
+    d["seed"] = 1
+    dropped = sorted(d)[0]
+    del d[dropped]
+    # Execute / Assert: one line naming both
+    with pytest.raises(proto.ProtocolError, match=r"missing \[.*unexpected \['seed'\]"):
+        proto.parse_compute_party_train(d)
+    with pytest.raises(proto.ProtocolError, match=dropped):
+        proto.parse_compute_party_train(d)

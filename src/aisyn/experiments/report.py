@@ -4,14 +4,13 @@ targets, the accuracy chart and every run's loss curve) and CSV, and
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
 from pathlib import Path
 
 from aisyn.experiments.accuracy_chart import plot_accuracy
 from aisyn.experiments.targets import targets_table
-from aisyn.train.run import write_json_atomic
+from aisyn.train.run import markdown_table, write_csv, write_json_atomic
 
 REPORT_MD = "report.md"
 REPORT_CSV = "report.csv"
@@ -93,9 +92,7 @@ def write_report(out: Path, report: dict, plots: dict[str, Path]) -> None:
         f"# Standalone vs data fusion vs federated ({', '.join(report['domains'])}; "
         f"preset `{report['preset']['name']}`)",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
-        *["| " + " | ".join(r) + " |" for r in md_rows],
+        *markdown_table(header, md_rows),
         "",
         "Accuracy: cloze items of each domain's test documents, 95 % bootstrap "
         "interval in brackets; the base is scored zero-shot (`lm` format), fine-tuned "
@@ -118,10 +115,7 @@ def write_report(out: Path, report: dict, plots: dict[str, Path]) -> None:
         "",
     ]
     (out / REPORT_MD).write_text("\n".join(lines), encoding="utf-8")
-    with (out / REPORT_CSV).open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(flat[0]))
-        w.writeheader()
-        w.writerows(flat)
+    write_csv(out / REPORT_CSV, flat)
     write_json_atomic(out / REPORT_JSON, report)
 
 

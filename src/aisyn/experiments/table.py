@@ -54,7 +54,7 @@ from aisyn.testbed.presets import Preset
 from aisyn.train.finetune import finetune
 from aisyn.train.lora import Method, apply_method, load_trainable
 from aisyn.train.models import load_run_model
-from aisyn.train.run import save_figure, write_json_atomic
+from aisyn.train.run import markdown_table, save_figure, write_json_atomic
 from aisyn.validate import holds_run
 
 log = logging.getLogger("aisyn.experiments")
@@ -422,34 +422,28 @@ def write_table(out: Path, table: dict) -> None:
     head = ["regime", "seeds", *[f"Acc {n} (%)" for n in names]]
     head += ["vs fusion", "vs best standalone", "rounds to fusion - 1"]
     head += ["bytes / round", "wall / round"]
+    rows = []
+    for g in table["table"]:
+        fed = g["kind"] == "federated"
+        wall = g.get("wall_per_round_s")
+        rows.append(
+            [
+                g["regime"],
+                str(g["seeds"]),
+                *[f"{g[f'acc_{n}']:.2f} ± {g[f'sd_{n}']:.2f}" for n in names],
+                " / ".join(_pts(v) for v in g["vs_fusion"].values()) if fed else "-",
+                _pts(g["vs_best_standalone"]) if fed else "-",
+                _rounds(g.get("rounds_to_fusion")) if fed else "-",
+                _fmt_bytes(g.get("bytes_per_round")),
+                "-" if wall is None else f"{wall:.1f} s",
+            ]
+        )
     lines = [
         f"# The reference's table ({', '.join(names)}; preset "
         f"`{table['preset']['name']}`)",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "|".join("---" for _ in head) + "|",
+        *markdown_table(head, rows),
     ]
-    for g in table["table"]:
-        fed = g["kind"] == "federated"
-        wall = g.get("wall_per_round_s")
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    g["regime"],
-                    str(g["seeds"]),
-                    *[f"{g[f'acc_{n}']:.2f} ± {g[f'sd_{n}']:.2f}" for n in names],
-                    " / ".join(_pts(v) for v in g["vs_fusion"].values())
-                    if fed
-                    else "-",
-                    _pts(g["vs_best_standalone"]) if fed else "-",
-                    _rounds(g.get("rounds_to_fusion")) if fed else "-",
-                    _fmt_bytes(g.get("bytes_per_round")),
-                    "-" if wall is None else f"{wall:.1f} s",
-                ]
-            )
-            + " |"
-        )
     lines += [
         "",
         "Accuracy: cloze items of each domain's test documents, the mean over "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from aisyn.train.run import markdown_table
+
 
 def check_targets(rows: list[dict], names: Sequence[str]) -> dict:
     """The issue's targets (a)-(d) on this table: values and pass/fail."""
@@ -101,13 +103,14 @@ def _fmt_target_value(key: str, value, loss: bool) -> str:
 def targets_table(targets: dict) -> list[str]:
     """``check_targets``' verdicts as Markdown table lines: one row per target
     and domain, its numbers and whether it is met."""
-    lines = ["| target | domain | numbers | result |", "|---|---|---|---|"]
+    rows = []
     for key, per_domain in targets.items():
         title, loss = TARGETS.get(key, (key, False))
         for domain, verdict in per_domain.items():
             numbers = ", ".join(
                 _fmt_target_value(k, v, loss) for k, v in verdict.items() if k != "pass"
             )
-            result = "met" if verdict["pass"] else "**not met**"
-            lines.append(f"| {title} | {domain} | {numbers} | {result} |")
-    return lines
+            rows.append(
+                [title, domain, numbers, "met" if verdict["pass"] else "**not met**"]
+            )
+    return markdown_table(["target", "domain", "numbers", "result"], rows)

@@ -20,7 +20,6 @@ Writes ``audit.md``, ``audit.csv``, ``audit.json`` and ``recovery.png``
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import time
@@ -50,6 +49,7 @@ from aisyn.privacy.inverters import (
 )
 from aisyn.split.defence.calibration import blocks_of, cut_traffic
 from aisyn.train.models import load_run_model
+from aisyn.train.run import markdown_table, write_csv
 
 log = logging.getLogger(__name__)
 
@@ -390,23 +390,6 @@ HEADER = [
 
 def _percent(v: float | None) -> str:
     return NOTHING_CROSSED if v is None else f"{100 * v:.1f} %"
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """The lines of a Markdown table of ``rows`` (their cells) under ``header``."""
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(cells) + " |" for cells in rows),
-    ]
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    """``rows`` as CSV, a column per key of the first."""
-    with path.open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def write_report(out: Path, report: dict) -> None:

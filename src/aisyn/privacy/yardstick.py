@@ -37,7 +37,6 @@ from aisyn.data.sft import SFTData
 from aisyn.data.shards import TokenShards
 from aisyn.eval.cloze import encoded_accuracy
 from aisyn.model.families import ModelConfig, config_from_dict
-from aisyn.privacy.audit import markdown_table, write_csv
 from aisyn.privacy.frontier import ATTACKS_EDITION, Point, attack_point, defence_for
 from aisyn.privacy.inverters import InverterSettings
 from aisyn.split.client.merge import merge
@@ -50,7 +49,7 @@ from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.models import load_run_model
 from aisyn.train.objective import evaluate_loss, sft_eval_loss
-from aisyn.train.run import read_metrics, write_json_atomic
+from aisyn.train.run import markdown_table, read_metrics, write_csv, write_json_atomic
 
 log = logging.getLogger(__name__)
 

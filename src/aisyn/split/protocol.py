@@ -225,13 +225,10 @@ def parse_compute_party_train(d: object) -> TrainConfig:
     any other field is refused, so that nothing more is ever sent by mistake."""
     if not isinstance(d, dict):
         raise ProtocolError("hello: no training settings")
-    extra = sorted(set(d) - set(COMPUTE_PARTY_TRAIN_FIELDS))
-    missing = sorted(set(COMPUTE_PARTY_TRAIN_FIELDS) - set(d))
-    if extra or missing:
+    if diff := name_differences(COMPUTE_PARTY_TRAIN_FIELDS, d, more=True):
         raise ProtocolError(
             f"hello: training settings must be exactly "
-            f"{list(COMPUTE_PARTY_TRAIN_FIELDS)} (missing {missing}, unexpected "
-            f"{extra[:5]})"
+            f"{list(COMPUTE_PARTY_TRAIN_FIELDS)} ({diff})"
         )
     for k, v in d.items():
         if k in _NON_NUMERIC:

@@ -113,13 +113,11 @@ def check_weights(
     """``load_weights``' checks alone (a model on the meta device will do):
     every name and shape; returns the model's tensors by name."""
     expected = unique_state_dict(model)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(model.state_dict()))
-    if missing or unexpected:
+    aliases = set(model.state_dict()) - set(expected)  # tied weights, saved or not
+    if diff := name_differences(expected, set(tensors) - aliases, more=True):
         raise CheckpointError(
-            f"{source}: does not match this model (missing {missing[:3]}"
-            f"{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
-            f"{'...' if len(unexpected) > 3 else ''}); a checkpoint of another config?"
+            f"{source}: does not match this model ({diff}); a checkpoint of "
+            "another config?"
         )
     for name, t in expected.items():
         if tensors[name].shape != t.shape:

@@ -12,6 +12,7 @@ and evaluation work on all of them.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -212,3 +213,20 @@ def save_figure(fig, png: Path) -> None:
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, png)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a Markdown table of ``rows`` (their cells) under ``header``."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(cells) + " |" for cells in rows),
+    ]
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """``rows`` as CSV, a column per key of the first."""
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
