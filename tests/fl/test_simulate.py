@@ -233,7 +233,7 @@ def test_lora_federated_fine_tuning_of_a_llama_base(
 
 
 def test_the_global_loss_plot_counts_whole_rounds():
-    from aisyn.fl.server import global_loss_figure
+    from aisyn.fl.federation import global_loss_figure
 
     history = [
         {"round": 1, "global_valid_loss": 6.0},

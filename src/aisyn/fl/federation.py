@@ -33,11 +33,13 @@ from aisyn.fl.guard import OPTIMIZER_STATE
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import guard_of
 from aisyn.train import checkpoint as ckpt
-from aisyn.train.run import RunDir
+from aisyn.train.run import RunDir, save_figure
 from aisyn.validate import name_differences
 
 log = logging.getLogger("aisyn.fl")
 
+#: the global model's loss after every round, in the run folder
+LOSS_PNG = "loss.png"
 #: the federation's part of a round's checkpoint (beside the driver's files)
 FEDERATION_FILE = "federation.safetensors"
 _GLOBAL = "global/"
@@ -69,7 +71,6 @@ class Federation:
     spec: dict[str, tuple[int, ...]]
     describe: Callable[[int, ArrayRecord, dict], None]
     checkpoint: Callable[[int, ArrayRecord, dict, dict], None]
-    plot: Callable[[list[dict], float | None], None] = lambda history, final: None
     #: where ``checkpoint`` writes (default: ``run``'s own checkpoints)
     checkpoints: Path | None = None
     history: list[dict] = field(default_factory=list)
@@ -99,7 +100,17 @@ class Federation:
             evaluated = strategy.aggregate_evaluate(rnd, replies)
             self.last_loss = _valid_loss(evaluated)
             self._after_round(rnd, arrays)
-        return self.last_loss
+        if (final := self.last_loss) is not None:
+            self.run.log_metrics(
+                {"round": self.settings.rounds, "final_global_valid_loss": final}
+            )
+            self._plot(final)
+        return final
+
+    def _plot(self, final: float | None = None) -> None:
+        fig = global_loss_figure(self.history, final)
+        if fig is not None:
+            save_figure(fig, self.run.path / LOSS_PNG)
 
     def _after_round(self, rnd: int, arrays: ArrayRecord) -> None:
         entry = dict(guard_of(self.strategy).round_log.get(rnd, {"round": rnd}))
@@ -109,7 +120,7 @@ class Federation:
         self.history.append(entry)
         # the line first: a resume drops the lines after its checkpoint
         self.run.log_metrics(entry)
-        self.plot(self.history, None)
+        self._plot()
         self.checkpoint(rnd, arrays, *self._saved(rnd, arrays))
 
     # -- what a round's checkpoint holds for the federation -------------------
@@ -248,6 +259,38 @@ class Federation:
             setattr(objects[role], attr, value)
         ckpt.restore_rng(tensors)
         log.info("%s: resuming after round %s", self.run.path, folder.name)
+
+
+def global_loss_figure(history: list[dict], final: float | None):
+    """The global model's validation loss (clients' weighted mean) after each
+    number of completed rounds: round r's clients score the model of round r-1.
+    None when no round has a loss yet."""
+    points = [
+        (h["round"] - 1, h["global_valid_loss"])
+        for h in history
+        if h.get("global_valid_loss") is not None
+    ]
+    if final is not None and history:
+        points.append((history[-1]["round"], final))
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot(
+        *zip(*points, strict=True), "o-", label="global model, clients' valid items"
+    )
+    ax.set_xlabel("rounds completed")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 0.5
+    ax.set_ylabel("loss (nats/answer token)")
+    ax.set_title("federated global model")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
 
 
 def _valid_loss(metrics: MetricRecord | None) -> float | None:

@@ -38,47 +38,9 @@ from aisyn.fl.strategy import guard_of, make_strategy
 from aisyn.train.executor import save_model
 from aisyn.train.lora import load_trainable, trainable_tensors
 from aisyn.train.models import BaseModel, describe_base
-from aisyn.train.run import RunDir, save_figure, write_json_atomic
+from aisyn.train.run import RunDir, write_json_atomic
 
 log = logging.getLogger("aisyn.fl")
-
-
-def plot_global(history: list[dict], final: float | None, png: Path) -> None:
-    fig = global_loss_figure(history, final)
-    if fig is not None:
-        save_figure(fig, png)
-
-
-def global_loss_figure(history: list[dict], final: float | None):
-    """The global model's validation loss (clients' weighted mean) after each
-    number of completed rounds: round r's clients score the model of round r-1.
-    None when no round has a loss yet."""
-    points = [
-        (h["round"] - 1, h["global_valid_loss"])
-        for h in history
-        if h.get("global_valid_loss") is not None
-    ]
-    if final is not None and history:
-        points.append((history[-1]["round"], final))
-    if not points:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    ax.plot(
-        *zip(*points, strict=True), "o-", label="global model, clients' valid items"
-    )
-    ax.set_xlabel("rounds completed")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 0.5
-    ax.set_ylabel("loss (nats/answer token)")
-    ax.set_title("federated global model")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return fig
 
 
 @dataclass
@@ -170,7 +132,6 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
         spec,
         describe,
         checkpoint,
-        plot=lambda history, final: plot_global(history, final, run.path / "loss.png"),
     )
     first, arrays = federation.resume() if node.resume else (1, None)
     start_run(
@@ -214,14 +175,6 @@ def run_server(settings: FLSettings, node: ServerNode, grid: Grid) -> dict:
     }
     if first > 1:
         summary["resumed_at_round"] = first
-    if final is not None:
-        run.log_metrics(
-            {
-                "round": settings.rounds,
-                "final_global_valid_loss": final,
-            }
-        )
-        plot_global(federation.history, final, run.path / "loss.png")
     write_json_atomic(run.path / RESULT_FILE, summary)
     run.close()
     log.info(

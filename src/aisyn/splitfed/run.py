@@ -64,7 +64,6 @@ from aisyn.fl.guard import norm_bound
 from aisyn.fl.launch import check_client
 from aisyn.fl.records import payload_bytes, record_to_tensors, tensors_to_record
 from aisyn.fl.round_message import round_config, setting_differences
-from aisyn.fl.server import plot_global
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import make_strategy
 from aisyn.link.memory import memory_pair
@@ -510,7 +509,6 @@ def _federate(
         first.spec,
         describe,
         checkpoint,
-        plot=lambda history, final: plot_global(history, final, root.path / "loss.png"),
     )
     start, arrays = 1, None
     if resume:
@@ -525,9 +523,6 @@ def _federate(
     with flower_task(run_id=1):
         final = federation.run_rounds(arrays or initial, start)
     history = federation.history
-    if final is not None:
-        root.log_metrics({"round": settings.rounds, "final_global_valid_loss": final})
-        plot_global(history, final, root.path / "loss.png")
     segment_bytes = payload_bytes(initial)
     resumed = {"resumed_at_round": start} if start > 1 else {}
     return {
