@@ -36,3 +36,30 @@ def test_cloze_lift_scores_every_checkpoint_and_prints_the_lift(tmp_path):
         assert line is not None, res.stdout
         assert float(line.group(1)) == pytest.approx(floor, abs=0.05)
         assert float(line.group(2)) == pytest.approx(best, abs=0.05)
+
+
+def test_a_tuned_domain_outside_the_scored_ones_is_refused_before_anything_runs(
+    tmp_path,
+):
+    out = tmp_path / "lift"
+    args = [sys.executable, str(BENCH), "--preset", "ci", "--tune", "poems"]
+    res = subprocess.run(
+        [*args, "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode != 0
+    assert "--tune names no domain of --domains: ['poems']" in res.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_tune_fine_tunes_one_domain_and_scores_both(tmp_path):
+    out = tmp_path / "lift"
+    args = [sys.executable, str(BENCH), "--preset", "ci", "--steps", "2"]
+    args += ["--every", "2", "--tune", "reviews", "--out", str(out)]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads((out / "lift.json").read_text())
+    assert list(report["runs"]) == ["reviews"]
+    assert set(report["runs"]["reviews"]["points"][0]) == {"step", "news", "reviews"}
+    assert re.search(r"^lift reviews: ", res.stdout, re.M)
+    assert not re.search(r"^lift news: ", res.stdout, re.M)
