@@ -4,7 +4,8 @@
    on both, or on the preset's public corpora only (our stand-in for
    pretrained PanGu-α), built once and cached (``testbed.inputs``).
 2. Supervised cloze items of each domain's train documents (``prepare_sft``;
-   cached), loss on the answer tokens only.
+   cached), loss on the answer tokens (the preset's ``supervise``: or the
+   whole item).
 3. Fine-tune the base, with the same budget of optimizer steps, as
    standalone(d) for each domain, fusion(all domains pooled) and federated
    (one client per domain, through Flower's runtime on loopback), split

@@ -286,7 +286,7 @@ def global_loss_figure(history: list[dict], final: float | None):
     )
     ax.set_xlabel("rounds completed")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 0.5
-    ax.set_ylabel("loss (nats/answer token)")
+    ax.set_ylabel("loss (nats / supervised token)")
     ax.set_title("federated global model")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -11,7 +11,8 @@ on the same batches with the same loss.
 * ``LMObjective`` -- pre-training on token shards (``aisyn prepare``): windows
   of seq_len + 1 tokens, the mean loss over every next token.
 * ``SFTObjective`` -- supervised fine-tuning on cloze items (``aisyn
-  prepare-sft``): the mean loss over the batch's answer tokens; only those
+  prepare-sft``): the mean loss over the batch's supervised tokens (each
+  item's answer, or with ``--supervise item`` the whole item); only those
   positions go through the (vocabulary-sized) head.
 
 A loss is computed from the final hidden states and the head (``logits_of``),

@@ -266,7 +266,7 @@ def _add_train(ssub: argparse._SubParsersAction) -> None:
             "append",
             None,
             "SFT folder from `aisyn prepare-sft` instead of --data: fine-tune "
-            "--init-from BASE, the loss on the answer tokens only (repeat)",
+            "--init-from BASE, the loss on its supervised tokens (repeat)",
         ),
         ("--out", None, REQUIRED, "run folder"),
         ("--peer", validate.host_port, None, "compute party HOST:PORT (grpc)"),

@@ -124,10 +124,10 @@ def split_train(
     the handshake), and one started here (local, spawned) is given it.
 
     ``sft``: split fine-tuning. ``data_dirs`` are SFT folders (``aisyn
-    prepare-sft``) instead of token shards, the loss covers the answer tokens
-    only (``train.objective.SFTObjective``), and a fresh run needs ``init_from``. The
-    compute party cannot tell the difference: it gets the same rounds, with a
-    sequence length that changes from step to step.
+    prepare-sft``) instead of token shards, the loss covers each item's
+    supervised tokens (``train.objective.SFTObjective``), and a fresh run
+    needs ``init_from``. The compute party cannot tell the difference: it gets
+    the same rounds, with a sequence length that changes from step to step.
     """
     methods = (method or Method(), compute_method or Method())
     init_from = base_of(
