@@ -16,14 +16,19 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "cloze_lift.py"
 
 
+def run_bench(out: Path, *flags: str, timeout: float = 900):
+    """The bench on the ci preset into ``out``: (its process, lift.json or None)."""
+    args = [sys.executable, str(BENCH), "--preset", "ci", *flags, "--out", str(out)]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    lift = out / "lift.json"
+    return res, json.loads(lift.read_text()) if lift.is_file() else None
+
+
 @pytest.mark.slow
 def test_cloze_lift_scores_every_checkpoint_and_prints_the_lift(tmp_path):
-    out = tmp_path / "lift"
-    args = [sys.executable, str(BENCH), "--preset", "ci", "--steps", "4"]
-    args += ["--every", "2", "--max-train-items", "100", "--out", str(out)]
-    res = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    flags = ["--steps", "4", "--every", "2", "--max-train-items", "100"]
+    res, report = run_bench(tmp_path / "lift", *flags)
     assert res.returncode == 0, res.stderr[-2000:]
-    report = json.loads((out / "lift.json").read_text())
     for name in ("news", "reviews"):
         run = report["runs"][name]
         assert 90 <= run["items"] <= 110  # the capped share, not the domain
@@ -42,10 +47,7 @@ def test_a_tuned_domain_outside_the_scored_ones_is_refused_before_anything_runs(
     tmp_path,
 ):
     out = tmp_path / "lift"
-    args = [sys.executable, str(BENCH), "--preset", "ci", "--tune", "poems"]
-    res = subprocess.run(
-        [*args, "--out", str(out)], capture_output=True, text=True, timeout=120
-    )
+    res, _ = run_bench(out, "--tune", "poems", timeout=120)
     assert res.returncode != 0
     assert "--tune names no domain of --domains: ['poems']" in res.stderr
     assert not out.exists()
@@ -53,12 +55,9 @@ def test_a_tuned_domain_outside_the_scored_ones_is_refused_before_anything_runs(
 
 @pytest.mark.slow
 def test_tune_fine_tunes_one_domain_and_scores_both(tmp_path):
-    out = tmp_path / "lift"
-    args = [sys.executable, str(BENCH), "--preset", "ci", "--steps", "2"]
-    args += ["--every", "2", "--tune", "reviews", "--out", str(out)]
-    res = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    flags = ["--steps", "2", "--every", "2", "--tune", "reviews"]
+    res, report = run_bench(tmp_path / "lift", *flags)
     assert res.returncode == 0, res.stderr[-2000:]
-    report = json.loads((out / "lift.json").read_text())
     assert list(report["runs"]) == ["reviews"]
     assert set(report["runs"]["reviews"]["points"][0]) == {"step", "news", "reviews"}
     assert re.search(r"^lift reviews: ", res.stdout, re.M)
