@@ -4,6 +4,7 @@ its long-running children (Flower's processes, a spawned compute party)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -50,6 +51,34 @@ def test_ready_then_stopped_with_its_children(tmp_path):
     assert _gone(pid)
     assert "up" in child.tail()
     child.stop()  # stopping twice is harmless
+
+
+def test_the_children_of_a_child_killed_first_are_stopped_too(tmp_path):
+    # Prepare: a child (say a Flower SuperLink) that starts a grandchild (its
+    # ServerApp), then dies by SIGKILL and is reaped: the grandchild lives on
+    # in its group
+    ready, grandchild = tmp_path / "ready", tmp_path / "grandchild.pid"
+    code = (
+        "import subprocess, sys, time, pathlib;"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        f"pathlib.Path({str(grandchild)!r}).write_text(str(p.pid));"
+        f"pathlib.Path({str(ready)!r}).write_text('ok');"
+        "time.sleep(60)"
+    )
+    child = ChildProcess("leader", _python(code), tmp_path / "child.log")
+    child.wait_ready(ready.is_file, timeout_s=30)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(10)
+    pid = int(grandchild.read_text())
+    assert not _gone(pid)
+    # Execute
+    child.stop(grace_s=5)
+    # Assert: the orphan is gone with its group
+    for _ in range(100):
+        if _gone(pid):
+            break
+        time.sleep(0.05)
+    assert _gone(pid)
 
 
 def test_a_child_that_exits_before_ready_is_reported_with_its_output(tmp_path):

@@ -169,6 +169,9 @@ class ChildProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+        # its group's id, kept: a leader that died (killed, crashed) and was
+        # reaped leaves its children in the group, and they must still end
+        self.pgid = self.popen.pid
 
     @property
     def pid(self) -> int:
@@ -218,16 +221,14 @@ class ChildProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM its process group, then SIGKILL what is left of the group
-        after ``grace_s`` (its children too); nothing once it has been reaped."""
-        try:
-            pgid = os.getpgid(self.popen.pid)  # before the wait reaps the leader
-        except ProcessLookupError:
-            return
+        after ``grace_s`` (its children too, even when it died before them);
+        nothing once the whole group is gone."""
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             try:
-                os.killpg(pgid, sig)
+                os.killpg(self.pgid, sig)
             except ProcessLookupError:
-                pass
+                if self.popen.poll() is not None:
+                    return  # nobody is left in the group
             try:
                 self.popen.wait(wait_s)
             except subprocess.TimeoutExpired:
