@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,9 +26,9 @@ def _gone(pid: int) -> bool:
     return False
 
 
-@pytest.mark.heavy
-def test_ready_then_stopped_with_its_children(tmp_path):
-    # Prepare: a child that starts a grandchild, then says it is ready
+def _with_grandchild(tmp_path, name: str) -> tuple[ChildProcess, Path]:
+    """A child that starts a sleeping grandchild (its pid in the returned
+    file), says "up" and sleeps; returned once it is ready."""
     ready, grandchild = tmp_path / "ready", tmp_path / "grandchild.pid"
     code = (
         "import subprocess, sys, time, pathlib;"
@@ -36,9 +37,16 @@ def test_ready_then_stopped_with_its_children(tmp_path):
         f"pathlib.Path({str(ready)!r}).write_text('ok'); print('up', flush=True);"
         "time.sleep(60)"
     )
-    # Execute
-    child = ChildProcess("sleeper", _python(code), tmp_path / "log" / "child.log")
+    child = ChildProcess(name, _python(code), tmp_path / "log" / "child.log")
     child.wait_ready(ready.is_file, timeout_s=30)
+    return child, grandchild
+
+
+@pytest.mark.heavy
+def test_ready_then_stopped_with_its_children(tmp_path):
+    # Prepare: a child that starts a grandchild, then says it is ready
+    # Execute
+    child, grandchild = _with_grandchild(tmp_path, "sleeper")
     assert child.alive()
     child.stop(grace_s=5)
     # Assert: it and its own child are gone; its output went to the log
@@ -57,16 +65,7 @@ def test_the_children_of_a_child_killed_first_are_stopped_too(tmp_path):
     # Prepare: a child (say a Flower SuperLink) that starts a grandchild (its
     # ServerApp), then dies by SIGKILL and is reaped: the grandchild lives on
     # in its group
-    ready, grandchild = tmp_path / "ready", tmp_path / "grandchild.pid"
-    code = (
-        "import subprocess, sys, time, pathlib;"
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
-        f"pathlib.Path({str(grandchild)!r}).write_text(str(p.pid));"
-        f"pathlib.Path({str(ready)!r}).write_text('ok');"
-        "time.sleep(60)"
-    )
-    child = ChildProcess("leader", _python(code), tmp_path / "child.log")
-    child.wait_ready(ready.is_file, timeout_s=30)
+    child, grandchild = _with_grandchild(tmp_path, "leader")
     os.kill(child.pid, signal.SIGKILL)
     child.wait(10)
     pid = int(grandchild.read_text())
