@@ -225,6 +225,11 @@ def measure_350m(
                 CUT,
                 "--out",
                 str(root / "a"),
+                # undefended: the planner's memory and the unsplit losses are
+                # those of the split itself (the default, recommended defence
+                # calibrates on the whole model first and noises what crosses)
+                "--defence",
+                "none",
                 *common,
             ],
             root / "a.log",

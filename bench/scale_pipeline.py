@@ -178,6 +178,7 @@ def data_party_line(work: Path, data: Path) -> str:
         "--data", str(data), "--steps", "20", "--batch-size", "8",
         "--micro-batch-size", "2", "--lr", "3e-3", "--warmup", "4",
         "--log-every", "1", "--seed", "11", "--device", "cpu", "--quiet",
+        "--defence", "none",  # held to unsplit training's losses: no noise
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = {}
