@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from aisyn.experiments.compare import run_compare
 from aisyn.experiments.targets import check_targets
 from aisyn.testbed.presets import PRESETS, Preset
+from aisyn.train import checkpoint as ckpt
 
 
 def write_corpus(path, name, n):
@@ -128,11 +130,12 @@ def test_micro_comparison_produces_the_table(tmp_path, monkeypatch):
 
 
 @pytest.mark.heavy
-def test_a_killed_comparison_resumes_to_the_same_rows(tmp_path, monkeypatch):
-    """A comparison killed while its fusion run trained (no checkpoint yet)
-    and before its report was written: ``resume`` trains fusion again
-    from its start, leaves the finished split runs as they are, and writes
-    the rows an uninterrupted comparison wrote. Another recipe, or a folder
+def test_a_killed_comparison_resumes_to_the_same_rows(tmp_path, monkeypatch, caplog):
+    """A comparison killed while its fusion run trained (after its
+    checkpoint at three quarters of its steps) and before its report was
+    written: ``resume`` trains fusion on from that checkpoint, leaves the
+    finished split runs as they are, and writes the rows an uninterrupted
+    comparison wrote. Another recipe, or a folder
     without a comparison, is refused in one line with nothing written."""
     from aisyn.experiments.report import REPORT_JSON
 
@@ -145,7 +148,13 @@ def test_a_killed_comparison_resumes_to_the_same_rows(tmp_path, monkeypatch):
     out, regimes = tmp_path / "report", ["fusion", "split"]
     whole = run_compare(domains, MICRO, out, regimes=regimes)
     fusion = out / "runs" / "news_reviews"
-    shutil.rmtree(fusion / "checkpoints")
+    ckpts = fusion / "checkpoints"
+    last = ckpt.latest(ckpts)
+    assert last.name == f"step_{MICRO.finetune_steps:08d}"
+    shutil.rmtree(last)
+    kept = ckpts / f"step_{MICRO.finetune_steps * 3 // 4:08d}"
+    (ckpts / ckpt.LATEST).write_text(kept.name)
+    assert ckpt.latest(ckpts) is not None  # the quarter cadence kept it
     (fusion / "summary.json").unlink()
     (out / REPORT_JSON).unlink()
     split_metrics = (out / "runs" / "news_split" / "metrics.jsonl").read_bytes()
@@ -156,8 +165,11 @@ def test_a_killed_comparison_resumes_to_the_same_rows(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="holds no comparison"):
         run_compare(domains, MICRO, tmp_path / "none", resume=True)
     # Execute
-    resumed = run_compare(domains, MICRO, out, regimes=regimes, resume=True)
-    # Assert: the same rows; the finished split runs were not trained again
+    with caplog.at_level(logging.INFO, logger="aisyn"):
+        resumed = run_compare(domains, MICRO, out, regimes=regimes, resume=True)
+    # Assert: fusion went on from its checkpoint, not from its start; the
+    # same rows; the finished split runs were not trained again
+    assert f"resumed from {kept} (step {MICRO.finetune_steps * 3 // 4})" in caplog.text
     keys = ("regime", "steps", "acc_news", "acc_reviews", "loss_news", "loss_reviews")
     assert [{k: r[k] for k in keys} for r in resumed["rows"]] == [
         {k: r[k] for k in keys} for r in whole["rows"]
