@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -323,3 +324,59 @@ def test_the_report_has_the_chart_and_a_targets_table(tmp_path):
     ) in lines
     # (a), (b), (c), (d) for both domains; (e) has no split rows here
     assert len(lines) == 2 + 4 * 2
+
+
+def _saved_recipe(tmp_path, preset: dict) -> dict:
+    from aisyn.experiments.compare import RECIPE
+
+    recipe = {"domains": ["news", "reviews"], "preset": preset}
+    (tmp_path / RECIPE).write_text(json.dumps(recipe))
+    return recipe
+
+
+def test_a_resumed_table_may_add_methods_partitions_and_seeds_but_not_drop_them(
+    tmp_path,
+):
+    from aisyn.experiments.compare import check_same_comparison
+
+    # Arrange: a table saved with two methods, one partition, one seed
+    table = PRESETS["reference-ci"]
+    saved = json.loads(json.dumps(table.to_dict()))
+    recipe = _saved_recipe(tmp_path, saved)
+    grown = replace(
+        table,
+        methods=(*table.methods, "fedavgm"),
+        partitions=(*table.partitions, "dirichlet-1.0"),
+        seeds=(*table.seeds, 3),
+    )
+    # Execute / Assert: more of each axis goes on; fewer, or another setting, not
+    check_same_comparison(tmp_path, {**recipe, "preset": grown.to_dict()})
+    for changed in (
+        replace(table, methods=table.methods[:1]),
+        replace(table, seeds=(7,)),
+        replace(table, lr=table.lr * 2),
+    ):
+        with pytest.raises(ValueError, match="holds a comparison of other preset"):
+            check_same_comparison(
+                tmp_path,
+                {**recipe, "preset": json.loads(json.dumps(changed.to_dict()))},
+            )
+
+
+def test_a_table_saved_before_a_setting_existed_resumes_at_its_default(tmp_path):
+    from aisyn.experiments.compare import check_same_comparison
+
+    # Arrange: the recipe of a version without server_lr (it used FedAvgM's 1)
+    preset = json.loads(json.dumps(PRESETS["reference-ci"].to_dict()))
+    saved = {k: v for k, v in preset.items() if k != "server_lr"}
+    recipe = _saved_recipe(tmp_path, saved)
+    # Execute / Assert: the default is the same run; another value is not
+    check_same_comparison(tmp_path, {**recipe, "preset": preset})
+    with pytest.raises(ValueError, match="holds a comparison of other preset"):
+        check_same_comparison(
+            tmp_path, {**recipe, "preset": {**preset, "server_lr": 2.0}}
+        )
+    # ... and a saved setting the code no longer has is another recipe
+    _saved_recipe(tmp_path, {**preset, "gone": 1})
+    with pytest.raises(ValueError, match="holds a comparison of other preset"):
+        check_same_comparison(tmp_path, {**recipe, "preset": preset})

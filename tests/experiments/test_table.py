@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 from test_compare import MICRO, write_corpus
 
+from aisyn.experiments.evaluator import Evaluator, ScoreCache
 from aisyn.experiments.table import run_table, summarise
 from aisyn.testbed.presets import PRESETS
 
@@ -159,8 +160,50 @@ def test_a_micro_table_has_every_regime_curve_and_the_summary(tmp_path, monkeypa
     assert saved["summary"] == table["summary"]
     # A finished table resumed is the same table (nothing is trained again);
     # another recipe is refused in one line before anything is written
+    # and scores no finished run's model again (they come from its cache)
+    calls = []
+    score = Evaluator.__call__
+    monkeypatch.setattr(
+        Evaluator, "__call__", lambda s, m, f: calls.append(f) or score(s, m, f)
+    )
     again = run_table([news, reviews], preset, out, device="cpu", resume=True)
     assert again["table"] == table["table"]
+    assert calls == []
     with pytest.raises(ValueError, match="other preset") as e:
         run_table([news, reviews], replace(preset, seeds=(3,)), out, resume=True)
     assert "\n" not in str(e.value)
+
+
+class _CountingScorer:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, model, fmt):
+        self.calls += 1
+        return {"format": fmt, "loss_x": float(model.weight.sum())}
+
+    def accuracy(self, model, fmt):
+        raise AssertionError("not cached")
+
+
+def test_the_score_cache_scores_each_weights_once(tmp_path):
+    import torch
+
+    # Arrange
+    scorer = _CountingScorer()
+    cache = ScoreCache(scorer, tmp_path / "scores")
+    model = torch.nn.Linear(3, 2)
+    # Execute / Assert: the same weights once; other weights, another format
+    # or a torn cache file are scored afresh
+    first = cache(model, "prompt")
+    assert cache(model, "prompt") == first and scorer.calls == 1
+    cache(model, "lm")
+    assert scorer.calls == 2
+    with torch.no_grad():
+        model.weight[0, 0] += 1.0
+    assert cache(model, "prompt")["loss_x"] == pytest.approx(first["loss_x"] + 1.0)
+    assert scorer.calls == 3
+    for f in (tmp_path / "scores").iterdir():
+        f.write_text("{torn")
+    cache(model, "prompt")
+    assert scorer.calls == 4

@@ -118,6 +118,7 @@ _PRESET_FL_SETTINGS = (
     "method",
     "strategy",
     "proximal_mu",
+    "server_lr",
     "server_momentum",
     "eta",
     "eval_items",
@@ -465,13 +466,46 @@ def check_same_comparison(out: Path, recipe: dict) -> None:
         old = read_json(path)
     except ValueError as e:
         raise ValueError(f"--resume: {path}: {e}") from None
-    differ = [k for k in recipe if old.get(k) != recipe[k]]
+    if not isinstance(old, dict):
+        raise ValueError(f"--resume: {path}: not a comparison's recipe")
+    differ = [
+        k
+        for k in recipe
+        if k != "preset"
+        and old.get(k) != recipe[k]
+        or k == "preset"
+        and _preset_differs(old.get(k), recipe[k])
+    ]
     if differ:
         raise ValueError(
             f"--resume: {out} holds a comparison of other {', '.join(differ)}; "
             "resume it with the same --domains, --preset (and its overrides), "
             "--regimes and --fl-set, or choose another --out"
         )
+
+
+#: the table's axes: a resumed table may add to them (each seed, partition
+#: and method is a run of its own, which the others do not see)
+_EXTENSIBLE = ("methods", "partitions", "seeds")
+
+
+def _preset_differs(old, new: dict) -> bool:
+    """Whether a saved preset (``old``, as read back) differs from ``new`` in
+    anything its runs depend on. A setting the saved one lacks counts as the
+    same at its default: a later version added it, and its default is what
+    the earlier one did (``server_lr`` 1, FedAvgM's own)."""
+    if not isinstance(old, dict):
+        return True
+    new = json.loads(json.dumps(new))  # as it reads back (lists, not tuples)
+    defaults = json.loads(json.dumps(Preset(name="").to_dict()))
+    for k, v in new.items():
+        was = old.get(k, defaults.get(k))
+        if k in _EXTENSIBLE and isinstance(was, list) and isinstance(v, list):
+            if not set(map(json.dumps, was)) <= set(map(json.dumps, v)):
+                return True
+        elif was != v:
+            return True
+    return bool(set(old) - set(new))
 
 
 def _brief(row: dict, names: Sequence[str]) -> dict:

@@ -1,9 +1,11 @@
 """The comparison's scorer: every model's cloze accuracy on each domain's test
 items and its LM loss on each domain's raw test text, the items encoded once
-for all the models."""
+for all the models; and its cache by the weights scored."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,8 @@ from aisyn.data.tokenizer import PanguTokenizer
 from aisyn.eval.cloze import encode_items, encoded_accuracy
 from aisyn.model.causal_lm import CausalLM
 from aisyn.train.objective import evaluate_loss
+from aisyn.train.run import write_json_atomic
+from aisyn.validate import read_json
 
 
 @dataclass
@@ -63,3 +67,41 @@ class Evaluator:
                 model, test, batch_size=16, device=self.device
             )
         return out
+
+
+class ScoreCache:
+    """``evaluate`` remembered by the weights it scored, in ``folder`` (one
+    JSON file a model and format): a resumed table scores each finished run
+    once, not again at every restart -- on a CPU a full score of the
+    reference's model takes minutes, and a seed has eighteen. The scores of
+    the same weights are the same (the items, the text and the scorer are
+    the recipe's), so the cache only saves time."""
+
+    def __init__(self, evaluate: Evaluator, folder: Path) -> None:
+        self.evaluate, self.folder = evaluate, folder
+        self.accuracy = evaluate.accuracy  # per-round scores: not cached
+
+    def __call__(self, model: CausalLM, fmt: str) -> dict:
+        path = self.folder / f"{weights_digest(model, fmt)}.json"
+        if path.is_file():
+            try:
+                return read_json(path)
+            except ValueError:  # a torn or foreign file: score afresh
+                pass
+        scores = self.evaluate(model, fmt)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, json.loads(json.dumps(scores)))
+        return scores
+
+
+def weights_digest(model: torch.nn.Module, *extra: str) -> str:
+    """SHA-256 of a model's named tensors (names, dtypes, shapes, bytes) and
+    ``extra``."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # no copy
+    for e in extra:
+        h.update(f"|{e}".encode())
+    return h.hexdigest()

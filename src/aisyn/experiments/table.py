@@ -31,6 +31,7 @@ import re
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from aisyn.experiments.compare import (
     split_finetuned,
     splitfed_row,
 )
+from aisyn.experiments.evaluator import ScoreCache
 from aisyn.fl.in_process import RUN_ID, InProcessGrid
 from aisyn.fl.partition import partition_dirichlet
 from aisyn.fl.records import record_to_tensors
@@ -62,6 +64,9 @@ log = logging.getLogger("aisyn.experiments")
 TABLE_MD = "table.md"
 TABLE_JSON = "table.json"
 ROUNDS_PNG = "accuracy_rounds.png"
+#: the scores of every model the table scored, by its weights (a resumed
+#: table does not score a finished run again)
+SCORES = "scores"
 #: a partition's name: the reference's one client per domain, or a Dirichlet deal
 PARTITION = re.compile(r"domains|dirichlet-(\d+(?:\.\d+)?)")
 #: the goal: federated at most this many points below fusion on every domain
@@ -105,6 +110,7 @@ def run_table(
             f"{out}: holds an earlier table; choose another --out, or --resume it"
         )
     inputs = prepare_inputs(domains, preset, device)
+    inputs = replace(inputs, evaluate=ScoreCache(inputs.evaluate, out / SCORES))
     names, dev = inputs.names, inputs.device
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / RECIPE, recipe)

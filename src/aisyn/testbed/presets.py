@@ -48,6 +48,7 @@ class Preset:
     strategy: str = "fedavg"
     schedule: str = "continue"
     proximal_mu: float = 0.01
+    server_lr: float = 1.0
     server_momentum: float = 0.7
     eta: float = 3e-3
     eval_items: int = 64
