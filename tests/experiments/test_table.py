@@ -207,3 +207,24 @@ def test_the_score_cache_scores_each_weights_once(tmp_path):
         f.write_text("{torn")
     cache(model, "prompt")
     assert scorer.calls == 4
+
+
+def test_a_round_line_torn_by_a_kill_is_dropped_on_resume(tmp_path, monkeypatch):
+    from aisyn.experiments import table as T
+
+    # Arrange: two whole lines and a third cut short by a kill
+    path = tmp_path / "rounds.jsonl"
+    path.write_text('{"round": 0, "news": 1.0}\n{"round": 1, "news": 2.0}\n{"rou')
+    monkeypatch.setattr(T, "load_run_model", lambda base, dev: (None, None))
+    monkeypatch.setattr(T, "apply_method", lambda model, spec, seed: [])
+    settings = T.FLSettings.from_dict({"min_clients": 2})
+    # Execute: the scorer a resumed federation opens, then its next round
+    scorer = T.RoundScorer(_Inputs(), settings, path)
+    scorer.record(2, {"news": {"accuracy": 0.03}})
+    # Assert: the torn line is gone, and the new one stands on its own
+    assert [p["round"] for p in scorer.curve()] == [0, 1, 2]
+    assert scorer.curve()[2]["news"] == pytest.approx(3.0)
+
+
+class _Inputs:
+    base, device = None, None

@@ -256,6 +256,7 @@ class RoundScorer:
 
     def __init__(self, inputs, settings: FLSettings, path: Path) -> None:
         self.inputs, self.path = inputs, path
+        _cut_torn_tail(path)
         self.model, _ = load_run_model(inputs.base, inputs.device)
         self.trainable = apply_method(
             self.model, settings.method_spec(), settings.train.seed
@@ -281,6 +282,17 @@ class RoundScorer:
             r = json.loads(line)
             by_round[r["round"]] = r
         return [by_round[k] for k in sorted(by_round)]
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Drop a last line a kill cut short (no newline): the table stops when
+    its session does, wherever it is, and a torn line would stop its resume
+    (or swallow the next round's line, appended to it)."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
 class ScoringGrid(InProcessGrid):
