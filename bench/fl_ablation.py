@@ -11,6 +11,15 @@ the standalone models' numbers are read from a finished comparison report.
         --variant restart:schedule=restart \\
         --variant fedprox:strategy=fedprox,proximal_mu=0.01
 
+With ``--table DIR`` (a reference table's folder, finished or not) each
+variant runs as the table's federations do -- in this process, over
+``--partition``, for ``--seed``, its global model scored after every round --
+against that table's fusion run, whose score comes from the table's cache:
+
+    python bench/fl_ablation.py --preset reference --table reports/reference \
+        --out reports/ablation-ref \\
+        --variant server-lr-2:strategy=fedavgm,server_lr=2,server_momentum=0
+
 Prints the ablation table (Markdown) and writes OUT/ablation.{md,json}.
 """
 
@@ -20,13 +29,17 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from aisyn.experiments.compare import federated_settings, prepare_inputs
+from aisyn.experiments.evaluator import ScoreCache
 from aisyn.experiments.report import read_report
+from aisyn.experiments.table import SCORES, federated_row, partition_clients
 from aisyn.fl.launch import simulate
 from aisyn.testbed.presets import get_preset
 from aisyn.train.models import load_run_model
+from aisyn.validate import holds_run
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -52,7 +65,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="full")
     ap.add_argument("--domains", default="news,reviews")
-    ap.add_argument("--report", required=True, help="a finished compare report folder")
+    ref = ap.add_mutually_exclusive_group(required=True)
+    ref.add_argument("--report", help="a finished compare report folder")
+    ref.add_argument("--table", help="a reference table's folder")
+    ap.add_argument("--partition", default="domains", help="with --table")
+    ap.add_argument("--seed", type=int, default=1, help="with --table")
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--variant",
@@ -65,8 +82,19 @@ def main(argv=None) -> int:
     preset = get_preset(args.preset)
     inputs = prepare_inputs(args.domains.split(","), preset, args.device)
     names = inputs.names
-    ref = read_report(args.report)
-    fusion = next(r for r in ref["rows"] if r["regime"] == f"{'+'.join(names)} ft")
+    if args.table:
+        table = Path(args.table)
+        inputs = replace(inputs, evaluate=ScoreCache(inputs.evaluate, table / SCORES))
+        runs = table / "runs" / f"seed-{args.seed}"
+        fusion = inputs.evaluate(
+            load_run_model(runs / "fusion", inputs.device)[0], "prompt"
+        )
+        clients = partition_clients(
+            args.partition, inputs, runs, preset.clients, args.seed
+        )
+    else:
+        ref = read_report(args.report)
+        fusion = next(r for r in ref["rows"] if r["regime"] == f"{'+'.join(names)} ft")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results_file = out / "ablation.json"
@@ -77,20 +105,27 @@ def main(argv=None) -> int:
         if name in done:
             print(f"{name}: already done, skipped", file=sys.stderr)
             continue
-        settings = federated_settings(preset, len(names), args.device, **overrides)
         print(f"{name}: {overrides}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        fed = simulate(inputs.base, inputs.sft, out / "runs" / name, settings)
-        model, _ = load_run_model(Path(fed["run"]), inputs.device)
-        scores = inputs.evaluate(model, "prompt")
+        if args.table:
+            result = in_table(
+                inputs, preset, clients, args, out / "runs" / name, overrides
+            )
+        else:
+            settings = federated_settings(preset, len(names), args.device, **overrides)
+            fed = simulate(inputs.base, inputs.sft, out / "runs" / name, settings)
+            model, _ = load_run_model(Path(fed["run"]), inputs.device)
+            result = {
+                "settings": settings.to_dict(),
+                "train_s": sum(h.get("client_train_s") or 0 for h in fed["history"]),
+                **inputs.evaluate(model, "prompt"),
+            }
         results.append(
             {
                 "variant": name,
                 "overrides": overrides,
-                "settings": settings.to_dict(),
                 "wall_s": time.perf_counter() - t0,
-                "train_s": sum(h.get("client_train_s") or 0 for h in fed["history"]),
-                **scores,
+                **result,
             }
         )
         results_file.write_text(json.dumps(results, indent=2))
@@ -129,6 +164,27 @@ def main(argv=None) -> int:
     (out / "ablation.md").write_text(table + "\n")
     print(table)
     return 0
+
+
+def in_table(inputs, preset, clients: dict, args, runs: Path, overrides: dict) -> dict:
+    """One variant as the table runs a federation: its scores (the table's
+    way, from its cache), its settings and its accuracy after every round."""
+    strategy = overrides.pop("strategy", preset.strategy)
+    row = federated_row(
+        inputs, preset, clients, args.partition, strategy, args.seed, runs,
+        holds_run(runs / "federated" / f"{strategy}-{args.partition}" / "server"),
+        **overrides,
+    )  # fmt: skip
+    overrides["strategy"] = strategy
+    server = runs / "federated" / f"{strategy}-{args.partition}" / "server"
+    settings = federated_settings(
+        preset, len(clients), args.device, seed=args.seed, **overrides
+    )
+    return {
+        "settings": settings.to_dict(),
+        "curve": row["curve"],
+        **inputs.evaluate(load_run_model(server, inputs.device)[0], "prompt"),
+    }
 
 
 if __name__ == "__main__":

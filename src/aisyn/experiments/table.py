@@ -140,10 +140,10 @@ def run_table(
             rows.append(_row(label, kind, seed, score(run), wall_s=s["elapsed_s"]))
         # the federated runs first: they are what the table is for
         for partition in preset.partitions:
-            clients = _clients(partition, inputs, runs, preset.clients, seed)
+            clients = partition_clients(partition, inputs, runs, preset.clients, seed)
             for m in preset.methods:
                 rows.append(
-                    _federated(
+                    federated_row(
                         inputs, preset, clients, partition, m, seed, runs, resume
                     )
                 )
@@ -188,7 +188,7 @@ def _row(label: str, kind: str, seed: int | None, scores: dict, **info) -> dict:
     }
 
 
-def _clients(
+def partition_clients(
     partition: str, inputs, runs: Path, clients: int, seed: int
 ) -> dict[str, Path]:
     """The federated clients' SFT folders of ``partition``, by client name."""
@@ -203,14 +203,15 @@ def _clients(
     return {f"client{i}": p for i, p in enumerate(parts)}
 
 
-def _federated(
+def federated_row(
     inputs, preset: Preset, clients: dict[str, Path], partition: str, method: str,
-    seed: int, runs: Path, resume: bool,
+    seed: int, runs: Path, resume: bool, **settings: object,
 ) -> dict:  # fmt: skip
     """One method over one partition, in this process: its row, with its
-    accuracy after every round."""
+    accuracy after every round. ``settings``: federated settings over the
+    preset's (``bench/fl_ablation.py --table``'s variants)."""
     run = runs / "federated" / f"{method}-{partition}"
-    overrides: dict = {"strategy": method, "seed": seed}
+    overrides: dict = {"strategy": method, "seed": seed, **settings}
     if partition != "domains":
         # The comparison dealt the parts, so it knows every client's size: a
         # report counts up to the largest part, not k x the round's median,
