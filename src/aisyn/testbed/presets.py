@@ -21,6 +21,9 @@ from aisyn.train.lora import Method
 
 @dataclass(frozen=True)
 class Preset:
+    # A field added later must default to what the code did before it: a
+    # comparison saved without it resumes at its default
+    # (``experiments.compare._preset_differs``).
     name: str
     # the base model (our stand-in for pretrained PanGu-alpha)
     model: dict = field(default_factory=dict)
