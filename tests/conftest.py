@@ -9,6 +9,15 @@ import pytest
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n 2` (CI's): the workers share the cores, so each takes one
+    # thread, and so do the processes its tests start (they inherit it); two
+    # workers of two threads each on two cores spin against each other.
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tokenizer():
