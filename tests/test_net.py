@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 import pytest
@@ -45,3 +46,18 @@ def test_free_port_can_be_bound_and_no_outgoing_connection_takes_it():
     assert not low <= port <= high, (port, low, high)
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_a_seeded_random_module_does_not_choose_the_port():
+    """Two processes that seeded ``random`` alike (a test does, for a server's
+    draws) must not race each other for the same port: the tests run on two
+    workers at once."""
+    state = random.getstate()
+    try:
+        ports = set()
+        for _ in range(3):
+            random.seed(0)
+            ports.add(free_port())
+    finally:
+        random.setstate(state)
+    assert len(ports) > 1

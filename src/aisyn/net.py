@@ -56,16 +56,21 @@ def ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
+_PORT_DRAWS = random.SystemRandom()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on now, chosen below the kernel's ephemeral
     range: a port from inside it (what binding port 0 returns) can be taken
     as the source port of any outgoing connection between this call and the
     caller's bind -- torchrun's store then fails with EADDRINUSE. Outside
     the range only a deliberate bind can take it. Random, so that callers
-    racing each other rarely pick the same one."""
+    racing each other rarely pick the same one -- from the OS's entropy, not
+    the ``random`` module's state, which a caller's ``random.seed`` would make
+    the same in two processes."""
     low, _ = ephemeral_ports()
     for _ in range(64):
-        port = random.randrange(10_000, low) if low > 11_000 else 0
+        port = _PORT_DRAWS.randrange(10_000, low) if low > 11_000 else 0
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
