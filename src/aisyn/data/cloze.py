@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from aisyn.data.cache import cache_dir
+from aisyn.data.cache import cache_dir, write_atomic
 from aisyn.data.corpora import Corpus, Document
 from aisyn.validate import parse_json
 
@@ -101,11 +101,7 @@ def tag_many(texts: Sequence[str]) -> list[tuple[tuple[str, str], ...]]:
             tuple((p.word, p.flag) for p in pseg.cut(t))
             for t in tqdm(texts, desc="POS-tagging", unit="doc", disable=None)
         ]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(
-        "\n".join(json.dumps(o, ensure_ascii=False) for o in out), encoding="utf-8"
-    )
-    tmp.replace(path)
+    write_atomic(path, "\n".join(json.dumps(o, ensure_ascii=False) for o in out))
     return out
 
 

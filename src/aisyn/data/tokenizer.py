@@ -32,7 +32,7 @@ from typing import TypeAlias
 
 import sentencepiece as spm
 
-from aisyn.data.cache import cache_dir
+from aisyn.data.cache import cache_dir, write_atomic
 from aisyn.validate import read_json
 
 log = logging.getLogger(__name__)
@@ -162,16 +162,8 @@ def segment_many(texts: Sequence[str], cache: bool = True) -> list[str]:
     progress = _Progress(sum(map(len, texts)))
     out = [segment(t, progress) for t in texts]
     if cache:
-        _atomic_write_text(path, "\n".join(out))
+        write_atomic(path, "\n".join(out))
     return out
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class TokenizerError(ValueError):

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from aisyn.data.cache import cache_dir
+from aisyn.data.cache import building, cache_dir
 from aisyn.data.corpora import load_corpus
 from aisyn.data.sft import prepare_sft
 from aisyn.data.shards import prepare, read_manifest
@@ -40,9 +40,10 @@ def _cached_data(
     """The folder of one domain's ``kind`` data keyed by ``key``; ``build``
     writes it there unless it is already (``what``: its log line)."""
     path = cache_dir("experiments", kind) / f"{Path(domain).stem}-{_key(key)}"
-    if not (path / "manifest.json").is_file():
-        log.info(what, domain, path)
-        build(path)
+    with building(path):
+        if not (path / "manifest.json").is_file():
+            log.info(what, domain, path)
+            build(path)
     return path
 
 
@@ -118,18 +119,19 @@ def cached_base(
     key = _key(["base/1", mcfg.to_dict(), cfg.to_dict(), data_hashes, tok.sha256])
     path = cache_dir("base_models") / f"{preset.name}-{key}"
     done = path / "base.json"
-    if done.is_file():
-        return path
-    log.info("pretraining the base model (%d steps) in %s", cfg.steps, path)
-    cfg.ckpt_every = max(1, cfg.steps // 10)
-    cfg.device = device
-    summary = train(
-        mcfg,
-        [str(d) for d in shards],
-        path,
-        cfg,
-        resume=(path / "config.json").is_file(),
-        progress=False,
-    )
-    write_json_atomic(done, summary)
+    with building(path):
+        if done.is_file():
+            return path
+        log.info("pretraining the base model (%d steps) in %s", cfg.steps, path)
+        cfg.ckpt_every = max(1, cfg.steps // 10)
+        cfg.device = device
+        summary = train(
+            mcfg,
+            [str(d) for d in shards],
+            path,
+            cfg,
+            resume=(path / "config.json").is_file(),
+            progress=False,
+        )
+        write_json_atomic(done, summary)
     return path
