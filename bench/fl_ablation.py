@@ -129,7 +129,7 @@ def main(argv=None) -> int:
             }
         )
         results_file.write_text(json.dumps(results, indent=2))
-    header = ["variant", "rounds x E", "strategy", "method", "schedule"]
+    header = ["variant", "rounds x E", "strategy", "method", "schedule, local AdamW"]
     header += [
         f"Acc {n} (fusion {100 * fusion[f'acc_{n}']['accuracy']:.1f})" for n in names
     ]
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
             f"{s['rounds']} x {s['local_steps']}",
             s["strategy"] + extra,
             s["method"],
-            s["schedule"],
+            f"{s['schedule']}, {s.get('local_optimizer', 'fresh')}",
         ]
         for n in names:
             a = r[f"acc_{n}"]

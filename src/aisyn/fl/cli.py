@@ -10,6 +10,7 @@ from aisyn import validate
 from aisyn.fl.settings import (
     AGGREGATIONS,
     DP_MODES,
+    LOCAL_OPTIMIZERS,
     NUMBER_RANGES,
     SCHEDULES,
     STRATEGIES,
@@ -37,6 +38,8 @@ _HELP = {
     "min_lr": "final learning rate of the cosine decay (default lr/10)",
     "warmup": "linear warm-up steps",
     "schedule": "continue: one schedule across all rounds; restart: per round",
+    "local_optimizer": "fresh: each round's local steps start a new AdamW; kept: "
+    "each client goes on with its own AdamW moments (kept in its run folder)",
     "method": "full: train (and send) all weights; lora: only LoRA adapters",
     "strategy": "server aggregation",
     "proximal_mu": "FedProx proximal-term weight mu",
@@ -99,6 +102,7 @@ RESUME = (
 _CHOICES = {
     "strategy": STRATEGIES,
     "schedule": SCHEDULES,
+    "local_optimizer": LOCAL_OPTIMIZERS,
     "method": METHODS,
     "aggregation": AGGREGATIONS,
     "dp": DP_MODES,

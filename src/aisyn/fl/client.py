@@ -5,8 +5,9 @@ One fresh process per message: load the base model (meta-init, then the
 weights; no random init, no re-tokenising: SFT data are pre-tokenised
 tensors), check that its base and data match what the server announced, load
 the global trainable tensors, report their validation loss, train E local
-steps continuing the run's schedule and data order, save its local model, and
-return only the trainable tensors.
+steps continuing the run's schedule and data order (with ``--local-optimizer
+kept``, its own AdamW moments too: ``fl.round_files``), save its local model,
+and return only the trainable tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from aisyn.fl.records import (
     record_to_tensors,
     tensors_to_record,
 )
+from aisyn.fl.round_files import RoundFiles
 from aisyn.fl.round_message import (
     setting_differences,
     settings_from_record,
@@ -41,6 +43,7 @@ from aisyn.fl.scaffold import (
     save_client_control,
 )
 from aisyn.fl.settings import FLSettings
+from aisyn.train import checkpoint as ckpt
 from aisyn.train.config import TrainConfig
 from aisyn.train.device import resolve_device
 from aisyn.train.distributed import DistContext
@@ -53,6 +56,9 @@ from aisyn.train.regime import Regime
 from aisyn.train.run import RunDir
 
 log = logging.getLogger("aisyn.fl")
+
+#: ``--local-optimizer kept``: the client's AdamW state, in its run folder
+OPTIMIZERS = RoundFiles("optimizer", "adamw")
 
 
 #: whether this process's start-up was already counted (or has none to count)
@@ -405,6 +411,9 @@ def local_steps(
         resumable=False,
         hint=" (lower the learning rate?)",
     )
+    kept = settings.local_optimizer == "kept"
+    if kept:
+        load_local_optimizer(ctx, executor.optimizer, server_round)
     regime = Regime(
         objective, executor, cfg, ctx.run, fields={"round": server_round}, keep=1
     )
@@ -420,7 +429,30 @@ def local_steps(
         main=dist.is_main,
     )
     train_s = engine.run(regime, range(first, first + E))["elapsed_s"]  # + save
+    if kept and dist.is_main:  # (every rank's moments are the same under DDP)
+        names = {p: n for n, p in ctx.trainable}
+        OPTIMIZERS.save(
+            ctx.node.out,
+            server_round,
+            ckpt.optimizer_tensors(executor.optimizer, names),
+        )
     return sum(regime.losses) / len(regime.losses), train_s
+
+
+def load_local_optimizer(
+    ctx: ClientContext, optimizer: torch.optim.Optimizer, server_round: int
+) -> None:
+    """``--local-optimizer kept``: the client's AdamW moments (and step count)
+    of the latest round before ``server_round`` it trained, if any."""
+    where = OPTIMIZERS.latest_before(ctx.node.out, server_round)
+    try:
+        tensors = OPTIMIZERS.read_before(ctx.node.out, server_round)
+        if tensors is not None:
+            ckpt.load_optimizer_tensors(
+                optimizer, dict(ctx.trainable), tensors, str(where)
+            )
+    except (ValueError, ckpt.CheckpointError) as e:
+        raise ValueError(f"client {ctx.node.name}: bad kept optimizer: {e}") from None
 
 
 def client_evaluate(

@@ -35,6 +35,10 @@ def settings_from_record(config: ConfigRecord) -> tuple[FLSettings, str, int]:
 
 def setting_differences(saved, now: dict) -> list[str]:
     """The names of the settings ``saved`` (a run folder's record) and ``now``
-    disagree on, sorted."""
-    saved = saved if isinstance(saved, dict) else {}
+    disagree on, sorted. A setting the record lacks counts at its default:
+    a later version added it, and its default is what the record's did."""
+    if isinstance(saved, dict):
+        saved = {k: v for k, v in FLSettings().to_dict().items() if k in now} | saved
+    else:
+        saved = {}
     return sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))

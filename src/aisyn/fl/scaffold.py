@@ -17,9 +17,10 @@ client sends ``delta c_i`` beside its model: the uplink carries two copies of
 the trainable tensors, the downlink the model and ``c``.
 
 * The client keeps ``c_i`` in its run folder (``scaffold/control-RRRRR``, one
-  file per round it trained, the newest few kept), so a client is a fresh
-  process each round and a resumed federation finds the variate of the round
-  it resumes after (a round redone reads the one before it).
+  file per round it trained, the newest few kept: ``fl.round_files``), so a
+  client is a fresh process each round and a resumed federation finds the
+  variate of the round it resumes after (a round redone reads the one before
+  it).
 * The server: ``c <- c + |S|/N x mean(delta c_i)`` over the ``|S|`` accepted
   of the ``N`` clients asked, with the model's FedAvg mean as usual. ``c`` is
   the strategy's state: checkpointed, restored on ``--resume``, rolled back
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,20 +43,17 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from safetensors.torch import save_file
 from torch import nn
 
 from aisyn.fl.guard import lower_median, norm_bound
 from aisyn.fl.records import CONTROL, UpdateRejected, decode_checked
+from aisyn.fl.round_files import RoundFiles
 from aisyn.train import checkpoint as ckpt
 
 log = logging.getLogger("aisyn.fl.server")
 
-#: in a client's run folder
-CONTROL_DIR = "scaffold"
-#: the client's variates kept (a resumed round reads the one before it)
-KEEP_CONTROLS = 3
-_FILE = re.compile(r"control-(\d{5})\.safetensors")
+#: the client's variates, in its run folder
+CONTROLS = RoundFiles("scaffold", "control")
 
 
 class Scaffold(FedAvg):
@@ -190,19 +187,10 @@ def load_client_control(
 ) -> dict[str, torch.Tensor]:
     """The client's ``c_i`` at the start of ``server_round``: the one saved by
     the latest round before it that this client trained (zeros if none)."""
-    folder = Path(out) / CONTROL_DIR
-    rounds = sorted(
-        int(m.group(1))
-        for f in (folder.iterdir() if folder.is_dir() else ())
-        if (m := _FILE.fullmatch(f.name)) and int(m.group(1)) < server_round
-    )
-    if not rounds:
+    tensors = CONTROLS.read_before(out, server_round)
+    if tensors is None:
         return {n: torch.zeros(s) for n, s in spec.items()}
-    path = folder / f"control-{rounds[-1]:05d}.safetensors"
-    try:
-        tensors = ckpt.read_tensors(path)
-    except ckpt.CheckpointError as e:
-        raise ValueError(str(e)) from None
+    path = CONTROLS.latest_before(out, server_round)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     if shapes != dict(spec):
         raise ValueError(f"{path}: holds a control variate of another model")
@@ -216,12 +204,4 @@ def save_client_control(
     out: Path, server_round: int, control: dict[str, torch.Tensor]
 ) -> None:
     """Write ``c_i`` after ``server_round`` (atomically), keep the newest few."""
-    folder = Path(out) / CONTROL_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"control-{server_round:05d}.safetensors"
-    tmp = path.with_suffix(".tmp")
-    save_file({n: t.contiguous() for n, t in control.items()}, str(tmp))
-    tmp.replace(path)
-    saved = sorted(f for f in folder.iterdir() if _FILE.fullmatch(f.name))
-    for old in saved[:-KEEP_CONTROLS]:
-        old.unlink()
+    CONTROLS.save(out, server_round, control)

@@ -29,6 +29,11 @@ MEAN_STRATEGIES = ("fedavg", "fedprox")
 # is FedAvg's weighted mean; the others are robust to a few bad clients.
 AGGREGATIONS = ("mean", "trimmed-mean", "median", "krum", "multikrum", "bulyan")
 SCHEDULES = ("continue", "restart")
+# A client's AdamW at the start of each round: "fresh" (new moments, as Flower's
+# clients and Reddi et al.'s FedOpt do) or "kept" (its own moments of its last
+# round, from its run folder: they never leave it; DiLoCo keeps its workers'
+# inner AdamW so, Douillard et al. 2023).
+LOCAL_OPTIMIZERS = ("fresh", "kept")
 # Client-level differential privacy (Flower's fixed-clipping wrappers): off, or
 # each update clipped on its client (``fixedclipping_mod``) or on the server.
 DP_MODES = ("off", "client", "server")
@@ -123,6 +128,9 @@ class FLSettings:
     train: TrainConfig = field(default_factory=local_train_config)
     # "continue": one cosine schedule over all rounds' steps; "restart": per round
     schedule: str = "continue"
+    # "fresh" or "kept" (LOCAL_OPTIMIZERS): a fresh AdamW's first steps are
+    # sign-like at whatever rate the schedule has reached, once per round
+    local_optimizer: str = "fresh"
     # what is trained (and so what travels)
     method: str = Method.name
     lora_rank: int = Method.rank
@@ -181,6 +189,11 @@ class FLSettings:
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"unknown schedule {self.schedule!r}; expected one of {SCHEDULES}"
+            )
+        if self.local_optimizer not in LOCAL_OPTIMIZERS:
+            raise ValueError(
+                f"unknown local-optimizer {self.local_optimizer!r}; expected one "
+                f"of {LOCAL_OPTIMIZERS}"
             )
         if self.max_examples_ratio != 0 and not self.max_examples_ratio >= 1:
             raise ValueError(
