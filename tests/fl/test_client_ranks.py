@@ -13,6 +13,7 @@ import torch
 
 from aisyn.fl.records import tensors_to_record
 from aisyn.fl.settings import FLSettings
+from aisyn.train import checkpoint as ckpt
 from aisyn.train.lora import apply_method, trainable_tensors
 
 
@@ -62,6 +63,39 @@ def test_two_rank_client_trains_what_one_rank_does(base_run, sft_dirs, tmp_path)
     # the ranks' private folder is gone; rank 0 logged the steps
     assert not list((tmp_path / "r2").glob("ranks-*"))
     assert (tmp_path / "r2" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.heavy
+def test_a_two_rank_client_keeps_its_optimizer_as_one_rank_does(
+    base_run, sft_dirs, tmp_path
+):
+    # Prepare: two rounds with --local-optimizer kept (round 2 loads round 1's
+    # moments on every rank; rank 0 saves them)
+    from aisyn.fl.client import OPTIMIZERS, ClientNode, client_train
+
+    config, glob = _round(base_run, lr=1e-4, rounds=2, local_optimizer="kept")
+    out = {}
+    # Execute
+    for ranks in (1, 2):
+        node = ClientNode(
+            "news", sft_dirs["news"], base_run, tmp_path / f"r{ranks}", ranks
+        )
+        arrays = tensors_to_record(glob)
+        for server_round in (1, 2):
+            config["server-round"] = server_round
+            records, _ = client_train(node, config, arrays)
+            arrays = records["arrays"]
+        out[ranks] = {k: torch.from_numpy(a.numpy()) for k, a in arrays.items()}
+    # Assert: the same model; the moments of both rounds in the client's folder
+    diff = max(float((out[1][k] - out[2][k]).abs().max()) for k in glob)
+    assert diff <= 1e-6, diff
+    assert OPTIMIZERS.latest_before(tmp_path / "r2", 3) == OPTIMIZERS.path(
+        tmp_path / "r2", 2
+    )
+    one = ckpt.read_tensors(OPTIMIZERS.path(tmp_path / "r1", 2))
+    two = ckpt.read_tensors(OPTIMIZERS.path(tmp_path / "r2", 2))
+    assert one.keys() == two.keys()
+    assert all(torch.allclose(one[k], two[k], atol=1e-6) for k in one)
 
 
 def _rank_pids(out: Path) -> dict[int, int]:
