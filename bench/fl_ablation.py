@@ -145,7 +145,9 @@ def main(argv=None) -> int:
         }.get(s["strategy"], "")
         cells = [
             r["variant"],
-            f"{s['rounds']} x {s['local_steps']}",
+            f"{s['rounds']} x {s['local_epochs']:.4g} epochs"
+            if s.get("local_epochs")
+            else f"{s['rounds']} x {s['local_steps']}",
             s["strategy"] + extra,
             s["method"],
             f"{s['schedule']}, {s.get('local_optimizer', 'fresh')}",

@@ -32,6 +32,8 @@ OLD_SERVER_TLS_FLAGS = {
 _HELP = {
     "rounds": "federated rounds R",
     "local_steps": "optimizer steps per client per round (E)",
+    "local_epochs": "> 0: each client's steps per round are this x its training "
+    "items / batch-size instead of --local-steps (FedAvg's local epochs)",
     "batch_size": "samples per local optimizer step",
     "micro_batch_size": "samples per forward/backward (0: whole batch)",
     "lr": "peak local learning rate",

@@ -147,7 +147,6 @@ class ClientContext:
     ) -> None:
         t0 = time.perf_counter()
         self.node = node
-        self.settings = settings
         self.info = describe_base(node.base)
         if fingerprint and self.info.fingerprint != fingerprint:
             raise ValueError(
@@ -160,6 +159,10 @@ class ClientContext:
         except ValueError as e:
             raise ValueError(f"client {node.name}: {e}") from None
         check_data_matches(self.info, [self.data])
+        #: the federation's settings (what the run folder records) and this
+        #: client's own share of the work (``--local-epochs``: its own steps)
+        self.federation = settings
+        self.settings = settings.for_items(len(self.data))
         self.device = device or resolve_device(settings.train.device)
         self.model, self.trainable, self.spec = build_trainable(
             self.info, settings, self.device
@@ -174,7 +177,7 @@ class ClientContext:
         if (self.run.path / "config.json").is_file():
             # a later round, or a resumed federation: it must be the same one
             saved = self.run.read_config().get("federated")
-            differ = setting_differences(saved, self.settings.to_dict())
+            differ = setting_differences(saved, self.federation.to_dict())
             if differ:
                 raise ValueError(
                     f"client {self.node.name}: its run folder {self.run.path} "
@@ -184,7 +187,7 @@ class ClientContext:
             return
         start_run(
             self.run,
-            self.settings,
+            self.federation,
             self.info,
             role="client",
             seq_len=self.data.seq_len,
@@ -347,7 +350,7 @@ def client_train(
     ctx.run.log_metrics(
         {
             "round": server_round,
-            "step": server_round * settings.local_steps,
+            "step": server_round * ctx.settings.local_steps,
             "round_loss": mean_loss,
             "global_valid_loss": global_loss,
             "bytes_received": ctx.received_bytes,

@@ -183,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         resolve_device(settings.train.device), timeout=timedelta(seconds=job["timeout"])
     )
     try:
-        cfg = per_rank_micro_batches(settings.train, dist.world)
         ctx = ClientContext(
             node, settings, fingerprint, device=device, main=dist.is_main
         )
+        # (ctx.settings: this client's own steps under --local-epochs)
+        cfg = per_rank_micro_batches(ctx.settings.train, dist.world)
         anchor = {
             k: v.to(device) for k, v in ckpt.read_tensors(folder / GLOBAL_FILE).items()
         }

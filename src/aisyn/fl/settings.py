@@ -75,6 +75,7 @@ LOCAL_TRAIN_KEYS = {
 NUMBER_RANGES: dict[str, dict] = {
     "rounds": {"low": 1},
     "local_steps": {"low": 1},
+    "local_epochs": {"low": 0},
     **{
         k: SETTINGS[f].metadata["bounds"]
         for k, f in LOCAL_TRAIN_KEYS.items()
@@ -123,6 +124,12 @@ class FLSettings:
     # rounds and local work
     rounds: int = 5
     local_steps: int = 50  # E: optimizer steps per client per round
+    # > 0: each client's local steps per round are local-epochs x its training
+    # items / batch-size instead (at least 1): FedAvg's own measure of local
+    # work (McMahan et al. 2017), under which a client with more data takes
+    # more steps, as it does in data fusion; local-steps then only numbers the
+    # server's checkpoints
+    local_epochs: float = 0.0
     # each client's optimizer and schedule; its ``steps`` is always the run's
     # rounds x local-steps (set here)
     train: TrainConfig = field(default_factory=local_train_config)
@@ -274,6 +281,12 @@ class FLSettings:
                 )
         if not self.secure_aggregation:
             return
+        if self.local_epochs:
+            raise ValueError(
+                "local-epochs gives each client steps of its own, but secure "
+                "aggregation bounds every client's example count by local-steps: "
+                "set local-epochs 0"
+            )
         if self.aggregation in ROBUST_AGGREGATIONS:
             raise ValueError(
                 f"aggregation {self.aggregation!r} needs every client's update, but "
@@ -300,6 +313,15 @@ class FLSettings:
                 f"secure aggregation with secagg-threshold {self.secagg_quorum} "
                 f"needs at least that many clients per round, got {k}"
             )
+
+    def for_items(self, items: int) -> FLSettings:
+        """The settings a client with ``items`` training items trains by: with
+        ``local_epochs``, its own steps per round (and so its own schedule's
+        length); these settings otherwise."""
+        if not self.local_epochs:
+            return self
+        steps = max(1, round(self.local_epochs * items / self.train.batch_size))
+        return replace(self, local_steps=steps, local_epochs=0.0)
 
     def _check_scaffold(self) -> None:
         """SCAFFOLD's control variates travel beside each model, one per client

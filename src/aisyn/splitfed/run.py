@@ -115,6 +115,11 @@ def check_settings(settings: FLSettings, members: Mapping[str, Path]) -> None:
         )
     if settings.max_message_mb:
         raise ValueError("splitfed: --max-message-mb (chunked updates) does not apply")
+    if settings.local_epochs:
+        raise ValueError(
+            "splitfed: every party takes local-steps steps on the shared "
+            "backbone's schedule: set local-epochs 0"
+        )
     if settings.schedule != "continue":
         raise ValueError(
             "splitfed: schedule must be 'continue' (the shared backbone's "
