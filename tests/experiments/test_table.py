@@ -12,13 +12,14 @@ import pytest
 from test_compare import MICRO, write_corpus
 
 from aisyn.experiments.evaluator import Evaluator, ScoreCache
-from aisyn.experiments.table import run_table, summarise
+from aisyn.experiments.table import method_settings, run_table, summarise
 from aisyn.testbed.presets import PRESETS
 
 NAMES = ["news", "reviews"]
 SUMMARY = re.compile(
     r"federated - fusion: ([+-]\d+\.\d) / ([+-]\d+\.\d) pts \(min over domains "
-    r"([+-]\d+\.\d)\), best standalone ([+-]\d+\.\d), method (\w+), rounds (\d+|never)"
+    r"([+-]\d+\.\d)\), best standalone ([+-]\d+\.\d), method ([\w+]+), "
+    r"rounds (\d+|never)"
 )
 
 
@@ -85,6 +86,23 @@ def test_the_best_method_is_judged_at_its_worst_partition():
     assert SUMMARY.fullmatch(table["summary"])
 
 
+def test_a_table_method_is_a_strategy_and_its_options_or_one_line():
+    preset = PRESETS["reference-ci"]
+    assert method_settings("fedavg", preset) == {"strategy": "fedavg"}
+    assert method_settings("scaffold+kept", preset) == {
+        "strategy": "scaffold",
+        "local_optimizer": "kept",
+    }
+    for bad, what in [
+        ("scaffold+warm", "'warm' is no option"),
+        ("scaffold+kept+kept", "'kept' is no option \\(or twice\\)"),
+        ("fedsgd+kept", "unknown strategy 'fedsgd'"),
+    ]:
+        with pytest.raises(ValueError, match=what) as e:
+            method_settings(bad, preset)
+        assert "\n" not in str(e.value)
+
+
 def test_a_method_that_never_reaches_fusion_says_never():
     rows = [
         row("news ft (standalone)", "standalone", 1, 30.0, 20.0),
@@ -111,7 +129,7 @@ def test_a_micro_table_has_every_regime_curve_and_the_summary(tmp_path, monkeypa
         finetune_steps=8,
         rounds=2,
         public=(public,),
-        methods=("fedavg", "scaffold"),
+        methods=("fedavg", "scaffold+kept+epochs"),
         partitions=("domains", "dirichlet-1.0"),
         clients=4,
         seeds=(1, 2),
@@ -131,7 +149,7 @@ def test_a_micro_table_has_every_regime_curve_and_the_summary(tmp_path, monkeypa
         "splitfed (fedavg, domains)",
         *(
             f"federated ({m}, {p})"
-            for m in ("fedavg", "scaffold")
+            for m in ("fedavg", "scaffold+kept+epochs")
             for p in ("domains", "dirichlet-1.0")
         ),
     }
@@ -140,16 +158,36 @@ def test_a_micro_table_has_every_regime_curve_and_the_summary(tmp_path, monkeypa
         for n in ("news", "reviews"):
             assert 0.0 <= g[f"acc_{n}"] <= 100.0
     # every federated run scored after each of its rounds, round 0 the start
-    for m in ("fedavg", "scaffold"):
+    for m in ("fedavg", "scaffold+kept+epochs"):
         g = regimes[f"federated ({m}, dirichlet-1.0)"]
         assert [p["round"] for p in g["curve"]] == [0, 1, 2]
         assert g["bytes_per_round"] > 0 and g["wall_per_round_s"] > 0
     # SCAFFOLD moves twice FedAvg's bytes (its control variates ride along)
     ratio = (
-        regimes["federated (scaffold, domains)"]["bytes_per_round"]
+        regimes["federated (scaffold+kept+epochs, domains)"]["bytes_per_round"]
         / regimes["federated (fedavg, domains)"]["bytes_per_round"]
     )
     assert ratio == pytest.approx(2.0, rel=0.01)
+    # +epochs: each client's steps a round by its items, the preset's budget
+    # (finetune-steps / rounds a round) in all; +kept: their AdamW kept
+    from aisyn.data.sft import SFTData
+
+    fed = out / "runs" / "seed-1" / "federated" / "scaffold+kept+epochs-dirichlet-1.0"
+    steps, items = {}, {}
+    for client in sorted((fed / "clients").iterdir()):
+        lines = (client / "metrics.jsonl").read_text().splitlines()
+        rounds = [r for r in map(json.loads, lines) if "round_loss" in r]
+        steps[client.name] = rounds[-1]["step"] // preset.rounds
+        part = out / "runs" / "seed-1" / "partitions" / "dirichlet-1.0"
+        items[client.name] = len(SFTData.open(part / f"part{client.name[-1]}", "train"))
+        assert (client / "optimizer").is_dir()
+    epochs = preset.finetune_steps * preset.batch_size
+    epochs /= preset.rounds * sum(items.values())
+    assert steps == {
+        c: max(1, round(epochs * n / preset.batch_size)) for c, n in items.items()
+    }
+    budget = preset.finetune_steps // preset.rounds
+    assert abs(sum(steps.values()) - budget) <= len(steps)  # rounding only
     # four Dirichlet parts, each a client of its own folder
     parts = sorted((out / "runs" / "seed-1" / "partitions" / "dirichlet-1.0").iterdir())
     assert [p.name for p in parts] == ["part0", "part1", "part2", "part3"]

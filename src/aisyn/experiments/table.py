@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from flwr.app import ArrayRecord, MessageType
 
+from aisyn.data.sft import SFTData
 from aisyn.experiments.compare import (
     RECIPE,
     check_same_comparison,
@@ -75,6 +76,42 @@ FUSION_MARGIN = 1.0
 STANDALONE_MARGIN = 5.0
 
 
+#: what a table method may add to its strategy, ``+``-joined
+#: ("scaffold+kept+epochs"): "kept", the clients' own AdamW kept across
+#: rounds (``--local-optimizer kept``); "epochs", each client's steps by its
+#: items (``--local-epochs``, at the preset's budget: see ``method_settings``)
+METHOD_OPTIONS = ("kept", "epochs")
+
+
+def method_settings(
+    method: str, preset: Preset, clients: dict[str, Path] | None = None
+) -> dict:
+    """The federated settings of a table method (``clients``: its partition's
+    SFT folders, which ``epochs`` sizes by); one line for a bad method."""
+    strategy, *options = method.split("+")
+    unknown = [o for o in options if o not in METHOD_OPTIONS] + [
+        o for o in set(options) if options.count(o) > 1
+    ]
+    if unknown:
+        raise ValueError(
+            f"method {method!r}: {unknown[0]!r} is no option (or twice); expected "
+            f"STRATEGY[+{'][+'.join(METHOD_OPTIONS)}]"
+        )
+    FLSettings.from_dict({"strategy": strategy, "min_clients": 2})  # one line if bad
+    settings: dict = {"strategy": strategy}
+    if "kept" in options:
+        settings["local_optimizer"] = "kept"
+    if "epochs" in options and clients is not None:
+        # the budget of every regime, finetune-steps x batch-size samples, in
+        # epochs of all the clients' items together: each client's steps are
+        # then its share of the items (the total off by rounding only)
+        items = sum(_train_items(clients))
+        settings["local_epochs"] = (
+            preset.finetune_steps * preset.batch_size / (preset.rounds * items)
+        )
+    return settings
+
+
 def check_partitions(partitions: Sequence[str]) -> None:
     for p in partitions:
         m = PARTITION.fullmatch(p)
@@ -97,7 +134,7 @@ def run_table(
     the table in ``out``, each run from its own checkpoint."""
     check_partitions(preset.partitions)
     for m in preset.methods:
-        FLSettings.from_dict({"strategy": m, "min_clients": 2})  # one line if bad
+        method_settings(m, preset)  # one line if bad
     t_start = time.perf_counter()
     out = Path(out)
     recipe = json.loads(
@@ -211,7 +248,7 @@ def federated_row(
     accuracy after every round. ``settings``: federated settings over the
     preset's (``bench/fl_ablation.py --table``'s variants)."""
     run = runs / "federated" / f"{method}-{partition}"
-    overrides: dict = {"strategy": method, "seed": seed, **settings}
+    overrides = {**method_settings(method, preset, clients), "seed": seed, **settings}
     if partition != "domains":
         # The comparison dealt the parts, so it knows every client's size: a
         # report counts up to the largest part, not k x the round's median,
@@ -246,9 +283,11 @@ def federated_row(
 
 
 def _largest(clients: dict[str, Path]) -> int:
-    from aisyn.data.sft import SFTData
+    return max(_train_items(clients))
 
-    return max(len(SFTData.open(d, "train", verify=False)) for d in clients.values())
+
+def _train_items(clients: dict[str, Path]) -> list[int]:
+    return [len(SFTData.open(d, "train", verify=False)) for d in clients.values()]
 
 
 class RoundScorer:
