@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flower_fakes import configured, metrics, reply_to
+from flower_fakes import configured, metrics, record, reply_to
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
-from aisyn.fl.records import tensors_to_record
+from aisyn.fl.records import CONTROL, tensors_to_record
 from aisyn.fl.settings import FLSettings
 from aisyn.fl.strategy import make_strategy
 
 pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+def with_control(msg: Message, delta: dict) -> Message:
+    msg.content[CONTROL] = record(delta)
+    return msg
 
 
 def test_fedavg_of_two_clients_is_the_hand_computed_weighted_mean():
@@ -30,6 +35,29 @@ def test_fedavg_of_two_clients_is_the_hand_computed_weighted_mean():
     log = strategy.round_log[1]
     assert log["accepted"] == 2 and log["rejected"] == []
     assert log["bytes_sent"] == log["bytes_received"]  # 2 x the same payload size
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "scaffold"])
+def test_under_local_epochs_an_update_counts_by_its_examples_per_step(strategy):
+    # Prepare: 0.4 epochs of batch 4: 300 items take 30 steps a round, 100
+    # take 10; the step each client took weighs alike (not 300 : 100)
+    settings = FLSettings.from_dict(
+        {"strategy": strategy, "min_clients": 2, "local_epochs": 0.4, "batch_size": 4}
+    )
+    strategy = make_strategy(settings)
+    sent = configured(strategy, {"w": [0.0, 0.0], "b": [0.0]})
+    replies = [
+        reply_to(sent[1], {"w": [1.0, 2.0], "b": [3.0]}, n=300),
+        reply_to(sent[2], {"w": [5.0, -2.0], "b": [-1.0]}, n=100),
+    ]
+    if settings.strategy == "scaffold":
+        zero = {"w": [0.0, 0.0], "b": [0.0]}
+        replies = [with_control(r, zero) for r in replies]
+    # Execute
+    arrays, _ = strategy.aggregate_train(1, replies)
+    # Assert: (300/30 x client1 + 100/10 x client2) / 20: the plain mean
+    np.testing.assert_allclose(arrays["w"].numpy(), [3.0, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(arrays["b"].numpy(), [1.0], rtol=1e-6)
 
 
 @pytest.mark.parametrize(
