@@ -30,6 +30,9 @@ def test_a_clients_steps_follow_its_items_and_bad_values_are_one_line():
     assert s.for_items(300).local_steps == 38
     plain = FLSettings.from_dict(dict(LOCAL, local_steps=7))
     assert plain.for_items(30) is plain  # off: every client local-steps
+    # an update weighs by its examples per step (by its examples when off)
+    assert s.update_weight(30) == 30 / 4 and s.update_weight(300) == 300 / 38
+    assert plain.update_weight(30) == 30
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="local-epochs"):
             FLSettings.from_dict({"local_epochs": bad})

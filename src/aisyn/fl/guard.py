@@ -121,13 +121,7 @@ class UpdateGuard:
         # Under client DP every client counts once: the noise is calibrated to
         # the plain mean of the sampled clients' clipped updates.
         self.uniform_weights = settings.dp != "off"
-        # With --local-epochs a client's steps already grow with its examples:
-        # its update counts by examples per step (see _bound_weights)
-        self.steps_of = (
-            (lambda n: settings.for_items(n).local_steps)
-            if settings.local_epochs
-            else None
-        )
+        self.train_weight = settings.update_weight  # (per step: --local-epochs)
         self.max_norm_ratio = settings.max_norm_ratio
         self.aggregation = settings.aggregation
         self.assumed_attackers = settings.assumed_attackers
@@ -348,23 +342,11 @@ class UpdateGuard:
         return out
 
     def _bound_weights(
-        self,
-        good: list[Message],
-        server_round: int,
-        uniform: bool,
-        per_step: bool = True,
+        self, good: list[Message], server_round: int, uniform: bool, per_step=True
     ) -> list[dict]:
         """Set each reply's ``num-examples`` to what Flower's aggregation weighs it
-        by (1 each if ``uniform``); returns the clamped ones.
-
-        Under ``--local-epochs`` (and ``per_step``: a train round) an update
-        counts by its examples per local step, the steps being what the
-        client computed from its examples (``FLSettings.for_items``): each
-        step of each client then weighs alike, as each batch does in data
-        fusion. Weighed by examples alone, a client's data would count twice,
-        in its steps and in its weight (FedNova's objective inconsistency,
-        Wang et al. 2020; its normalisation, without its step-size factor, so
-        the aggregate stays within the clients' range)."""
+        by (1 each if ``uniform``; ``per_step``, a train round's update:
+        ``FLSettings.update_weight``); returns the clamped ones."""
         metrics = [m.content.metric_records["metrics"] for m in good]
         if uniform:
             for m in metrics:
@@ -398,9 +380,8 @@ class UpdateGuard:
                         "counted": counted,
                     }
                 )
-            if per_step and self.steps_of is not None:
-                counted = counted / self.steps_of(counted)
-            m[WEIGHT_KEY] = counted  # what Flower's aggregation weighs by
+            # what Flower's aggregation weighs by
+            m[WEIGHT_KEY] = self.train_weight(counted) if per_step else counted
         return clamped
 
     def _within_norm_bound(

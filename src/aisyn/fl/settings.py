@@ -323,6 +323,19 @@ class FLSettings:
         steps = max(1, round(self.local_epochs * items / self.train.batch_size))
         return replace(self, local_steps=steps, local_epochs=0.0)
 
+    def update_weight(self, examples: int) -> float:
+        """What an update of a client with ``examples`` (counted) weighs in
+        the mean: its examples, or under ``local_epochs`` its examples per
+        local step (``for_items``' steps, as the client took them). Each step
+        of each client then weighs alike, as each batch does in data fusion;
+        weighed by examples alone a client's data would count twice, in its
+        steps and its weight (FedNova's objective inconsistency, Wang et al.
+        2020: its normalisation, without its step-size factor, so the mean
+        stays within the clients' range)."""
+        if not self.local_epochs:
+            return examples
+        return examples / self.for_items(examples).local_steps
+
     def _check_scaffold(self) -> None:
         """SCAFFOLD's control variates travel beside each model, one per client
         (``fl.scaffold``): what they cannot ride along with."""
