@@ -447,12 +447,12 @@ def load_local_optimizer(
 ) -> None:
     """``--local-optimizer kept``: the client's AdamW moments (and step count)
     of the latest round before ``server_round`` it trained, if any."""
-    where = OPTIMIZERS.latest_before(ctx.node.out, server_round)
     try:
-        tensors = OPTIMIZERS.read_before(ctx.node.out, server_round)
-        if tensors is not None:
+        saved = OPTIMIZERS.read_before(ctx.node.out, server_round)
+        if saved is not None:
+            path, tensors = saved
             ckpt.load_optimizer_tensors(
-                optimizer, dict(ctx.trainable), tensors, str(where)
+                optimizer, dict(ctx.trainable), tensors, str(path)
             )
     except (ValueError, ckpt.CheckpointError) as e:
         raise ValueError(f"client {ctx.node.name}: bad kept optimizer: {e}") from None

@@ -48,14 +48,15 @@ class RoundFiles:
         rounds = [r for r in self._rounds(out) if r < server_round]
         return self.path(out, rounds[-1]) if rounds else None
 
-    def read_before(self, out: Path, server_round: int) -> dict | None:
-        """The tensors ``latest_before`` names, or None; ValueError naming the
-        file when it is damaged (truncated, not safetensors)."""
+    def read_before(self, out: Path, server_round: int) -> tuple[Path, dict] | None:
+        """The file ``latest_before`` names and its tensors, or None;
+        ValueError naming the file when it is damaged (truncated, not
+        safetensors)."""
         path = self.latest_before(out, server_round)
         if path is None:
             return None
         try:
-            return ckpt.read_tensors(path)
+            return path, ckpt.read_tensors(path)
         except ckpt.CheckpointError as e:
             raise ValueError(str(e)) from None
 

@@ -187,10 +187,10 @@ def load_client_control(
 ) -> dict[str, torch.Tensor]:
     """The client's ``c_i`` at the start of ``server_round``: the one saved by
     the latest round before it that this client trained (zeros if none)."""
-    tensors = CONTROLS.read_before(out, server_round)
-    if tensors is None:
+    saved = CONTROLS.read_before(out, server_round)
+    if saved is None:
         return {n: torch.zeros(s) for n, s in spec.items()}
-    path = CONTROLS.latest_before(out, server_round)
+    path, tensors = saved
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     if shapes != dict(spec):
         raise ValueError(f"{path}: holds a control variate of another model")
