@@ -13,7 +13,7 @@ import fcntl
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,11 +31,20 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     """``data`` into ``path``, whole or not at all: through a temporary file
     of this writer's own (a fixed ``.tmp`` name is one two writers of the
     same entry would share: one renames the other's half-written file)."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    write_atomic_with(path, lambda tmp: tmp.write_bytes(raw))
+
+
+def write_atomic_with(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` into a temporary file of this writer's own, renamed to
+    ``path`` once written (for writers that take a file name, such as
+    safetensors' ``save_file``, which would otherwise build the bytes in
+    memory first)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

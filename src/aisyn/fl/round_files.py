@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
+from safetensors.torch import save_file
 
-from aisyn.data.cache import write_atomic
+from aisyn.data.cache import write_atomic_with
 from aisyn.train import checkpoint as ckpt
 
 #: files of each kind kept (a resumed round reads the one before it)
@@ -65,7 +65,9 @@ class RoundFiles:
     ) -> None:
         """Write the tensors after ``server_round`` (atomically), keep the
         newest ``KEEP``."""
-        blob = save({n: t.contiguous() for n, t in tensors.items()})
-        write_atomic(self.path(out, server_round), blob)
+        tensors = {n: t.contiguous() for n, t in tensors.items()}
+        write_atomic_with(
+            self.path(out, server_round), lambda tmp: save_file(tensors, str(tmp))
+        )
         for old in self._rounds(out)[:-KEEP]:
             self.path(out, old).unlink()
