@@ -18,6 +18,8 @@ item (passage and answer).
 ``--max-train-items N``: fine-tune on the first N training items of the
 domain's (seeded IID) deal instead -- a data owner with little data, where
 pooling could pay.
+``--pooled``: one model on all the tuned domains' items together (data
+fusion, as the comparison's fusion row), instead of one model a domain.
 
 Prints one line per checkpoint and domain, then
 ``lift DOMAIN: base B % (best format) -> A % after S steps (+L pts)``
@@ -63,6 +65,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=None, help="(steps / 4)")
     p.add_argument("--lr", type=float, default=None, help="(the preset's)")
     p.add_argument("--max-train-items", type=int, default=None)
+    p.add_argument("--pooled", action="store_true", help="one model, all --tune")
     p.add_argument(
         "--supervise", choices=SUPERVISE, default=None,
         help="what the loss covers (the preset's)",
@@ -91,10 +94,14 @@ def main() -> None:
     }
     print(f"base: {json.dumps(base_acc)}", flush=True)
     report = {"preset": preset.name, "base": base_acc, "runs": {}}
-    for name in tuned:
-        data = inputs.sft[name]
-        if args.max_train_items:
-            data = capped(data, args.out, args.max_train_items)
+    data = {n: inputs.sft[n] for n in tuned}
+    if args.max_train_items:
+        data = {n: capped(d, args.out, args.max_train_items) for n, d in data.items()}
+    # a run's name: its domain, or the pooled domains joined by "+"
+    runs = {"+".join(tuned): list(data.values())} if args.pooled else {
+        n: [d] for n, d in data.items()
+    }  # fmt: skip
+    for name, folders in runs.items():
         cfg = preset.finetune_config(args.steps)
         cfg.lr = args.lr or cfg.lr
         cfg.seed, cfg.device = args.seed, args.device
@@ -104,7 +111,7 @@ def main() -> None:
         run = args.out / f"{name}-{cfg.steps}{cap}-{preset.supervise}"
         t0 = time.perf_counter()
         finetune(
-            inputs.base, [data], run, cfg, Method(), progress=False,
+            inputs.base, folders, run, cfg, Method(), progress=False,
             resume=(run / "config.json").is_file(),
         )  # fmt: skip
         train_s = time.perf_counter() - t0
@@ -122,16 +129,18 @@ def main() -> None:
                 flush=True,
             )
         report["runs"][name] = {
-            "items": len(SFTData.open(data, "train", verify=False)),
+            "items": sum(len(SFTData.open(d, "train", verify=False)) for d in folders),
             "train_s": train_s,
             "points": points,
         }
     for name in tuned:
+        run = next(r for r in runs if name in r.split("+"))
         floor = max(base_acc["lm"][name], base_acc["prompt"][name])
-        best = max(report["runs"][name]["points"], key=lambda pt: pt[name])
+        best = max(report["runs"][run]["points"], key=lambda pt: pt[name])
+        by = f" ({run} ft)" if run != name else ""
         print(
-            f"lift {name}: base {floor:.1f} % (best format) -> {best[name]:.1f} % "
-            f"after {best['step']} steps ({best[name] - floor:+.1f} pts)"
+            f"lift {name}{by}: base {floor:.1f} % (best format) -> {best[name]:.1f} "
+            f"% after {best['step']} steps ({best[name] - floor:+.1f} pts)"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lift.json").write_text(json.dumps(report, indent=1) + "\n")

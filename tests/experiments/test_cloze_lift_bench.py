@@ -62,3 +62,22 @@ def test_tune_fine_tunes_one_domain_and_scores_both(tmp_path):
     assert set(report["runs"]["reviews"]["points"][0]) == {"step", "news", "reviews"}
     assert re.search(r"^lift reviews: ", res.stdout, re.M)
     assert not re.search(r"^lift news: ", res.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_pooled_fine_tunes_one_model_on_every_tuned_domain(tmp_path):
+    flags = ["--steps", "2", "--every", "2", "--max-train-items", "100", "--pooled"]
+    res, report = run_bench(tmp_path / "lift", *flags)
+    assert res.returncode == 0, res.stderr[-2000:]
+    # one run over both capped shares, scored on both domains
+    assert list(report["runs"]) == ["news+reviews"]
+    assert 180 <= report["runs"]["news+reviews"]["items"] <= 220
+    point = report["runs"]["news+reviews"]["points"][0]
+    for name in ("news", "reviews"):
+        line = re.search(
+            rf"^lift {name} \(news\+reviews ft\): base [\d.]+ % .* -> ([\d.]+) %",
+            res.stdout,
+            re.M,
+        )
+        assert line is not None, res.stdout
+        assert float(line.group(1)) == pytest.approx(point[name], abs=0.05)
