@@ -113,6 +113,27 @@ def test_the_server_sends_c_and_moves_it_by_the_mean_delta():
 
 
 @pytest.mark.usefixtures("task_identity")
+def test_a_server_lr_moves_the_global_model_that_many_times_the_mean_step():
+    # Prepare: eta_g 2 from x = (1, -1); the clients' weighted mean is
+    # (0.5, 1.5) as above
+    settings = {**SMALL_RUN, "strategy": "scaffold", "server_lr": 2.0}
+    s = make_strategy(FLSettings.from_dict(settings))
+    sent = configured(s, {"w": [1.0, -1.0]})
+    replies = [
+        with_control(reply_to(sent[1], {"w": [1.0, 1.0]}, n=30), {"w": [2.0, 0.0]}),
+        with_control(reply_to(sent[2], {"w": [-1.0, 3.0]}, n=10), {"w": [0.0, 4.0]}),
+    ]
+    # Execute
+    arrays, _ = s.aggregate_train(1, replies)
+    # Assert: x + 2 (mean - x), beyond both clients' 3.0 on w[1] (a mean's
+    # range check would refuse it); c moves as at eta_g 1
+    np.testing.assert_allclose(arrays["w"].numpy(), [0.0, 4.0])
+    assert arrays["w"].numpy().dtype == np.float32
+    np.testing.assert_allclose(s.control["w"], [1.0, 2.0])
+    assert "aggregate_rejected" not in s.round_log[1]
+
+
+@pytest.mark.usefixtures("task_identity")
 def test_a_missing_forged_or_outsized_variate_rejects_its_reply(caplog):
     # Prepare: four clients; 1 and 2 honest, 3 sends no variate, 4 a NaN one,
     # 5 one a hundred times the others' (a forged c would steer every client)

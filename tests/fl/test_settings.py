@@ -93,7 +93,14 @@ def test_every_fl_and_experiment_command_has_help(argv, capsys):
     [
         ({"proximal_mu": 0.1}, "--proximal-mu is fedprox's; strategy fedavg"),
         ({"strategy": "fedprox", "eta": 0.01}, "--eta is fedadam's; strategy fedprox"),
-        ({"strategy": "scaffold", "server_lr": 0.5}, "--server-lr is fedavgm's"),
+        (
+            {"strategy": "fedprox", "server_lr": 0.5},
+            "--server-lr is fedavgm and scaffold's; strategy fedprox",
+        ),
+        (
+            {"strategy": "scaffold", "server_momentum": 0.5},
+            "--server-momentum is fedavgm's",
+        ),
         ({"trim_fraction": 0.3}, "--trim-fraction is trimmed-mean's"),
         ({"assumed_attackers": 2}, "--assumed-attackers is krum and multikrum"),
     ],
@@ -106,6 +113,7 @@ def test_a_setting_the_strategy_does_not_take_is_refused_in_one_line(given, says
 
 def test_a_setting_its_strategy_takes_passes():
     assert load_settings(None, strategy="fedprox", proximal_mu=0.1).proximal_mu == 0.1
+    assert load_settings(None, strategy="scaffold", server_lr=2.0).server_lr == 2.0
     s = load_settings(
         None, aggregation="trimmed-mean", trim_fraction=0.3, min_clients=4
     )

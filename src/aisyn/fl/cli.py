@@ -45,7 +45,7 @@ _HELP = {
     "method": "full: train (and send) all weights; lora: only LoRA adapters",
     "strategy": "server aggregation",
     "proximal_mu": "FedProx proximal-term weight mu",
-    "server_lr": "FedAvgM server learning rate",
+    "server_lr": "server learning rate (FedAvgM; SCAFFOLD's global step)",
     "server_momentum": "FedAvgM server momentum",
     "eta": "FedAdam server learning rate",
     "tau": "FedAdam adaptivity (epsilon)",

@@ -125,9 +125,12 @@ class UpdateGuard:
         self.max_norm_ratio = settings.max_norm_ratio
         self.aggregation = settings.aggregation
         self.assumed_attackers = settings.assumed_attackers
-        # FedAdam / FedAvgM step away from the clients' mean; every other
-        # aggregate combines the updates within their range, coordinate-wise.
-        self.within_range = settings.strategy in (*MEAN_STRATEGIES, "scaffold")
+        # FedAdam / FedAvgM (and SCAFFOLD at a server lr) step away from the
+        # clients' mean; every other aggregate combines the updates within
+        # their range, coordinate-wise.
+        self.within_range = settings.strategy in MEAN_STRATEGIES or (
+            settings.strategy == "scaffold" and settings.server_lr == 1.0
+        )
         # what a train reply carries: the model, and SCAFFOLD's control variate
         scaffold = settings.strategy == "scaffold"
         self.reply_records = ("arrays", CONTROL) if scaffold else ("arrays",)

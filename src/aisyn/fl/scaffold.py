@@ -25,6 +25,12 @@ the trainable tensors, the downlink the model and ``c``.
   of the ``N`` clients asked, with the model's FedAvg mean as usual. ``c`` is
   the strategy's state: checkpointed, restored on ``--resume``, rolled back
   with a rejected aggregate (``fl.guard``).
+* The global step ``x <- x + eta_g (mean - x)`` (the paper's global learning
+  rate, ``--server-lr``; 1 by default: the mean). With the drift corrected,
+  each client's update is its steps along the union's direction, so
+  ``eta_g`` = the number of clients adds them up as one long run would take
+  them one after the other (the paper's analysis allows up to ``sqrt(|S|)``
+  and more); under FedAvg the same sum overshoots, the updates pulling apart.
 * A client's ``delta c_i`` is checked as its update is (names, shapes, dtype,
   finite) and bounded the same way: one whose L2 norm exceeds
   ``max-norm-ratio`` x the round's median is rejected with its update (a
@@ -62,10 +68,16 @@ class Scaffold(FedAvg):
 
     #: ``c`` by tensor name (None until the first round: zeros)
     control: dict[str, np.ndarray] | None = None
+    #: eta_g: the global model moves this many times the mean's step
+    server_learning_rate: float = 1.0
+    #: the round's global model, where the step starts (only when eta_g != 1)
+    _start: dict[str, np.ndarray] | None = None
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ):
+        if self.server_learning_rate != 1.0:
+            self._start = {k: a.numpy() for k, a in arrays.items()}
         if self.control is None:
             self.control = {k: np.zeros(a.shape, np.float32) for k, a in arrays.items()}
         messages = list(super().configure_train(server_round, arrays, config, grid))
@@ -95,6 +107,13 @@ class Scaffold(FedAvg):
         if not kept:
             return None, None
         arrays, metrics = super().aggregate_train(server_round, kept)
+        if arrays is not None and self._start is not None:
+            arrays = ArrayRecord(
+                {
+                    k: Array(x + self.server_learning_rate * (arrays[k].numpy() - x))
+                    for k, x in self._start.items()
+                }
+            )
         if arrays is not None:
             asked = self._clients_asked(server_round) or len(kept)
             share = len(kept) / max(asked, len(kept))

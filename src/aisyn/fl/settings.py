@@ -145,7 +145,7 @@ class FLSettings:
     # aggregation
     strategy: str = "fedavg"
     proximal_mu: float = 0.01  # FedProx
-    server_lr: float = 1.0  # FedAvgM
+    server_lr: float = 1.0  # FedAvgM, SCAFFOLD's global step
     server_momentum: float = 0.7  # FedAvgM
     eta: float = 3e-3  # FedAdam server learning rate
     beta_1: float = 0.9  # FedAdam
@@ -480,7 +480,7 @@ def _coerce(name: str, value, typ: type, source: str):
 #: the settings only some strategies or aggregations take, and which
 OWN_SETTINGS = {
     "proximal_mu": ("strategy", ("fedprox",)),
-    "server_lr": ("strategy", ("fedavgm",)),
+    "server_lr": ("strategy", ("fedavgm", "scaffold")),
     "server_momentum": ("strategy", ("fedavgm",)),
     "eta": ("strategy", ("fedadam",)),
     "beta_1": ("strategy", ("fedadam",)),

@@ -127,6 +127,7 @@ def make_strategy(settings: FLSettings) -> Strategy:
         )
     elif settings.strategy == "scaffold":
         strategy = GuardedScaffold(**common)
+        strategy.server_learning_rate = settings.server_lr
     else:  # FLSettings validates the names; this is a programming error
         raise AssertionError((settings.strategy, settings.aggregation))
     strategy._guard_init(settings)
