@@ -29,8 +29,8 @@ the trainable tensors, the downlink the model and ``c``.
   rate, ``--server-lr``; 1 by default: the mean). With the drift corrected,
   each client's update is its steps along the union's direction, so
   ``eta_g`` = the number of clients adds them up as one long run would take
-  them one after the other (the paper's analysis allows up to ``sqrt(|S|)``
-  and more); under FedAvg the same sum overshoots, the updates pulling apart.
+  them one after the other; under FedAvg the same sum overshoots, the
+  updates pulling apart (measured, with SCAFFOLD's too: docs/federated.md).
 * A client's ``delta c_i`` is checked as its update is (names, shapes, dtype,
   finite) and bounded the same way: one whose L2 norm exceeds
   ``max-norm-ratio`` x the round's median is rejected with its update (a
