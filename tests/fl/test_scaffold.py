@@ -101,13 +101,14 @@ def test_the_server_sends_c_and_moves_it_by_the_mean_delta():
     ]
     # Execute
     arrays, _ = s.aggregate_train(1, replies)
-    # Assert: the model is FedAvg's weighted mean; c the plain mean of the deltas
+    # Assert: the model is FedAvg's weighted mean, and c the deltas' mean
+    # weighed the same (30 : 10), not their plain mean (1, 2)
     np.testing.assert_allclose(arrays["w"].numpy(), [0.5, 1.5])
-    np.testing.assert_allclose(s.control["w"], [1.0, 2.0])
+    np.testing.assert_allclose(s.control["w"], [1.5, 1.0])
     assert s.round_log[1]["accepted"] == 2
     # the next round carries the new c, and its bytes count in the round log
     sent = configured(s, {"w": [0.5, 1.5]}, server_round=2)
-    assert sent[1].content[CONTROL]["w"].numpy().tolist() == [1.0, 2.0]
+    assert sent[1].content[CONTROL]["w"].numpy().tolist() == [1.5, 1.0]
     one = payload_bytes(record({"w": [0.0, 0.0]}))
     assert s.round_log[2]["bytes_sent"] == 2 * 2 * one  # 2 clients, 2 records each
 
@@ -129,7 +130,7 @@ def test_a_server_lr_moves_the_global_model_that_many_times_the_mean_step():
     # range check would refuse it); c moves as at eta_g 1
     np.testing.assert_allclose(arrays["w"].numpy(), [0.0, 4.0])
     assert arrays["w"].numpy().dtype == np.float32
-    np.testing.assert_allclose(s.control["w"], [1.0, 2.0])
+    np.testing.assert_allclose(s.control["w"], [1.5, 1.0])
     assert "aggregate_rejected" not in s.round_log[1]
 
 
