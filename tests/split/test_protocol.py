@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -289,6 +290,19 @@ class RawSession:
         return grpc.StatusCode.OK, ""
 
 
+def raw_outcome(served: Served, frames: list[bytes]) -> tuple[grpc.StatusCode, str]:
+    """``RawSession``'s outcome once the server takes it: the compute party
+    serves one session at a time, and on a loaded box the previous case's
+    session may still be ending (the server then answers "busy ... queued")."""
+    deadline = time.monotonic() + 30
+    while True:
+        code, details = RawSession(served, frames).outcome()
+        busy = code is grpc.StatusCode.UNAVAILABLE and "busy" in (details or "")
+        if not busy or time.monotonic() > deadline:
+            return code, details
+        time.sleep(0.2)
+
+
 def chunks(x: torch.Tensor, tag: str, step: int, chunk: int) -> list[bytes]:
     return list(tensor_frames(FrameKey(TENSOR, tag, step, 0), encode(x), chunk))
 
@@ -316,7 +330,7 @@ def test_bad_frames_are_rejected(served, frames, message):
     before = snapshot(served.b_root)
     if message == "truncated":  # a tensor cut short by another frame
         frames = [*frames, scalar_frame(FrameKey(SCALAR, "s", 0, 0), 1.0)]
-    code, details = RawSession(served, frames).outcome()
+    code, details = raw_outcome(served, frames)
     messages = message if isinstance(message, tuple) else (message,)
     assert code is grpc.StatusCode.INVALID_ARGUMENT and any(
         m in details for m in messages
