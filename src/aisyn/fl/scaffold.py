@@ -128,10 +128,8 @@ class Scaffold(FedAvg):
                 )
                 for m in kept
             ]
-            mean = {
-                k: np.average([d[k] for d in deltas], 0, weights).astype(np.float64)
-                for k in spec
-            }
+            # float64 (the float weights promote it), as the model's mean
+            mean = {k: np.average([d[k] for d in deltas], 0, weights) for k in spec}
             self.control = {  # rebound, never changed in place: see fl.guard
                 k: (c + share * mean[k]).astype(np.float32)
                 for k, c in self.control.items()
