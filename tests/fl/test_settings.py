@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -108,6 +109,22 @@ def test_every_fl_and_experiment_command_has_help(argv, capsys):
 def test_a_setting_the_strategy_does_not_take_is_refused_in_one_line(given, says):
     with pytest.raises(ValueError, match=re.escape(says)) as e:
         load_settings(None, min_clients=2, **given)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (math.nan, "server-lr must be a finite number"),
+        (math.inf, "server-lr must be a finite number"),
+        (0.0, "server-lr must be positive"),
+        (-2.0, "server-lr must be positive"),
+        ("2", "server-lr must be a float"),
+    ],
+)
+def test_scaffold_refuses_a_global_step_that_is_no_positive_finite_number(value, says):
+    with pytest.raises(ValueError, match=says) as e:
+        load_settings(None, strategy="scaffold", server_lr=value, min_clients=2)
     assert "\n" not in str(e.value)
 
 
