@@ -20,6 +20,10 @@ against that table's fusion run, whose score comes from the table's cache:
         --out reports/ablation-ref \\
         --variant server-lr-2:strategy=fedavgm,server_lr=2,server_momentum=0
 
+``--partition dirichlet-1000 --clients 2`` deals the domains' items to two
+clients in near-equal shares of each: an IID federation, the control that
+tells what averaging parallel clients costs without non-IID data.
+
 Prints the ablation table (Markdown) and writes OUT/ablation.{md,json}.
 """
 
@@ -70,6 +74,13 @@ def main(argv=None) -> int:
     ref.add_argument("--table", help="a reference table's folder")
     ap.add_argument("--partition", default="domains", help="with --table")
     ap.add_argument("--seed", type=int, default=1, help="with --table")
+    ap.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="with --table and a Dirichlet --partition: clients dealt (the "
+        "preset's); a deal the table does not hold is made under --out",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--variant",
@@ -89,8 +100,10 @@ def main(argv=None) -> int:
         fusion = inputs.evaluate(
             load_run_model(runs / "fusion", inputs.device)[0], "prompt"
         )
+        k = args.clients or preset.clients
+        table_deal = args.partition in preset.partitions and k == preset.clients
         clients = partition_clients(
-            args.partition, inputs, runs, preset.clients, args.seed
+            args.partition, inputs, runs if table_deal else Path(args.out), k, args.seed
         )
     else:
         ref = read_report(args.report)

@@ -81,3 +81,17 @@ def test_pooled_fine_tunes_one_model_on_every_tuned_domain(tmp_path):
         )
         assert line is not None, res.stdout
         assert float(line.group(1)) == pytest.approx(point[name], abs=0.05)
+
+
+@pytest.mark.slow
+def test_batch_size_trains_with_that_batch_in_a_run_of_its_own(tmp_path):
+    # fusion at a federation's parallelism: the batch reaches the fine-tuning
+    # run, whose folder is not the preset batch's (a resume never mixes them)
+    flags = ["--steps", "2", "--every", "2", "--max-train-items", "100"]
+    flags += ["--pooled", "--batch-size", "4"]
+    res, report = run_bench(tmp_path / "lift", *flags)
+    assert res.returncode == 0, res.stderr[-2000:]
+    run = tmp_path / "lift" / "news+reviews-2-cap100-b4-answer"
+    config = json.loads((run / "config.json").read_text())
+    assert config["train"]["batch_size"] == 4
+    assert list(report["runs"]) == ["news+reviews"]
