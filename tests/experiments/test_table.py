@@ -40,6 +40,7 @@ def fed(method, partition, seed, news, reviews, curve):
     return row(
         f"federated ({method}, {partition})", "federated", seed, news, reviews,
         method=method, partition=partition, rounds=len(curve) - 1,
+        clients=2 if partition == "domains" else 4,
         bytes_per_round=1e6, wall_per_round_s=2.0,
         curve=[{"round": r, "news": a, "reviews": b} for r, (a, b) in enumerate(curve)],
     )  # fmt: skip
@@ -57,6 +58,8 @@ def test_the_best_method_is_judged_at_its_worst_partition():
             row("news ft (standalone)", "standalone", seed, 35 + wiggle, 30.0),
             row("reviews ft (standalone)", "standalone", seed, 25.0, 44 + wiggle),
             row("fusion", "fusion", seed, 40 + wiggle, 50 - wiggle),
+            row("fusion x2", "parallel-fusion", seed, 38.0, 49.0, clients=2),
+            row("fusion x4", "parallel-fusion", seed, 36.0, 48.0, clients=4),
             fed("fedavg", "domains", seed, 41.0, 50.0, [(20, 25), (41, 50)]),
             fed("fedavg", "dirichlet-0.1", seed, 34.0, 49.0, [(20, 25), (34, 49)]),
             fed(
@@ -77,6 +80,13 @@ def test_the_best_method_is_judged_at_its_worst_partition():
     best = table["best"]
     assert best["method"] == "scaffold" and best["partition"] == "dirichlet-0.1"
     assert best["vs_fusion"] == {"news": -1.5, "reviews": -0.5}
+    # ... and against fusion at its own parallelism (4 clients: 36 / 48)
+    assert best["vs_parallel_fusion"] == {"news": 2.5, "reviews": 1.5}
+    by_regime = {g["regime"]: g for g in table["table"]}
+    assert by_regime["federated (fedavg, domains)"]["vs_parallel_fusion"] == {
+        "news": 3.0,
+        "reviews": 1.0,
+    }
     # the best standalone model is reviews' (34.5 on average, news' 32.5):
     # (38.5 + 49.5) / 2 - 34.5, not against each domain's own specialist
     # ((38.5 - 35 + 49.5 - 44) / 2 = 4.5)
@@ -159,6 +169,10 @@ def test_a_micro_table_has_every_regime_curve_and_the_summary(tmp_path, monkeypa
             for m in ("fedavg", "scaffold+kept+epochs")
             for p in ("domains", "dirichlet-1.0")
         ),
+        *(
+            f"fusion at {k} clients' parallelism (batch x{k}, steps / {k})"
+            for k in (2, 4)
+        ),
     }
     for label, g in regimes.items():
         assert g["seeds"] == (1 if label.startswith("without") else 2), label
@@ -169,6 +183,21 @@ def test_a_micro_table_has_every_regime_curve_and_the_summary(tmp_path, monkeypa
         g = regimes[f"federated ({m}, dirichlet-1.0)"]
         assert [p["round"] for p in g["curve"]] == [0, 1, 2]
         assert g["bytes_per_round"] > 0 and g["wall_per_round_s"] > 0
+    # fusion at each partition's parallelism: the pooled data in K x the batch
+    # and 1/K of the steps; every federated group is judged against its own K
+    for k, partition in ((2, "domains"), (4, "dirichlet-1.0")):
+        run = out / "runs" / "seed-1" / f"fusion-x{k}"
+        train = json.loads((run / "config.json").read_text())["train"]
+        assert train["batch_size"] == MICRO.batch_size * k
+        assert train["steps"] == preset.finetune_steps // k
+        parallel = regimes[
+            f"fusion at {k} clients' parallelism (batch x{k}, steps / {k})"
+        ]
+        g = regimes[f"federated (fedavg, {partition})"]
+        assert g["clients"] == k
+        assert g["vs_parallel_fusion"] == {
+            n: pytest.approx(g[f"acc_{n}"] - parallel[f"acc_{n}"]) for n in NAMES
+        }
     # SCAFFOLD moves twice FedAvg's bytes (its control variates ride along)
     ratio = (
         regimes["federated (scaffold+kept+epochs, domains)"]["bytes_per_round"]

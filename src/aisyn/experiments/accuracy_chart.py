@@ -1,9 +1,12 @@
-"""The comparison's one chart across regimes: cloze accuracy per domain.
+"""The comparison's charts: cloze accuracy per domain across regimes, and the
+reference table's accuracy against rounds.
 
-One group of bars per domain, one bar per regime (the report's rows, in their
-order), its 95 % bootstrap interval as an error bar, and each domain's chance
-level as a dashed line, so the per-node loss curves are not the only picture
-of the table.
+``accuracy_figure``: one group of bars per domain, one bar per regime (the
+report's rows, in their order), its 95 % bootstrap interval as an error bar,
+and each domain's chance level as a dashed line, so the per-node loss curves
+are not the only picture of the table. ``rounds_figure``: each federated
+method's accuracy after every round, a panel per partition, fusion drawn
+across.
 """
 
 from __future__ import annotations
@@ -68,3 +71,43 @@ def plot_accuracy(report: dict, png: Path) -> None:
     from aisyn.train.run import save_figure
 
     save_figure(accuracy_figure(report), png)
+
+
+def rounds_figure(table: dict) -> Figure:
+    """Accuracy against rounds: one panel per partition, a line per method and
+    domain (seed mean), fusion dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = table["domains"]
+    fed = [g for g in table["table"] if g["kind"] == "federated" and g.get("curve")]
+    partitions = list(dict.fromkeys(g["partition"] for g in fed)) or ["-"]
+    fig, axes = plt.subplots(
+        1, len(partitions), figsize=(5 * len(partitions), 4), squeeze=False
+    )
+    fusion = next(g for g in table["table"] if g["kind"] == "fusion")
+    styles = ["-", "--", ":", "-."]
+    colors = plt.get_cmap("tab10").colors
+    for ax, part in zip(axes[0], partitions, strict=True):
+        for i, g in enumerate(x for x in fed if x["partition"] == part):
+            rounds = [p["round"] for p in g["curve"]]
+            for j, n in enumerate(names):
+                ax.plot(
+                    rounds, [p[n] for p in g["curve"]],
+                    styles[j % len(styles)], color=colors[i % len(colors)],
+                    label=f"{g['method']} {n}",
+                )  # fmt: skip
+        for j, n in enumerate(names):
+            ax.axhline(
+                fusion[f"acc_{n}"], color="black", linestyle=styles[j % len(styles)],
+                linewidth=0.8, label=f"fusion {n}",
+            )  # fmt: skip
+        ax.set_title(f"partition {part}")
+        ax.set_xlabel("round")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_ylabel("cloze accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig

@@ -18,6 +18,13 @@ corpora), for every seed of the preset:
   real ServerApp and ClientApp code over ``fl.in_process``'s grid, so it is
   deterministic) and its global model is scored after every round.
 
+* fusion at each federation's parallelism: a federation of K clients takes
+  K batches side by side, so over the same examples it makes 1/K of
+  fusion's sequential steps. Fusion with K x the batch in 1/K of the steps
+  costs what parallelism costs even on IID data; a federated method that
+  matches it has removed what the non-IID deal costs, and the rest of its
+  gap to fusion is the steps (``vs_parallel_fusion``).
+
 The untuned base is scored once (zero-shot). Every figure is the mean over
 seeds with its standard deviation; the summary line judges the best method
 at its worst partition against fusion and the best standalone model.
@@ -38,6 +45,7 @@ import torch
 from flwr.app import ArrayRecord, MessageType
 
 from aisyn.data.sft import SFTData
+from aisyn.experiments.accuracy_chart import rounds_figure
 from aisyn.experiments.compare import (
     RECIPE,
     check_same_comparison,
@@ -201,6 +209,22 @@ def run_table(
                 wall_s=r["wall_s"],
             )
         )  # fmt: skip
+        fusion_data = [inputs.sft[n] for n in names]
+        for k in sorted({clients_of(p, names, preset) for p in preset.partitions}):
+            run = runs / f"fusion-x{k}"
+            kcfg = preset.finetune_config(preset.finetune_steps // k)
+            kcfg.batch_size, kcfg.seed, kcfg.device = cfg.batch_size * k, seed, device
+            s = finetune(
+                inputs.base, fusion_data, run, kcfg, method, progress=False,
+                resume=resume and holds_run(run),
+            )  # fmt: skip
+            rows.append(
+                _row(
+                    f"fusion at {k} clients' parallelism (batch x{k}, steps / {k})",
+                    "parallel-fusion", seed, score(run), clients=k,
+                    wall_s=s["elapsed_s"],
+                )
+            )  # fmt: skip
     table = summarise(rows, names, preset)
     table["elapsed_s"] = time.perf_counter() - t_start
     write_table(out, table)
@@ -223,6 +247,11 @@ def _row(label: str, kind: str, seed: int | None, scores: dict, **info) -> dict:
         **{f"loss_{n}": scores[f"loss_{n}"] for n in names},
         **info,
     }
+
+
+def clients_of(partition: str, names: Sequence[str], preset: Preset) -> int:
+    """How many clients a partition deals to: one a domain, or the preset's."""
+    return len(names) if partition == "domains" else preset.clients
 
 
 def partition_clients(
@@ -276,6 +305,7 @@ def federated_row(
     return _row(
         f"federated ({method}, {partition})", "federated", seed, scores,
         method=method, partition=partition, rounds=settings.rounds,
+        clients=len(clients),
         bytes_per_round=statistics.fmean(per_round) if per_round else None,
         wall_per_round_s=statistics.fmean(walls) if walls else None,
         curve=scorer.curve(),
@@ -370,7 +400,8 @@ def summarise(rows: list[dict], names: list[str], preset: Preset) -> dict:
         groups.setdefault(r["regime"], []).append(r)
     table = []
     for rs in groups.values():
-        g = {k: rs[0].get(k) for k in ("regime", "kind", "method", "partition")}
+        keys = ("regime", "kind", "method", "partition", "clients")
+        g = {k: rs[0].get(k) for k in keys}
         g["seeds"] = len(rs)
         for n in names:
             g[f"acc_{n}"], g[f"sd_{n}"] = _mean_sd([r[f"acc_{n}"] for r in rs])
@@ -405,6 +436,15 @@ def summarise(rows: list[dict], names: list[str], preset: Preset) -> dict:
         if g["kind"] != "federated":
             continue
         g["vs_fusion"] = {n: g[f"acc_{n}"] - fusion[f"acc_{n}"] for n in names}
+        parallel = next(
+            (p for p in table
+             if p["kind"] == "parallel-fusion" and p["clients"] == g["clients"]),
+            None,
+        )  # fmt: skip
+        if parallel is not None:
+            g["vs_parallel_fusion"] = {
+                n: g[f"acc_{n}"] - parallel[f"acc_{n}"] for n in names
+            }
         g["rounds_to_fusion"] = next(
             (
                 p["round"]
@@ -488,7 +528,8 @@ def _fmt_bytes(b: float | None) -> str:
 def write_table(out: Path, table: dict) -> None:
     names = table["domains"]
     head = ["regime", "seeds", *[f"Acc {n} (%)" for n in names]]
-    head += ["vs fusion", "vs best standalone", "rounds to fusion - 1"]
+    head += ["vs fusion", "vs fusion at its parallelism", "vs best standalone"]
+    head += ["rounds to fusion - 1"]
     head += ["bytes / round", "wall / round"]
     rows = []
     for g in table["table"]:
@@ -500,6 +541,9 @@ def write_table(out: Path, table: dict) -> None:
                 str(g["seeds"]),
                 *[f"{g[f'acc_{n}']:.2f} ± {g[f'sd_{n}']:.2f}" for n in names],
                 " / ".join(_pts(v) for v in g["vs_fusion"].values()) if fed else "-",
+                " / ".join(map(_pts, g["vs_parallel_fusion"].values()))
+                if "vs_parallel_fusion" in g
+                else "-",
                 _pts(g["vs_best_standalone"]) if "vs_best_standalone" in g else "-",
                 _rounds(g.get("rounds_to_fusion")) if fed else "-",
                 _fmt_bytes(g.get("bytes_per_round")),
@@ -528,43 +572,3 @@ def write_table(out: Path, table: dict) -> None:
     (out / TABLE_MD).write_text("\n".join(lines), encoding="utf-8")
     write_json_atomic(out / TABLE_JSON, table)
     save_figure(rounds_figure(table), out / ROUNDS_PNG)
-
-
-def rounds_figure(table: dict):
-    """Accuracy against rounds: one panel per partition, a line per method and
-    domain (seed mean), fusion dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = table["domains"]
-    fed = [g for g in table["table"] if g["kind"] == "federated" and g.get("curve")]
-    partitions = list(dict.fromkeys(g["partition"] for g in fed)) or ["-"]
-    fig, axes = plt.subplots(
-        1, len(partitions), figsize=(5 * len(partitions), 4), squeeze=False
-    )
-    fusion = next(g for g in table["table"] if g["kind"] == "fusion")
-    styles = ["-", "--", ":", "-."]
-    colors = plt.get_cmap("tab10").colors
-    for ax, part in zip(axes[0], partitions, strict=True):
-        for i, g in enumerate(x for x in fed if x["partition"] == part):
-            rounds = [p["round"] for p in g["curve"]]
-            for j, n in enumerate(names):
-                ax.plot(
-                    rounds, [p[n] for p in g["curve"]],
-                    styles[j % len(styles)], color=colors[i % len(colors)],
-                    label=f"{g['method']} {n}",
-                )  # fmt: skip
-        for j, n in enumerate(names):
-            ax.axhline(
-                fusion[f"acc_{n}"], color="black", linestyle=styles[j % len(styles)],
-                linewidth=0.8, label=f"fusion {n}",
-            )  # fmt: skip
-        ax.set_title(f"partition {part}")
-        ax.set_xlabel("round")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_ylabel("cloze accuracy (%)")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))
-    return fig
