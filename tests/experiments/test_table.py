@@ -302,3 +302,34 @@ def test_a_round_line_torn_by_a_kill_is_dropped_on_resume(tmp_path, monkeypatch)
 
 class _Inputs:
     base, device = None, None
+
+
+def test_the_rounds_chart_draws_fusion_at_each_panels_own_parallelism():
+    from aisyn.experiments.accuracy_chart import rounds_figure
+
+    def curve(method, partition, k):
+        points = [{"round": 0, "news": 5.0, "reviews": 6.0}]
+        points.append({"round": 1, "news": 20.0, "reviews": 22.0})
+        return {
+            "kind": "federated", "method": method, "partition": partition,
+            "clients": k, "curve": points,
+        }  # fmt: skip
+
+    table = {
+        "domains": NAMES,
+        "table": [
+            row("fusion", "fusion", 1, 23.0, 25.0),
+            row("fusion x2", "parallel-fusion", 1, 21.0, 24.0, clients=2),
+            row("fusion x4", "parallel-fusion", 1, 19.0, 23.0, clients=4),
+            curve("scaffold", "domains", 2),
+            curve("scaffold", "dirichlet-0.1", 4),
+        ],
+    }
+    fig = rounds_figure(table)
+    lines = [
+        {ln.get_label(): ln.get_ydata()[0] for ln in ax.get_lines()} for ax in fig.axes
+    ]
+    # each panel: its method's curves, fusion, and fusion at its own K only
+    assert lines[0]["fusion x2 news"] == 21.0 and "fusion x4 news" not in lines[0]
+    assert lines[1]["fusion x4 reviews"] == 23.0 and "fusion x2 news" not in lines[1]
+    assert lines[0]["fusion news"] == lines[1]["fusion news"] == 23.0

@@ -75,7 +75,8 @@ def plot_accuracy(report: dict, png: Path) -> None:
 
 def rounds_figure(table: dict) -> Figure:
     """Accuracy against rounds: one panel per partition, a line per method and
-    domain (seed mean), fusion dashed."""
+    domain (seed mean), fusion across in black, fusion at the partition's
+    parallelism in grey."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,11 +100,20 @@ def rounds_figure(table: dict) -> Figure:
                     styles[j % len(styles)], color=colors[i % len(colors)],
                     label=f"{g['method']} {n}",
                 )  # fmt: skip
+        k = next((x["clients"] for x in fed if x["partition"] == part), None)
+        parallel = [
+            g for g in table["table"]
+            if g["kind"] == "parallel-fusion" and g["clients"] == k
+        ]  # fmt: skip
         for j, n in enumerate(names):
-            ax.axhline(
-                fusion[f"acc_{n}"], color="black", linestyle=styles[j % len(styles)],
-                linewidth=0.8, label=f"fusion {n}",
-            )  # fmt: skip
+            for ref, color, label in [
+                (fusion, "black", "fusion"),
+                *((g, "grey", f"fusion x{k}") for g in parallel),
+            ]:
+                ax.axhline(
+                    ref[f"acc_{n}"], color=color, linestyle=styles[j % len(styles)],
+                    linewidth=0.8, label=f"{label} {n}",
+                )  # fmt: skip
         ax.set_title(f"partition {part}")
         ax.set_xlabel("round")
         ax.xaxis.get_major_locator().set_params(integer=True)
