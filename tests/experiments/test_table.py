@@ -110,6 +110,16 @@ def test_a_table_method_is_a_strategy_and_its_options_or_one_line():
         "strategy": "scaffold",
         "local_optimizer": "kept",
     }
+    # +sqrt: the clients' rate x sqrt(K), K the partition's clients (4 here),
+    # and it reaches the clients' training settings
+    from aisyn.experiments.compare import federated_settings
+
+    four = {f"client{i}": f"/parts/part{i}" for i in range(4)}
+    settings = method_settings("scaffold+kept+sqrt", preset, four)
+    assert settings["lr"] == pytest.approx(2 * preset.lr)
+    assert federated_settings(preset, 4, "cpu", **settings).train.lr == settings["lr"]
+    two = method_settings("fedavg+sqrt", preset, {"news": "a", "reviews": "b"})
+    assert two["lr"] == pytest.approx(preset.lr * 2**0.5)
     for bad, what in [
         ("scaffold+warm", "'warm' is no option"),
         ("scaffold+kept+kept", "'kept' is no option \\(or twice\\)"),

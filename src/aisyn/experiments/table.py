@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import statistics
 import time
@@ -87,8 +88,11 @@ STANDALONE_MARGIN = 5.0
 #: what a table method may add to its strategy, ``+``-joined
 #: ("scaffold+kept+epochs"): "kept", the clients' own AdamW kept across
 #: rounds (``--local-optimizer kept``); "epochs", each client's steps by its
-#: items (``--local-epochs``, at the preset's budget: see ``method_settings``)
-METHOD_OPTIONS = ("kept", "epochs")
+#: items (``--local-epochs``, at the preset's budget: see ``method_settings``);
+#: "sqrt", the clients' rate x sqrt(K) for K clients: side by side they are
+#: one batch K times larger, and for Adam the rate that keeps a run's path
+#: when its batch grows K-fold is x sqrt(K) (Malladi et al., NeurIPS 2022)
+METHOD_OPTIONS = ("kept", "epochs", "sqrt")
 
 
 def method_settings(
@@ -109,6 +113,8 @@ def method_settings(
     settings: dict = {"strategy": strategy}
     if "kept" in options:
         settings["local_optimizer"] = "kept"
+    if "sqrt" in options and clients is not None:
+        settings["lr"] = preset.lr * math.sqrt(len(clients))
     if "epochs" in options and clients is not None:
         # the budget of every regime, finetune-steps x batch-size samples, in
         # epochs of all the clients' items together: each client's steps are
