@@ -85,6 +85,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    if args.batch_size is not None and args.batch_size < 1:
+        raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
     preset = get_preset(args.preset).with_overrides(supervise=args.supervise)
     domains = args.domains.split(",")
     stems = [Path(d).stem for d in domains]

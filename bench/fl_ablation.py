@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--device", default="auto")
     args = ap.parse_args(argv)
+    if args.clients is not None and args.clients < 2:
+        ap.error(f"--clients must be >= 2, got {args.clients}")
     preset = get_preset(args.preset)
     inputs = prepare_inputs(args.domains.split(","), preset, args.device)
     names = inputs.names

@@ -95,3 +95,17 @@ def test_batch_size_trains_with_that_batch_in_a_run_of_its_own(tmp_path):
     config = json.loads((run / "config.json").read_text())
     assert config["train"]["batch_size"] == 4
     assert list(report["runs"]) == ["news+reviews"]
+
+
+@pytest.mark.heavy
+def test_a_batch_size_below_one_or_not_a_number_is_refused_before_anything_runs(
+    tmp_path,
+):
+    out = tmp_path / "lift"
+    for bad, what in [("0", "--batch-size must be >= 1, got 0"),
+                      ("-4", "--batch-size must be >= 1, got -4"),
+                      ("nan", "invalid int value: 'nan'")]:  # fmt: skip
+        res, _ = run_bench(out, "--batch-size", bad, timeout=120)
+        assert res.returncode != 0
+        assert what in res.stderr
+        assert not out.exists()
